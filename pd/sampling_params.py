@@ -1,0 +1,98 @@
+"""Per-request sampling parameters and stop conditions.
+
+A frozen dataclass validated on construction: every wrong value raises `ValueError` naming the
+field. It is plain data (msgpack-friendly through `to_dict`/`from_dict`) so the router can put it
+in a `PrefillRequest` and the nodes can rebuild it. The sampler reads it; the scheduler reads the
+stop conditions.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, fields
+
+MAX_TOP_LOGPROBS = 20
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: off
+    min_p: float = 0.0
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    # None: no logprobs at all. 0: the sampled token's logprob and rank only. k: plus top-k.
+    logprobs: int | None = None
+    min_tokens: int = 0
+    extra_eos_token_ids: tuple[int, ...] = field(default=(), repr=False)
+
+    def __post_init__(self) -> None:
+        def bad(name: str, why: str) -> None:
+            raise ValueError(f"invalid sampling parameter {name}={getattr(self, name)!r}: {why}")
+
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            bad("max_tokens", "must be an integer >= 1")
+        if self.temperature < 0:
+            bad("temperature", "must be >= 0")
+        if not 0.0 < self.top_p <= 1.0:
+            bad("top_p", "must be in (0, 1]")
+        if not isinstance(self.top_k, int) or self.top_k < -1:
+            bad("top_k", "must be -1, 0 (off) or a positive integer")
+        if not 0.0 <= self.min_p <= 1.0:
+            bad("min_p", "must be in [0, 1]")
+        if not -2.0 <= self.presence_penalty <= 2.0:
+            bad("presence_penalty", "must be in [-2, 2]")
+        if not -2.0 <= self.frequency_penalty <= 2.0:
+            bad("frequency_penalty", "must be in [-2, 2]")
+        if self.repetition_penalty <= 0:
+            bad("repetition_penalty", "must be > 0")
+        if self.logprobs is not None and (
+            not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= MAX_TOP_LOGPROBS
+        ):
+            bad("logprobs", f"must be None or an integer in [0, {MAX_TOP_LOGPROBS}]")
+        if self.seed is not None and not isinstance(self.seed, int):
+            bad("seed", "must be an integer")
+        if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= self.max_tokens:
+            bad("min_tokens", "must be an integer in [0, max_tokens]")
+        for tid in self.stop_token_ids:
+            if not isinstance(tid, int) or tid < 0:
+                bad("stop_token_ids", "must be non-negative integers")
+        # Normalise sequences given as lists so the dataclass stays hashable.
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        object.__setattr__(self, "extra_eos_token_ids", tuple(self.extra_eos_token_ids))
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def num_top_logprobs(self) -> int:
+        """Logprob columns per token on the wire (the header word's top-k count)."""
+        return self.logprobs or 0
+
+    @property
+    def has_penalties(self) -> bool:
+        return (
+            self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or self.repetition_penalty != 1.0
+        )
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["stop_token_ids"] = list(self.stop_token_ids)
+        d["extra_eos_token_ids"] = list(self.extra_eos_token_ids)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "SamplingParams":
+        known = {f.name for f in fields(cls)}
+        unknown = set(d) - known
+        if unknown:
+            raise ValueError(f"unknown sampling parameter(s): {', '.join(sorted(unknown))}")
+        return cls(**d)
