@@ -1,0 +1,62 @@
+"""Logprobs of the model's raw next-token distribution: the sampled token's logprob and rank,
+and the top-k alternatives.
+
+Everything here is computed from `log_softmax(logits)` in float32, BEFORE penalties,
+temperature and top-k/top-p/min-p truncation (vLLM's "raw" logprobs): what a client sees is
+what the model predicted, not the distribution the token was drawn from.
+
+Ties are resolved so that P and D (and a brute-force reference) agree exactly:
+- rank = 1 + the number of tokens with a strictly greater logprob (tied tokens share a rank);
+- top-k lists tokens by descending logprob, the lowest token id first among equal logprobs
+  (the order of `torch.argmax`).
+
+Which rows asked, and packing the result on the wire (the header word's top-k count), is left
+to the sampler and to the message code.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+
+class Logprobs(NamedTuple):
+    token_logprobs: torch.Tensor  # [B] float32
+    ranks: torch.Tensor  # [B] int64, 1-based
+    topk_ids: torch.Tensor  # [B, K] int64
+    topk_logprobs: torch.Tensor  # [B, K] float32
+
+
+def _order_key(x: torch.Tensor) -> torch.Tensor:
+    """An int64 key per element, ordered like the float32 values of `x` and, among equal
+    values, larger for a lower column index. All keys of a row are distinct."""
+    bits = x.contiguous().view(torch.int32)
+    # NOTE: flipping the magnitude bits of negative floats makes signed int order equal float
+    # order (for every non-NaN value).
+    ordered = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(torch.int64)
+    vocab = x.shape[-1]
+    tiebreak = torch.arange(vocab - 1, -1, -1, device=x.device, dtype=torch.int64)
+    return ordered * (1 << 32) + tiebreak
+
+
+def topk_lowest_id(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-`k` values and column ids of each row of float32 `x`, descending, ties broken by
+    the lowest id. Returns ([B, k] float32, [B, k] int64); k = 0 gives empty columns."""
+    if k == 0:
+        empty = x.new_empty((x.shape[0], 0))
+        return empty, empty.to(torch.int64)
+    _, pos = torch.topk(_order_key(x), k, dim=-1, sorted=True)
+    return x.gather(-1, pos), pos
+
+
+def compute_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, num_top: int) -> Logprobs:
+    """Raw logprobs for each row of `logits` [B, V] (any float dtype) and its chosen token
+    `token_ids` [B], with `num_top` (0..V) top-k columns."""
+    if not 0 <= num_top <= logits.shape[-1]:
+        raise ValueError(f"num_top={num_top} must be in [0, {logits.shape[-1]}]")
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    tok = lp.gather(-1, token_ids.view(-1, 1))  # [B, 1]
+    ranks = (lp > tok).sum(dim=-1) + 1
+    top_lp, top_ids = topk_lowest_id(lp, num_top)
+    return Logprobs(tok.view(-1), ranks, top_ids, top_lp)
