@@ -1,0 +1,5 @@
+import sys
+
+from pd.cli import main
+
+sys.exit(main())

@@ -1,0 +1,89 @@
+"""The single-process engine: scheduler + runner in one loop.
+
+It is the reference the PD path must equal (`pd.LLM`, `pd generate`) and the core each node
+builds on: a prefill node runs prompts through it and exports KV, a decode node imports KV and
+decodes. Tokenization and output formatting are left to `llm.py` and the router.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+
+from pd.allocator import BlockAllocator
+from pd.config import EngineConfig
+from pd.request import Req
+from pd.runner import ModelRunner
+from pd.sampling_params import SamplingParams
+from pd.scheduler import Scheduler
+
+log = logging.getLogger(__name__)
+
+
+class Engine:
+    def __init__(self, cfg: EngineConfig, eos_token_ids: tuple[int, ...] = ()) -> None:
+        self.config = cfg
+        self.runner = ModelRunner(cfg)
+        self.model_config = self.runner.model_config
+        self.eos_token_ids = tuple(eos_token_ids)
+        self.allocator = BlockAllocator(self.runner.num_blocks)
+        self.scheduler = Scheduler(
+            self.allocator,
+            block_size=cfg.block_size,
+            max_num_seqs=cfg.max_num_seqs,
+            max_num_batched_tokens=cfg.max_num_batched_tokens,
+            max_model_len=self.runner.max_model_len,
+        )
+        self.requests: dict[str, Req] = {}
+        self._ids = itertools.count()
+
+    @property
+    def max_model_len(self) -> int:
+        return self.runner.max_model_len
+
+    def validate_prompt(self, prompt_token_ids: list[int]) -> None:
+        if not prompt_token_ids:
+            raise ValueError("empty prompt: at least one token is needed")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token id(s) outside the vocabulary [0, {vocab}): {bad[:8]}")
+        if len(prompt_token_ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt of {len(prompt_token_ids)} tokens does not fit the context of "
+                f"{self.max_model_len} tokens (at least one must be generated)"
+            )
+
+    def add_request(self, prompt_token_ids: list[int], params: SamplingParams,
+                    req_id: str | None = None) -> Req:
+        self.validate_prompt(prompt_token_ids)
+        req_id = req_id if req_id is not None else str(next(self._ids))
+        if req_id in self.requests:
+            raise ValueError(f"duplicate request id {req_id!r}")
+        req = Req(req_id, list(prompt_token_ids), params, eos_token_ids=self.eos_token_ids)
+        self.scheduler.add(req)
+        self.requests[req_id] = req
+        return req
+
+    def abort(self, req_id: str) -> None:
+        req = self.requests.pop(req_id, None)
+        if req is not None:
+            self.scheduler.abort(req)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work
+
+    def step(self) -> list[Req]:
+        """Run one step; returns the requests that finished in it."""
+        batch = self.scheduler.schedule()
+        if batch is None:
+            if self.scheduler.waiting:
+                raise RuntimeError("no request can be scheduled: the KV cache is too small")
+            return []
+        sampled = self.runner.run(batch)
+        finished = self.scheduler.update(batch, sampled)
+        for req in finished:
+            self.requests.pop(req.req_id, None)
+        if not self.scheduler.has_work:
+            self.allocator.check_integrity()
+        return finished

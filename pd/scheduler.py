@@ -1,0 +1,168 @@
+"""The step scheduler: plain Python over `Req` objects, no tensors.
+
+Each step takes running requests first (each needs `num_tokens - num_computed_tokens` tokens,
+one when decoding), then admits waiting ones while the token budget, `max_num_seqs` and free
+blocks allow, chunking long prompts. When a running request needs a block and none is free, the
+most recently admitted running request is preempted by recompute: its blocks are freed and it
+goes back to the head of the queue with its output kept, so it later re-prefills prompt + output
+and continues where it was. The runner (tensors) and the engine loop are elsewhere.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from dataclasses import dataclass
+
+from pd.allocator import BlockAllocator
+from pd.request import FinishReason, Req, ReqStatus
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class ScheduledBatch:
+    reqs: list[Req]
+    num_new_tokens: list[int]  # tokens computed this step, per request
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.num_new_tokens)
+
+    def samples(self, i: int) -> bool:
+        """Whether request i catches up this step and so samples its next token."""
+        req = self.reqs[i]
+        return req.num_computed_tokens + self.num_new_tokens[i] == req.num_tokens
+
+
+class Scheduler:
+    def __init__(self, allocator: BlockAllocator, block_size: int, max_num_seqs: int,
+                 max_num_batched_tokens: int, max_model_len: int) -> None:
+        self.allocator = allocator
+        self.block_size = block_size
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.waiting: deque[Req] = deque()
+        self.running: list[Req] = []
+        self.num_preemptions = 0
+
+    # -- intake ------------------------------------------------------------------------------
+    def add(self, req: Req) -> None:
+        if req.num_prompt_tokens == 0:
+            raise ValueError(f"request {req.req_id}: empty prompt")
+        if req.num_tokens >= self.max_model_len:
+            raise ValueError(
+                f"request {req.req_id}: {req.num_tokens} tokens do not fit the model's context "
+                f"of {self.max_model_len} (at least one must be generated)"
+            )
+        if self.blocks_needed(req, req.num_tokens + 1) > self.allocator.num_blocks:
+            raise ValueError(
+                f"request {req.req_id}: {req.num_tokens} tokens need more KV blocks than the "
+                f"cache has ({self.allocator.num_blocks})"
+            )
+        req.status = ReqStatus.WAITING
+        self.waiting.append(req)
+
+    def add_running(self, req: Req) -> None:
+        """Join a request whose KV is already in its blocks (a decode node after KV import)."""
+        req.status = ReqStatus.RUNNING
+        self.running.append(req)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def blocks_needed(self, req: Req, num_slots: int) -> int:
+        return -(-num_slots // self.block_size) - len(req.block_ids)
+
+    # -- one step ----------------------------------------------------------------------------
+    def schedule(self) -> ScheduledBatch | None:
+        budget = self.max_num_batched_tokens
+        reqs: list[Req] = []
+        counts: list[int] = []
+        preempted = False
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            need = self.blocks_needed(req, req.num_computed_tokens + n)
+            while need > self.allocator.num_free:
+                victim = self.running[-1]
+                self._preempt(victim)
+                preempted = True
+                if victim is req:
+                    break
+            if req.status is not ReqStatus.RUNNING:
+                break  # it preempted itself: nothing after it is left either
+            if need > 0:
+                req.block_ids += self.allocator.allocate(need)
+            reqs.append(req)
+            counts.append(n)
+            budget -= n
+            i += 1
+        while (self.waiting and not preempted and budget > 0
+               and len(self.running) < self.max_num_seqs):
+            req = self.waiting[0]
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            need = self.blocks_needed(req, req.num_computed_tokens + n)
+            if need > self.allocator.num_free:
+                break
+            self.waiting.popleft()
+            req.block_ids += self.allocator.allocate(need)
+            req.status = ReqStatus.RUNNING
+            self.running.append(req)
+            reqs.append(req)
+            counts.append(n)
+            budget -= n
+        if not reqs:
+            return None
+        return ScheduledBatch(reqs, counts)
+
+    def _preempt(self, req: Req) -> None:
+        self.running.remove(req)
+        self.allocator.free(req.block_ids)
+        req.block_ids = []
+        req.num_computed_tokens = 0
+        req.status = ReqStatus.WAITING
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
+        log.debug("preempted %s (recompute %d tokens)", req.req_id, req.num_tokens)
+
+    def update(self, batch: ScheduledBatch, sampled: dict[int, tuple]) -> list[Req]:
+        """Advance the batch: `sampled[i]` is (token_id, logprob, rank, top) for each request
+        index that sampled. Returns the requests that finished this step."""
+        finished = []
+        for i, (req, n) in enumerate(zip(batch.reqs, batch.num_new_tokens)):
+            if req.status is not ReqStatus.RUNNING:
+                continue  # aborted while the step ran
+            req.num_computed_tokens += n
+            if i not in sampled:
+                continue
+            req.append_token(*sampled[i])
+            reason = req.check_stop(self.max_model_len)
+            if reason is not None:
+                self.finish(req, reason)
+                finished.append(req)
+        return finished
+
+    def finish(self, req: Req, reason: FinishReason) -> None:
+        """End a request wherever it is; frees its blocks unless the caller holds them."""
+        if req.status is ReqStatus.RUNNING:
+            self.running.remove(req)
+        elif req.status is ReqStatus.WAITING:
+            self.waiting.remove(req)
+        req.status = ReqStatus.FINISHED
+        req.finish_reason = reason
+        if not req.hold_blocks_on_finish:
+            self.free_blocks(req)
+
+    def free_blocks(self, req: Req) -> None:
+        if req.block_ids:
+            self.allocator.free(req.block_ids)
+            req.block_ids = []
+
+    def abort(self, req: Req) -> None:
+        if not req.is_finished:
+            self.finish(req, FinishReason.ABORT)
