@@ -1,0 +1,106 @@
+"""The router's command line: `build_parser()` for its flags, `run(args, backend)` to serve.
+
+`run` loads the tokenizer of `--model` (`pd.tokenizer.Tokenizer`), builds the `RouterServer`
+over the given backend and serves it on uvloop until interrupted. Building the backend from
+`--prefill`, `--decode` and `--policy` (the ZMQ backend, the node registry) is left to the
+caller that owns it (`pd router`, `pd launch`); `start()` is the piece tests use to serve on
+a loop of their own.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+from pathlib import Path
+
+from aiohttp import web
+
+from router.backend import Backend
+from router.server import RouterServer, ServerConfig
+
+POLICIES = ("load", "round_robin", "random")
+
+
+def _address(value: str) -> str:
+    host, sep, port = value.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise argparse.ArgumentTypeError(f"{value!r} is not HOST:PORT")
+    return value
+
+
+def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
+    p = parser or argparse.ArgumentParser(
+        prog="pd router", description="OpenAI-compatible HTTP front for prefill/decode nodes.")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
+    p.add_argument("--port", type=int, default=8000, help="port to listen on (default: %(default)s)")
+    p.add_argument("--model", required=parser is None,
+                   help="model directory; the router reads its tokenizer and chat template")
+    p.add_argument("--served-model-name", default=None,
+                   help="the name clients put in 'model' (default: the model directory's name)")
+    p.add_argument("--prefill", nargs="+", type=_address, default=[], metavar="HOST:PORT",
+                   help="prefill nodes known at start; more may register with heartbeats")
+    p.add_argument("--decode", nargs="+", type=_address, default=[], metavar="HOST:PORT",
+                   help="decode nodes known at start; more may register with heartbeats")
+    p.add_argument("--policy", choices=POLICIES, default="load",
+                   help="node choice: 'load' (prefill: least outstanding prefill tokens; decode: "
+                        "most free KV blocks; power of two choices among equals), "
+                        "'round_robin' or 'random' (default: %(default)s)")
+    p.add_argument("--max-running", type=int, default=512,
+                   help="requests in flight to the nodes at once (default: %(default)s)")
+    p.add_argument("--max-queue", type=int, default=1024,
+                   help="requests waiting beyond --max-running before new ones get HTTP 429 "
+                        "(default: %(default)s)")
+    p.add_argument("--api-key", default=os.environ.get("PD_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on /v1/* (default: $PD_API_KEY; "
+                        "none: open)")
+    p.add_argument("--log-level", default="info",
+                   choices=("debug", "info", "warning", "error"), help="(default: %(default)s)")
+    p.add_argument("--log-requests", action="store_true",
+                   help="log each request's id, prompt length and sampling parameters")
+    return p
+
+
+def server_config(args: argparse.Namespace) -> ServerConfig:
+    name = args.served_model_name or Path(args.model).resolve().name
+    return ServerConfig(served_model_name=name, max_running=args.max_running,
+                        max_queue=args.max_queue, api_key=args.api_key,
+                        log_requests=args.log_requests)
+
+
+async def start(server: RouterServer, host: str, port: int) -> web.AppRunner:
+    """Serve `server` on the running loop; returns the runner (`await runner.cleanup()`)."""
+    # NOTE: handler_cancellation makes a client disconnect cancel its handler, which closes
+    # the generation and aborts the request on the nodes even while no token is flowing.
+    runner = web.AppRunner(server.app(), handler_cancellation=True, access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, host, port).start()
+    return runner
+
+
+def run(args: argparse.Namespace, backend: Backend) -> None:
+    from pd.tokenizer import Tokenizer
+
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    server = RouterServer(backend, Tokenizer.from_dir(args.model), server_config(args))
+
+    async def main() -> None:
+        runner = await start(server, args.host, args.port)
+        logging.getLogger("router").info("serving %s on http://%s:%d/v1",
+                                         server.config.served_model_name, args.host, args.port)
+        try:
+            await asyncio.Event().wait()
+        finally:
+            await runner.cleanup()
+
+    try:
+        import uvloop
+        run_loop = uvloop.run
+    except ImportError:
+        run_loop = asyncio.run
+    try:
+        run_loop(main())
+    except KeyboardInterrupt:
+        pass

@@ -1,0 +1,239 @@
+"""OpenAI request validation for `/v1/completions` and `/v1/chat/completions`.
+
+`parse_completion(body)` and `parse_chat(body)` turn a decoded JSON body into an `ApiRequest`
+or raise `APIError` (400) naming the bad parameter. Types are checked strictly (a bool is not
+an int, a string is not a number), unknown fields are refused as OpenAI does, and the
+OpenAI fields this server does not implement are accepted only at their neutral values.
+vLLM's extra sampling fields (`top_k`, `min_p`, `repetition_penalty`, `stop_token_ids`,
+`ignore_eos`, `min_tokens`) are accepted too. Tokenization, the context-length check and the
+model-name check are left to the handlers, which know the tokenizer and the backend.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from pd.sampling_params import MAX_TOP_LOGPROBS, SamplingParams
+from router.errors import bad_param
+
+MAX_CHOICES = 128  # prompts x n in one request
+MAX_STOP_STRINGS = 16
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+_SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "presence_penalty",
+                    "frequency_penalty", "repetition_penalty", "ignore_eos", "min_tokens")
+_COMMON = {"model", "max_tokens", "n", "stream", "stream_options", "stop", "stop_token_ids",
+           "seed", "logprobs", "user", "logit_bias", *_SAMPLING_FIELDS}
+COMPLETION_FIELDS = _COMMON | {"prompt", "echo", "suffix", "best_of"}
+CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "top_logprobs", "response_format",
+                         "tools", "tool_choice", "parallel_tool_calls"}
+
+
+@dataclass
+class ApiRequest:
+    endpoint: str  # "completions" or "chat"
+    model: str
+    prompts: list[str | list[int]] = field(default_factory=list)  # completions
+    messages: list[dict] = field(default_factory=list)  # chat, contents as plain strings
+    n: int = 1
+    stream: bool = False
+    include_usage: bool = False
+    max_tokens: int | None = None  # None: up to the context length
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    seed: int | None = None
+    logprobs: int | None = None  # top logprobs per token; None: no logprobs at all
+    sampling: dict = field(default_factory=dict)  # the other SamplingParams fields given
+
+    @property
+    def num_choices(self) -> int:
+        return max(1, len(self.prompts)) * self.n
+
+    def sampling_params(self, max_tokens: int, index: int) -> SamplingParams:
+        """Parameters for choice `index`; each choice gets its own seed when one is given."""
+        seed = None if self.seed is None else self.seed + index
+        return SamplingParams(max_tokens=max_tokens, seed=seed, logprobs=self.logprobs,
+                              stop_token_ids=tuple(self.stop_token_ids), **self.sampling)
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _num(body: dict, name: str, lo: float, hi: float, *, lo_open: bool = False) -> None:
+    v = body.get(name)
+    if v is None:
+        return
+    if not (_is_int(v) or isinstance(v, float)) or not math.isfinite(v):
+        raise bad_param(name, f"must be a number, got {v!r}")
+    if v < lo or v > hi or (lo_open and v == lo):
+        interval = f"{'(' if lo_open else '['}{lo}, {hi}]"
+        raise bad_param(name, f"must be in {interval}, got {v!r}")
+
+
+def _int(body: dict, name: str, lo: int, hi: int | None = None) -> int | None:
+    v = body.get(name)
+    if v is None:
+        return None
+    if not _is_int(v):
+        raise bad_param(name, f"must be an integer, got {v!r}")
+    if v < lo or (hi is not None and v > hi):
+        raise bad_param(name, f"must be an integer >= {lo}" + (f" and <= {hi}" if hi is not None
+                                                               else "") + f", got {v}")
+    return v
+
+
+def _bool(body: dict, name: str) -> bool | None:
+    v = body.get(name)
+    if v is not None and not isinstance(v, bool):
+        raise bad_param(name, f"must be a boolean, got {v!r}")
+    return v
+
+
+def _neutral(body: dict, name: str, *allowed) -> None:
+    v = body.get(name)
+    if v is not None and v not in allowed:
+        raise bad_param(name, f"is not supported by this server (got {v!r})", "unsupported")
+
+
+def _common(body: dict, allowed: set[str], endpoint: str) -> ApiRequest:
+    if not isinstance(body, dict):
+        raise bad_param("", "the request body must be a JSON object")
+    unknown = sorted(set(body) - allowed)
+    if unknown:
+        raise bad_param(unknown[0], f"unrecognized request argument supplied: {unknown[0]}",
+                        "unknown_parameter")
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise bad_param("model", "is required and must be a non-empty string")
+    req = ApiRequest(endpoint=endpoint, model=model)
+    req.max_tokens = _int(body, "max_tokens", 1)
+    req.n = _int(body, "n", 1, MAX_CHOICES) or 1
+    req.stream = bool(_bool(body, "stream"))
+    opts = body.get("stream_options")
+    if opts is not None:
+        if not isinstance(opts, dict) or set(opts) - {"include_usage", "continuous_usage_stats"}:
+            raise bad_param("stream_options", "must be an object with 'include_usage'")
+        if not req.stream:
+            raise bad_param("stream_options", "is only allowed when stream is true")
+        req.include_usage = bool(_bool(opts, "include_usage"))
+    stop = body.get("stop")
+    if isinstance(stop, str):
+        stop = [stop]
+    if stop is not None:
+        if (not isinstance(stop, list) or len(stop) > MAX_STOP_STRINGS
+                or not all(isinstance(s, str) and s for s in stop)):
+            raise bad_param("stop", f"must be a non-empty string or a list of at most "
+                                    f"{MAX_STOP_STRINGS} non-empty strings")
+        req.stop = stop
+    ids = body.get("stop_token_ids")
+    if ids is not None:
+        if not isinstance(ids, list) or not all(_is_int(t) and t >= 0 for t in ids):
+            raise bad_param("stop_token_ids", "must be a list of non-negative integers")
+        req.stop_token_ids = ids
+    req.seed = _int(body, "seed", -(2**63), 2**63 - 1)
+    _num(body, "temperature", 0.0, math.inf)
+    _num(body, "top_p", 0.0, 1.0, lo_open=True)
+    _int(body, "top_k", -1)
+    _num(body, "min_p", 0.0, 1.0)
+    _num(body, "presence_penalty", -2.0, 2.0)
+    _num(body, "frequency_penalty", -2.0, 2.0)
+    _num(body, "repetition_penalty", 0.0, math.inf, lo_open=True)
+    _bool(body, "ignore_eos")
+    _int(body, "min_tokens", 0)
+    req.sampling = {k: body[k] for k in _SAMPLING_FIELDS if body.get(k) is not None}
+    user = body.get("user")
+    if user is not None and not isinstance(user, str):
+        raise bad_param("user", "must be a string")
+    logit_bias = body.get("logit_bias")
+    if logit_bias is not None and logit_bias != {}:
+        raise bad_param("logit_bias", "is not supported by this server", "unsupported")
+    return req
+
+
+def _check_tokens(req: ApiRequest, max_tokens_name: str) -> None:
+    min_tokens = req.sampling.get("min_tokens", 0)
+    if req.max_tokens is not None and min_tokens > req.max_tokens:
+        raise bad_param("min_tokens", f"must be <= {max_tokens_name} ({req.max_tokens})")
+    if req.num_choices > MAX_CHOICES:
+        raise bad_param("n", f"prompts x n must be <= {MAX_CHOICES}, got {req.num_choices}")
+
+
+def parse_completion(body: dict) -> ApiRequest:
+    req = _common(body, COMPLETION_FIELDS, "completions")
+    if req.max_tokens is None and "max_tokens" not in body:
+        req.max_tokens = 16  # the OpenAI default for completions
+    prompt = body.get("prompt")
+    if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and _is_int(prompt[0])):
+        prompt = [prompt]
+    if not isinstance(prompt, list) or not prompt:
+        raise bad_param("prompt", "is required: a string, a list of strings, a list of token "
+                                  "ids or a list of lists of token ids")
+    for p in prompt:
+        ok = (isinstance(p, str) and p) or (
+            isinstance(p, list) and p and all(_is_int(t) and t >= 0 for t in p))
+        if not ok:
+            raise bad_param("prompt", "each prompt must be a non-empty string or a non-empty "
+                                      "list of non-negative token ids")
+    req.prompts = prompt
+    lp = _int(body, "logprobs", 0, MAX_TOP_LOGPROBS)
+    req.logprobs = lp
+    _neutral(body, "echo", False)
+    _neutral(body, "suffix", "")
+    best_of = _int(body, "best_of", 1)
+    if best_of is not None and best_of != req.n:
+        raise bad_param("best_of", "must equal n (best_of > n is not supported)", "unsupported")
+    _check_tokens(req, "max_tokens")
+    return req
+
+
+def _message(i: int, m) -> dict:
+    where = f"messages[{i}]"
+    if not isinstance(m, dict):
+        raise bad_param("messages", f"{where} must be an object")
+    role = m.get("role")
+    if role not in CHAT_ROLES:
+        raise bad_param("messages", f"{where}.role must be one of {', '.join(CHAT_ROLES)}, "
+                                    f"got {role!r}")
+    content = m.get("content")
+    if isinstance(content, list):
+        parts = []
+        for part in content:
+            if not (isinstance(part, dict) and part.get("type") == "text"
+                    and isinstance(part.get("text"), str)):
+                raise bad_param("messages", f"{where}.content parts must be "
+                                            f"{{'type': 'text', 'text': str}}")
+            parts.append(part["text"])
+        content = "".join(parts)
+    elif content is None and role == "assistant":
+        content = ""
+    if not isinstance(content, str):
+        raise bad_param("messages", f"{where}.content must be a string or a list of text parts")
+    out = {"role": role, "content": content}
+    if isinstance(m.get("name"), str):
+        out["name"] = m["name"]
+    return out
+
+
+def parse_chat(body: dict) -> ApiRequest:
+    req = _common(body, CHAT_FIELDS, "chat")
+    mct = _int(body, "max_completion_tokens", 1)
+    if mct is not None:
+        req.max_tokens = mct
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise bad_param("messages", "is required and must be a non-empty list")
+    req.messages = [_message(i, m) for i, m in enumerate(messages)]
+    want = _bool(body, "logprobs")
+    top = _int(body, "top_logprobs", 0, MAX_TOP_LOGPROBS)
+    if top is not None and not want:
+        raise bad_param("top_logprobs", "requires logprobs to be true")
+    req.logprobs = (top or 0) if want else None
+    rf = body.get("response_format")
+    if rf is not None and rf != {"type": "text"}:
+        raise bad_param("response_format", "only {'type': 'text'} is supported", "unsupported")
+    _neutral(body, "tools", [])
+    _neutral(body, "tool_choice", "none")
+    _bool(body, "parallel_tool_calls")
+    _check_tokens(req, "max_completion_tokens")
+    return req

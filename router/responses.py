@@ -1,0 +1,124 @@
+"""OpenAI response shapes for completions and chat, streamed and not.
+
+`ResponseFormat` turns `Delta`s (see `choice.py`) into the JSON objects of one endpoint:
+`chunk(delta)` for an SSE chunk, `role_chunk(index)` for chat's opening chunk,
+`usage_chunk(usage)` for `stream_options.include_usage`, and `Accumulator` gathers deltas
+into the single non-streamed response. Logprobs take each endpoint's own shape (completions:
+tokens / token_logprobs / top_logprobs / text_offset; chat: content entries with bytes).
+Serialising to bytes and writing to the socket is left to the server.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+from router.choice import Delta, TokenLogprob
+
+_MIN_LOGPROB = -9999.0  # JSON has no -inf
+
+
+def _lp(v: float) -> float:
+    return v if math.isfinite(v) else _MIN_LOGPROB
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def completion_logprobs(entries: list[TokenLogprob]) -> dict:
+    return {
+        "tokens": [e.token for e in entries],
+        "token_logprobs": [_lp(e.logprob) for e in entries],
+        "top_logprobs": [{t: _lp(v) for t, _, v in e.top} for e in entries],
+        "text_offset": [e.text_offset for e in entries],
+    }
+
+
+def chat_logprobs(entries: list[TokenLogprob]) -> dict:
+    return {"content": [
+        {"token": e.token, "logprob": _lp(e.logprob), "bytes": list(e.token.encode()),
+         "top_logprobs": [{"token": t, "logprob": _lp(v), "bytes": list(t.encode())}
+                          for t, _, v in e.top]}
+        for e in entries
+    ]}
+
+
+class ResponseFormat:
+    def __init__(self, endpoint: str, request_id: str, model: str, want_logprobs: bool,
+                 include_usage: bool = False) -> None:
+        self.chat = endpoint == "chat"
+        self.id = request_id
+        self.model = model
+        self.created = int(time.time())
+        self.want_logprobs = want_logprobs
+        self.include_usage = include_usage
+
+    def _envelope(self, obj: str, choices: list) -> dict:
+        out = {"id": self.id, "object": obj, "created": self.created, "model": self.model,
+               "choices": choices}
+        if self.include_usage:
+            out["usage"] = None
+        return out
+
+    def _logprobs(self, entries: list[TokenLogprob]) -> dict | None:
+        if not self.want_logprobs:
+            return None
+        return chat_logprobs(entries) if self.chat else completion_logprobs(entries)
+
+    def role_chunk(self, index: int) -> dict:
+        choice = {"index": index, "delta": {"role": "assistant", "content": ""},
+                  "logprobs": None, "finish_reason": None}
+        return self._envelope("chat.completion.chunk", [choice])
+
+    def chunk(self, d: Delta) -> dict:
+        lp = self._logprobs(d.logprobs) if d.logprobs or not self.chat else None
+        if self.chat:
+            delta = {"content": d.text} if d.text or not d.finish_reason else {}
+            choice = {"index": d.index, "delta": delta, "logprobs": lp,
+                      "finish_reason": d.finish_reason}
+            return self._envelope("chat.completion.chunk", [choice])
+        choice = {"index": d.index, "text": d.text, "logprobs": lp,
+                  "finish_reason": d.finish_reason}
+        return self._envelope("text_completion", [choice])
+
+    def usage_chunk(self, u: dict) -> dict:
+        obj = "chat.completion.chunk" if self.chat else "text_completion"
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
+                "choices": [], "usage": u}
+
+
+class Accumulator:
+    """Deltas of every choice, folded into one non-streamed response."""
+
+    def __init__(self, fmt: ResponseFormat, num_choices: int) -> None:
+        self.fmt = fmt
+        self.texts: list[list[str]] = [[] for _ in range(num_choices)]
+        self.logprobs: list[list[TokenLogprob]] = [[] for _ in range(num_choices)]
+        self.finish: list[str | None] = [None] * num_choices
+        self.stop_reason: list[str | int | None] = [None] * num_choices
+
+    def add(self, d: Delta) -> None:
+        self.texts[d.index].append(d.text)
+        self.logprobs[d.index].extend(d.logprobs)
+        if d.finish_reason:
+            self.finish[d.index] = d.finish_reason
+
+    def response(self, u: dict) -> dict:
+        fmt = self.fmt
+        choices = []
+        for i, parts in enumerate(self.texts):
+            text = "".join(parts)
+            lp = fmt._logprobs(self.logprobs[i])
+            if fmt.chat:
+                choices.append({"index": i, "message": {"role": "assistant", "content": text},
+                                "logprobs": lp, "finish_reason": self.finish[i],
+                                "stop_reason": self.stop_reason[i]})
+            else:
+                choices.append({"index": i, "text": text, "logprobs": lp,
+                                "finish_reason": self.finish[i],
+                                "stop_reason": self.stop_reason[i]})
+        obj = "chat.completion" if fmt.chat else "text_completion"
+        return {"id": fmt.id, "object": obj, "created": fmt.created, "model": fmt.model,
+                "choices": choices, "usage": u}

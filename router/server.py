@@ -1,0 +1,289 @@
+"""The router's HTTP server: the OpenAI-compatible API on aiohttp (run on uvloop).
+
+Routes: `POST /v1/completions`, `POST /v1/chat/completions` (SSE when `stream` is true,
+ending with `data: [DONE]`), `GET /v1/models`, `GET /health`, `GET /metrics`. A request is
+validated (`protocol.py`), checked against the served model name and the context length,
+tokenized (chat through the model's chat template), admitted through the bounded queue,
+run on the backend as one `Generation`, and written out as chunks or as one response. Every
+error leaves in the OpenAI shape with its status. Handlers are cancelled when the client
+goes away, which closes the generation and so aborts the request on the nodes.
+
+aiohttp was picked over FastAPI+uvicorn by `benchmarks/bench_http.py` (2-3x the SSE chunk
+rate on loopback). Picking nodes and talking to them is the backend's job.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Protocol, Sequence
+
+from aiohttp import web
+
+from router.admission import Admission, QueueFull
+from router.backend import Backend, BackendOverloaded, BackendUnavailable, GenerateRequest
+from router.choice import Choice, Delta
+from router.errors import (APIError, bad_param, model_not_found, overloaded, server_error,
+                           unauthorized, unavailable)
+from router.generation import Generation
+from router.metrics import CONTENT_TYPE_LATEST, RequestTimer, RouterMetrics
+from router.protocol import ApiRequest, parse_chat, parse_completion
+from router.responses import Accumulator, ResponseFormat, usage
+
+log = logging.getLogger(__name__)
+_SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                "X-Accel-Buffering": "no"}
+
+
+class Tokenizer(Protocol):
+    """What the router uses of `pd.tokenizer.Tokenizer`."""
+
+    vocab_size: int
+
+    def encode(self, text: str) -> list[int]: ...
+    def decode(self, ids: Sequence[int]) -> str: ...
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True): ...
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    served_model_name: str
+    max_running: int = 512
+    max_queue: int = 1024
+    api_key: str | None = None
+    log_requests: bool = False
+
+
+def _dumps(obj) -> bytes:
+    return json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode()
+
+
+def _sse(obj) -> bytes:
+    return b"data: " + _dumps(obj) + b"\n\n"
+
+
+def error_response(e: APIError) -> web.Response:
+    return web.Response(status=e.status, body=_dumps(e.body()), content_type="application/json")
+
+
+class RouterServer:
+    def __init__(self, backend: Backend, tokenizer: Tokenizer, config: ServerConfig) -> None:
+        self.backend = backend
+        self.tokenizer = tokenizer
+        self.config = config
+        self.metrics = RouterMetrics(health=backend.health)
+        self.admission = Admission(config.max_running, config.max_queue)
+        self._created = int(time.time())
+
+    def app(self) -> web.Application:
+        app = web.Application(middlewares=[self._middleware], client_max_size=64 * 2**20)
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_post("/v1/chat/completions", self.chat)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/metrics", self.metrics_endpoint)
+        app.on_startup.append(lambda _: self.backend.start())
+        app.on_cleanup.append(lambda _: self.backend.close())
+        return app
+
+    @web.middleware
+    async def _middleware(self, request: web.Request, handler) -> web.StreamResponse:
+        status = 499  # the client went away before an answer
+        try:
+            if self.config.api_key and request.path.startswith("/v1/"):
+                given = request.headers.get("Authorization", "")
+                if not hmac.compare_digest(given.encode(),
+                                           f"Bearer {self.config.api_key}".encode()):
+                    raise unauthorized()
+            resp = await handler(request)
+            status = resp.status
+            return resp
+        except APIError as e:
+            status = e.status
+            return error_response(e)
+        except web.HTTPException as e:
+            status = e.status
+            return error_response(APIError(e.status, f"{e.reason}: {request.method} "
+                                                     f"{request.path}", code=str(e.status)))
+        finally:
+            self.metrics.http_requests.labels(request.path, str(status)).inc()
+
+    async def models(self, request: web.Request) -> web.Response:
+        data = [{"id": self.config.served_model_name, "object": "model",
+                 "created": self._created, "owned_by": "pd",
+                 "max_model_len": self.backend.max_model_len()}]
+        return web.json_response({"object": "list", "data": data})
+
+    async def health(self, request: web.Request) -> web.Response:
+        h = self.backend.health()
+        ok = h.get("prefill", 0) > 0 and h.get("decode", 0) > 0
+        return web.json_response({"status": "ok" if ok else "unavailable", **h},
+                                 status=200 if ok else 503)
+
+    async def metrics_endpoint(self, request: web.Request) -> web.Response:
+        return web.Response(body=self.metrics.render(),
+                            headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, parse_completion)
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, parse_chat)
+
+    async def _body(self, request: web.Request) -> dict:
+        try:
+            return json.loads(await request.read())
+        except (ValueError, UnicodeDecodeError) as e:
+            raise bad_param("", f"the request body is not valid JSON: {e}", "invalid_json")
+
+    def _prompts(self, req: ApiRequest) -> list[list[int]]:
+        tok = self.tokenizer
+        if req.endpoint == "chat":
+            try:
+                out = tok.apply_chat_template(req.messages, add_generation_prompt=True)
+            except Exception as e:  # a template that refuses the conversation
+                raise bad_param("messages", f"the chat template failed: {e}")
+            prompts = [tok.encode(out) if isinstance(out, str) else list(out)]
+        else:
+            prompts = [tok.encode(p) if isinstance(p, str) else p for p in req.prompts]
+        param = "messages" if req.endpoint == "chat" else "prompt"
+        for ids in prompts:
+            if not ids:
+                raise bad_param(param, "the prompt has no tokens")
+            if max(ids) >= tok.vocab_size:
+                raise bad_param(param, f"token id {max(ids)} is outside the vocabulary "
+                                       f"(size {tok.vocab_size})")
+        if req.stop_token_ids and max(req.stop_token_ids) >= tok.vocab_size:
+            raise bad_param("stop_token_ids", f"token id {max(req.stop_token_ids)} is outside "
+                                              f"the vocabulary (size {tok.vocab_size})")
+        return prompts
+
+    def _max_tokens(self, req: ApiRequest, prompt_len: int) -> int:
+        limit = self.backend.max_model_len()
+        param = "messages" if req.endpoint == "chat" else "prompt"
+        if prompt_len >= limit:
+            raise bad_param(param, f"this model's maximum context length is {limit} tokens; "
+                                   f"the prompt has {prompt_len} tokens", "context_length_exceeded")
+        if req.max_tokens is None:
+            return limit - prompt_len
+        if prompt_len + req.max_tokens > limit:
+            raise bad_param("max_tokens", f"this model's maximum context length is {limit} "
+                                          f"tokens; you requested {prompt_len + req.max_tokens} "
+                                          f"({prompt_len} in the prompt, {req.max_tokens} for the "
+                                          f"completion)", "context_length_exceeded")
+        return req.max_tokens
+
+    async def _generate(self, request: web.Request, parse) -> web.StreamResponse:
+        t_arrival = time.perf_counter()
+        req = parse(await self._body(request))
+        if req.model != self.config.served_model_name:
+            raise model_not_found(req.model, self.config.served_model_name)
+        prompts = self._prompts(req)
+        choices, greqs = [], []
+        for p, ids in enumerate(prompts):
+            max_tokens = self._max_tokens(req, len(ids))
+            for s in range(req.n):
+                index = p * req.n + s
+                try:
+                    params = req.sampling_params(max_tokens, s)
+                except ValueError as e:
+                    raise bad_param("", str(e))
+                choices.append(Choice(index, self.tokenizer, ids, req.stop,
+                                      req.logprobs is not None))
+                greqs.append(GenerateRequest(uuid.uuid4().hex, ids, params))
+        h = self.backend.health()
+        if h.get("prefill", 0) < 1 or h.get("decode", 0) < 1:
+            raise unavailable(f"no healthy prefill or decode node ({h.get('prefill', 0)} "
+                              f"prefill, {h.get('decode', 0)} decode)")
+        prefix = "chatcmpl-" if req.endpoint == "chat" else "cmpl-"
+        fmt = ResponseFormat(req.endpoint, prefix + uuid.uuid4().hex, req.model,
+                             req.logprobs is not None, req.stream and req.include_usage)
+        if self.config.log_requests:
+            log.info("%s %s: %d choice(s), prompt tokens %s, params %s", fmt.id, req.endpoint,
+                     len(choices), [len(p) for p in prompts], greqs[0].params)
+        try:
+            self.metrics.waiting.inc()
+            try:
+                waited = await self.admission.acquire()
+            finally:
+                self.metrics.waiting.dec()
+        except QueueFull as e:
+            raise overloaded(str(e))
+        self.metrics.queue_time.observe(waited)
+        self.metrics.running.inc()
+        m = self.metrics
+        gen = Generation(self.backend, choices, greqs, on_retry=m.retries.inc,
+                         on_abort=lambda r: m.aborts.labels(r).inc())
+        num_prompt_tokens = sum(len(p) for p in prompts)
+        try:
+            gen.start()
+            try:
+                first = await gen.__anext__()
+            except BackendUnavailable as e:
+                raise unavailable(str(e) or "no healthy prefill or decode node")
+            except BackendOverloaded as e:
+                raise overloaded(str(e) or "the nodes are overloaded")
+            m.prompt_tokens.inc(num_prompt_tokens)
+            timer = RequestTimer(self.metrics, t_arrival)
+            if req.stream:
+                return await self._stream(request, gen, first, fmt, choices, num_prompt_tokens,
+                                          timer)
+            return await self._collect(gen, first, fmt, choices, num_prompt_tokens, timer)
+        except (asyncio.CancelledError, ConnectionResetError):
+            await gen.close("client_disconnect")
+            raise
+        finally:
+            await gen.close("error")
+            m.running.dec()
+            self.admission.release()
+
+    async def _stream(self, request: web.Request, gen: Generation, first: Delta,
+                      fmt: ResponseFormat, choices: list[Choice], num_prompt_tokens: int,
+                      timer: RequestTimer) -> web.StreamResponse:
+        resp = web.StreamResponse(headers=_SSE_HEADERS)
+        await resp.prepare(request)
+        out = [_sse(fmt.role_chunk(c.index)) for c in choices] if fmt.chat else []
+        d = first
+        while d is not None:
+            timer.observe(d)
+            if d.text or d.finish_reason or d.logprobs:
+                out.append(_sse(fmt.chunk(d)))
+            if d.error:
+                out.append(_sse(_generation_failed(d).body()))
+            await resp.write(b"".join(out))
+            out.clear()
+            d = await anext(gen, None)
+        timer.done()
+        if fmt.include_usage:
+            u = usage(num_prompt_tokens, sum(c.num_generated for c in choices))
+            out.append(_sse(fmt.usage_chunk(u)))
+        out.append(b"data: [DONE]\n\n")
+        await resp.write(b"".join(out))
+        await resp.write_eof()
+        return resp
+
+    async def _collect(self, gen: Generation, first: Delta, fmt: ResponseFormat,
+                       choices: list[Choice], num_prompt_tokens: int,
+                       timer: RequestTimer) -> web.Response:
+        acc = Accumulator(fmt, len(choices))
+        d = first
+        while d is not None:
+            timer.observe(d)
+            if d.error:
+                raise _generation_failed(d)
+            acc.add(d)
+            d = await anext(gen, None)
+        timer.done()
+        acc.stop_reason = [c.stop_reason for c in choices]
+        u = usage(num_prompt_tokens, sum(c.num_generated for c in choices))
+        return web.Response(body=_dumps(acc.response(u)), content_type="application/json")
+
+
+def _generation_failed(d: Delta) -> APIError:
+    return APIError(500, f"choice {d.index} failed: {d.error}", type="server_error",
+                    code="generation_failed")
