@@ -108,7 +108,7 @@ def write_tokenizer_files(
         "eos_token": eos_token,
         "pad_token": pad_token,
         "unk_token": None,
-        "add_bos_token": False,
+        "add_bos_token": bos_token is not None and _adds_prefix(tokenizer, bos_token),
         "clean_up_tokenization_spaces": False,
         "model_max_length": model_max_length,
     }
@@ -118,6 +118,11 @@ def write_tokenizer_files(
     special = {k: v for k, v in (("bos_token", bos_token), ("eos_token", eos_token),
                                  ("pad_token", pad_token)) if v is not None}
     _write_json(path / "special_tokens_map.json", special)
+
+
+def _adds_prefix(tokenizer: Tokenizer, token: str) -> bool:
+    ids = tokenizer.encode("a", add_special_tokens=True).ids
+    return ids[:1] == [tokenizer.token_to_id(token)]
 
 
 def write_config_files(
