@@ -67,7 +67,10 @@ class LLM:
         if len(params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling parameter sets")
         engine = self.engine
-        reqs = [engine.add_request(self.encode(p), sp) for p, sp in zip(prompts, params)]
+        encoded = [self.encode(p) for p in prompts]
+        for ids in encoded:  # refuse the whole call before any request starts
+            engine.validate_prompt(ids)
+        reqs = [engine.add_request(ids, sp) for ids, sp in zip(encoded, params)]
         while engine.has_unfinished():
             engine.step()
         return [self._output(r) for r in reqs]
