@@ -91,38 +91,25 @@ def write_tokenizer_files(
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     tokenizer.save(str(path / "tokenizer.json"))
-    added = {}
-    for tok_id in sorted(tokenizer.get_added_tokens_decoder()):
-        t = tokenizer.get_added_tokens_decoder()[tok_id]
-        added[str(tok_id)] = {
-            "content": t.content, "lstrip": t.lstrip, "normalized": t.normalized,
-            "rstrip": t.rstrip, "single_word": t.single_word, "special": t.special,
-        }
-    for name, tok in (("bos_token", bos_token), ("eos_token", eos_token), ("pad_token", pad_token)):
+    specials = {"bos_token": bos_token, "eos_token": eos_token, "pad_token": pad_token}
+    for name, tok in specials.items():
         if tok is not None and tokenizer.token_to_id(tok) is None:
             raise ValueError(f"{name} {tok!r} is not in the tokenizer's vocabulary")
+    added = {str(i): {"content": t.content, "lstrip": t.lstrip, "normalized": t.normalized,
+                      "rstrip": t.rstrip, "single_word": t.single_word, "special": t.special}
+             for i, t in sorted(tokenizer.get_added_tokens_decoder().items())}
+    first_id = tokenizer.encode("a", add_special_tokens=True).ids[:1]
     config = {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "added_tokens_decoder": added,
-        "bos_token": bos_token,
-        "eos_token": eos_token,
-        "pad_token": pad_token,
-        "unk_token": None,
-        "add_bos_token": bos_token is not None and _adds_prefix(tokenizer, bos_token),
-        "clean_up_tokenization_spaces": False,
-        "model_max_length": model_max_length,
+        "tokenizer_class": "PreTrainedTokenizerFast", "added_tokens_decoder": added,
+        **specials, "unk_token": None,
+        "add_bos_token": bos_token is not None and first_id == [tokenizer.token_to_id(bos_token)],
+        "clean_up_tokenization_spaces": False, "model_max_length": model_max_length,
     }
     if chat_template is not None:
         config["chat_template"] = chat_template
     _write_json(path / "tokenizer_config.json", config)
-    special = {k: v for k, v in (("bos_token", bos_token), ("eos_token", eos_token),
-                                 ("pad_token", pad_token)) if v is not None}
-    _write_json(path / "special_tokens_map.json", special)
-
-
-def _adds_prefix(tokenizer: Tokenizer, token: str) -> bool:
-    ids = tokenizer.encode("a", add_special_tokens=True).ids
-    return ids[:1] == [tokenizer.token_to_id(token)]
+    _write_json(path / "special_tokens_map.json",
+                {k: v for k, v in specials.items() if v is not None})
 
 
 def write_config_files(
@@ -265,25 +252,14 @@ def write_tiny_checkpoint(
                for n, s in shapes.items()}
 
     config = {
-        "architectures": [ARCHS[arch]],
-        "model_type": arch,
-        "vocab_size": vocab_size,
-        "hidden_size": h,
-        "intermediate_size": intermediate_size,
-        "num_hidden_layers": num_layers,
-        "num_attention_heads": num_heads,
-        "num_key_value_heads": num_kv_heads,
-        "head_dim": head_dim,
-        "hidden_act": "silu",
-        "rms_norm_eps": 1e-6,
-        "rope_theta": rope_theta,
-        "rope_scaling": rope_scaling,
+        "architectures": [ARCHS[arch]], "model_type": arch, "vocab_size": vocab_size,
+        "hidden_size": h, "intermediate_size": intermediate_size,
+        "num_hidden_layers": num_layers, "num_attention_heads": num_heads,
+        "num_key_value_heads": num_kv_heads, "head_dim": head_dim, "hidden_act": "silu",
+        "rms_norm_eps": 1e-6, "rope_theta": rope_theta, "rope_scaling": rope_scaling,
         "max_position_embeddings": max_position_embeddings,
-        "tie_word_embeddings": tie_word_embeddings,
-        "torch_dtype": dtype,
-        "bos_token_id": eot,
-        "eos_token_id": eot,
-        "attention_dropout": 0.0,
+        "tie_word_embeddings": tie_word_embeddings, "torch_dtype": dtype,
+        "bos_token_id": eot, "eos_token_id": eot, "attention_dropout": 0.0,
     }
     if arch != "qwen2":
         config["attention_bias"] = False
@@ -300,32 +276,26 @@ def write_tiny_checkpoint(
     return path
 
 
+_INT_OPTIONS = ("hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
+                "head_dim", "vocab_size", "max_position_embeddings", "seed")
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m pd.tiny", description=__doc__.split("\n")[0])
     p.add_argument("out_dir")
     p.add_argument("--arch", choices=sorted(ARCHS), default="llama")
-    p.add_argument("--hidden-size", type=int, default=64)
-    p.add_argument("--intermediate-size", type=int, default=128)
-    p.add_argument("--num-layers", type=int, default=2)
-    p.add_argument("--num-heads", type=int, default=4)
-    p.add_argument("--num-kv-heads", type=int, default=2)
-    p.add_argument("--head-dim", type=int, default=None)
-    p.add_argument("--vocab-size", type=int, default=None)
-    p.add_argument("--max-position-embeddings", type=int, default=512)
+    for name in _INT_OPTIONS:
+        p.add_argument("--" + name.replace("_", "-"), type=int, default=None)
+    p.add_argument("--rope-theta", type=float, default=10000.0)
     p.add_argument("--tie-word-embeddings", action="store_true")
     p.add_argument("--no-mtp", action="store_true")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
     p.add_argument("--shards", type=int, default=0, help="number of shards (0: one file)")
-    p.add_argument("--seed", type=int, default=0)
     a = p.parse_args(argv)
+    ints = {name: getattr(a, name) for name in _INT_OPTIONS if getattr(a, name) is not None}
     out = write_tiny_checkpoint(
-        a.out_dir, a.arch, hidden_size=a.hidden_size, intermediate_size=a.intermediate_size,
-        num_layers=a.num_layers, num_heads=a.num_heads, num_kv_heads=a.num_kv_heads,
-        head_dim=a.head_dim, vocab_size=a.vocab_size,
-        max_position_embeddings=a.max_position_embeddings,
-        tie_word_embeddings=a.tie_word_embeddings, mtp=not a.no_mtp, dtype=a.dtype,
-        sharded=a.shards if a.shards else False, seed=a.seed,
-    )
+        a.out_dir, a.arch, rope_theta=a.rope_theta, tie_word_embeddings=a.tie_word_embeddings,
+        mtp=not a.no_mtp, dtype=a.dtype, sharded=a.shards or False, **ints)
     print(out)
 
 
