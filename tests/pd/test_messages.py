@@ -1,0 +1,61 @@
+"""Wire messages: round trips, and refusals of what a decoder must not accept."""
+
+from __future__ import annotations
+
+import msgpack
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pd import messages as m
+
+SAMPLES = [
+    m.PrefillRequest("r1", [1, 2, 3], {"max_tokens": 4}, "tcp://127.0.0.1:1", "tcp://127.0.0.1:2"),
+    m.Abort("r1", "client"),
+    m.Ping(7),
+    m.Pong(7, "decode", "d0", {"free_blocks": 10}, kv_addr="tcp://127.0.0.1:3"),
+    m.TokenStream("r1", [5], logprobs=[-0.5], top_logprobs=[[[5, -0.5]]], finish_reason="stop"),
+    m.Hello("p0", {"model_id": "x", "block_size": 16}),
+    m.HelloRefused("d0", "block_size differs"),
+    m.RequestMeta("r1", [1, 2], {"max_tokens": 2}, "tcp://127.0.0.1:2", 1),
+    m.KVAccept("r1"), m.KVDone("r1", 3), m.KVAck("r1"), m.KVRefuse("r1", "timeout"),
+]
+
+
+@pytest.mark.parametrize("msg", SAMPLES, ids=lambda x: type(x).__name__)
+def test_round_trip(msg):
+    assert m.decode(m.encode(msg)) == msg
+
+
+@pytest.mark.parametrize(
+    "payload, match",
+    [
+        ({"type": "nope", "version": 1}, "unknown message type"),
+        ({"version": 1}, "unknown message type"),
+        ({"type": "ping", "version": 9}, "version"),
+        ({"type": "abort", "version": 1}, "missing field"),
+        ({"type": "ping", "version": 1, "extra": 1}, "unknown field"),
+        ({"type": "abort", "version": 1, "req_id": 5}, "type int"),
+        ({"type": "kv_done", "version": 1, "req_id": "a", "num_records": True}, "type bool"),
+    ],
+)
+def test_refusals(payload, match):
+    with pytest.raises(m.MessageError, match=match):
+        m.decode(msgpack.packb(payload))
+
+
+def test_size_limit_and_non_map():
+    big = m.encode(m.PrefillRequest("r", list(range(5000)), {}, "a", "b"))
+    with pytest.raises(m.MessageError, match="exceeds"):
+        m.decode(big, max_bytes=1000)
+    with pytest.raises(m.MessageError, match="not a map"):
+        m.decode(msgpack.packb([1, 2]))
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=256))
+def test_random_bytes_never_crash(data):
+    try:
+        m.decode(data)
+    except m.MessageError:
+        pass
