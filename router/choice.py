@@ -47,12 +47,14 @@ class Delta:
 
 class Choice:
     def __init__(self, index: int, tokenizer: TextTokenizer, prompt_ids: Sequence[int],
-                 stop: Sequence[str], want_logprobs: bool) -> None:
+                 stop: Sequence[str], want_logprobs: bool,
+                 stop_token_ids: Sequence[int] = ()) -> None:
         self.index = index
         self.num_prompt_tokens = len(prompt_ids)
         self.num_generated = 0
         self.done = False
         self.stop_reason: str | int | None = None  # the stop string hit, or the stop token id
+        self._stop_token_ids = frozenset(stop_token_ids)
         self._tok = tokenizer
         self._detok = IncrementalDetokenizer(tokenizer, prompt_ids)
         self._stop = StopStrings(stop)
@@ -67,7 +69,9 @@ class Choice:
         shown = ev.token_ids
         if ev.finish_reason == "stop" and shown:
             # NOTE: the EOS / stop token id closes the stream: counted, never shown.
-            self.stop_reason, shown = shown[-1], shown[:-1]
+            if shown[-1] in self._stop_token_ids:
+                self.stop_reason = shown[-1]
+            shown = shown[:-1]
         if self._want_logprobs and ev.logprobs is not None:
             d.logprobs = self._entries(shown, ev)
         text = self._detok.push(shown) if shown else ""

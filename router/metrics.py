@@ -2,8 +2,9 @@
 
 Names follow vLLM's vocabulary with a `pd_` prefix: request counts by endpoint and status,
 time to first token, inter-token latency and end-to-end latency (fed by one `RequestTimer`
-per request), queue time, prompt and generation tokens, requests running and waiting, finished requests by reason, aborts by
-reason, and the healthy nodes per role as the backend reports them. Serving `/metrics` is the
+per request), queue time, prompt and generation tokens, requests running and waiting,
+finished requests by reason, aborts by reason, and the healthy nodes per role as the backend
+reports them. Serving `/metrics` is the
 server's job; the nodes export their own metrics.
 """
 

@@ -67,8 +67,9 @@ def _num(body: dict, name: str, lo: float, hi: float, *, lo_open: bool = False) 
     if not (_is_int(v) or isinstance(v, float)) or not math.isfinite(v):
         raise bad_param(name, f"must be a number, got {v!r}")
     if v < lo or v > hi or (lo_open and v == lo):
-        interval = f"{'(' if lo_open else '['}{lo}, {hi}]"
-        raise bad_param(name, f"must be in {interval}, got {v!r}")
+        if math.isinf(hi):
+            raise bad_param(name, f"must be {'>' if lo_open else '>='} {lo:g}, got {v!r}")
+        raise bad_param(name, f"must be in {'(' if lo_open else '['}{lo:g}, {hi:g}], got {v!r}")
 
 
 def _int(body: dict, name: str, lo: int, hi: int | None = None) -> int | None:

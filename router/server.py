@@ -47,7 +47,7 @@ class Tokenizer(Protocol):
 
     def encode(self, text: str) -> list[int]: ...
     def decode(self, ids: Sequence[int]) -> str: ...
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True): ...
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]: ...
 
 
 @dataclass(frozen=True)
@@ -145,10 +145,9 @@ class RouterServer:
         tok = self.tokenizer
         if req.endpoint == "chat":
             try:
-                out = tok.apply_chat_template(req.messages, add_generation_prompt=True)
+                prompts = [tok.encode_chat(req.messages, add_generation_prompt=True)]
             except Exception as e:  # a template that refuses the conversation
                 raise bad_param("messages", f"the chat template failed: {e}")
-            prompts = [tok.encode(out) if isinstance(out, str) else list(out)]
         else:
             prompts = [tok.encode(p) if isinstance(p, str) else p for p in req.prompts]
         param = "messages" if req.endpoint == "chat" else "prompt"
@@ -194,7 +193,7 @@ class RouterServer:
                 except ValueError as e:
                     raise bad_param("", str(e))
                 choices.append(Choice(index, self.tokenizer, ids, req.stop,
-                                      req.logprobs is not None))
+                                      req.logprobs is not None, req.stop_token_ids))
                 greqs.append(GenerateRequest(uuid.uuid4().hex, ids, params))
         h = self.backend.health()
         if h.get("prefill", 0) < 1 or h.get("decode", 0) < 1:

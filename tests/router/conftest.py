@@ -16,7 +16,8 @@ from typing import Callable
 
 import pytest
 
-from pd.tiny import ENDOFTEXT, tiny_tokenizer, write_tokenizer_files
+from pd.tiny import tiny_tokenizer, write_tokenizer_files
+from pd.tokenizer import Tokenizer
 from router.backend import Backend, BackendUnavailable, GenerateRequest, TokenEvent
 from router.main import start
 from router.server import RouterServer, ServerConfig
@@ -31,37 +32,8 @@ def tokenizer_dir(tmp_path_factory) -> Path:
     return path
 
 
-class _DirTokenizer:
-    """Stand-in with `pd.tokenizer.Tokenizer`'s names, used until that module exists."""
-
-    def __init__(self, path: Path) -> None:
-        import json
-
-        import jinja2
-        from tokenizers import Tokenizer
-
-        self._tok = Tokenizer.from_file(str(path / "tokenizer.json"))
-        cfg = json.loads((path / "tokenizer_config.json").read_text())
-        self._template = jinja2.Environment().from_string(cfg["chat_template"])
-        self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
-        self.eos_token_ids = [self._tok.token_to_id(ENDOFTEXT)]
-
-    def encode(self, text: str) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=False).ids
-
-    def decode(self, ids) -> str:
-        return self._tok.decode(list(ids), skip_special_tokens=True)
-
-    def apply_chat_template(self, messages, add_generation_prompt: bool = True) -> str:
-        return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt)
-
-
 @pytest.fixture(scope="session")
-def tokenizer(tokenizer_dir):
-    try:
-        from pd.tokenizer import Tokenizer
-    except ImportError:
-        return _DirTokenizer(tokenizer_dir)
+def tokenizer(tokenizer_dir) -> Tokenizer:
     return Tokenizer.from_dir(tokenizer_dir)
 
 
@@ -96,7 +68,10 @@ class ScriptedBackend(Backend):
             return
         ids = list(self.script(req))[:req.params.max_tokens]
         finish = "length"
-        if len(ids) < req.params.max_tokens:
+        stop_at = [i for i, t in enumerate(ids) if t in req.params.stop_token_ids]
+        if stop_at:
+            ids, finish = ids[:stop_at[0] + 1], "stop"
+        elif len(ids) < req.params.max_tokens:
             ids.append(self.eos_id)
             finish = "stop"
         k = req.params.logprobs

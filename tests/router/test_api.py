@@ -15,7 +15,7 @@ TEXT = "def format(self, value): return value + 42"
 
 @pytest.fixture
 def backend(tokenizer):
-    return ScriptedBackend(echo_script(tokenizer, TEXT), tokenizer.encode("<|endoftext|>")[0])
+    return ScriptedBackend(echo_script(tokenizer, TEXT), tokenizer.eos_token_id)
 
 
 @pytest.fixture
@@ -51,7 +51,8 @@ def test_chat_streamed_and_not(client, backend, tokenizer):
     assert r.choices[0].message.role == "assistant"
     assert r.choices[0].message.content == TEXT
     templated = tokenizer.apply_chat_template(msgs, add_generation_prompt=True)
-    assert backend.requests[-1].prompt_ids == tokenizer.encode(templated)
+    assert templated.endswith("<|im_start|>assistant\n")
+    assert backend.requests[-1].prompt_ids == tokenizer.encode(templated, add_special_tokens=False)
     assert r.usage.prompt_tokens == len(backend.requests[-1].prompt_ids)
     chunks = list(client.chat.completions.create(model=MODEL, messages=msgs, stream=True))
     assert chunks[0].choices[0].delta.role == "assistant"
@@ -86,14 +87,19 @@ def test_stop_token_ids(client, backend, tokenizer):
     r = client.completions.create(model=MODEL, prompt="x", max_tokens=50,
                                   extra_body={"stop_token_ids": [ids[4]]})
     assert backend.requests[-1].params.stop_token_ids == (ids[4],)
-    assert r.choices[0].text == TEXT  # the node, not the router, acts on stop token ids
+    # the node stops on the id; the router shows the text before it and names it
+    assert r.choices[0].text == tokenizer.decode(ids[:4])
+    assert r.choices[0].stop_reason == ids[4] and r.choices[0].finish_reason == "stop"
+    assert r.usage.completion_tokens == 5
+    r = client.completions.create(model=MODEL, prompt="x", max_tokens=50)
+    assert r.choices[0].stop_reason is None and r.choices[0].finish_reason == "stop"  # EOS
 
 
 def test_utf8_split_across_tokens(tokenizer, make_server):
     text = "héllo → 世界 🙂 ok"
     ids = tokenizer.encode(text)
     assert any("\ufffd" in tokenizer.decode([t]) for t in ids)  # some tokens split characters
-    eos = tokenizer.encode("<|endoftext|>")[0]
+    eos = tokenizer.eos_token_id
     client = make_server(ScriptedBackend(lambda req: ids, eos)).client()
     chunks = list(client.completions.create(model=MODEL, prompt="x", max_tokens=64, stream=True))
     parts = [c.choices[0].text for c in chunks]
@@ -189,7 +195,7 @@ def test_retry_once_before_first_token(client, backend):
 
 
 def test_disconnect_closes_backend_stream(tokenizer, make_server):
-    eos = tokenizer.encode("<|endoftext|>")[0]
+    eos = tokenizer.eos_token_id
     backend = ScriptedBackend(lambda req: [5] * 200, eos, delay=0.02)
     s = make_server(backend)
     body = {"model": MODEL, "prompt": "x", "max_tokens": 200, "stream": True}

@@ -1,0 +1,163 @@
+"""Bad input and unavailable nodes: each a clear error in the OpenAI shape, the router still up."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import httpx
+import openai
+import pytest
+
+from router.backend import TokenEvent
+from tests.router.conftest import MODEL, ScriptedBackend, echo_script
+
+TEXT = "return value"
+
+
+@pytest.fixture
+def backend(tokenizer):
+    return ScriptedBackend(echo_script(tokenizer, TEXT), tokenizer.eos_token_id, max_len=64)
+
+
+@pytest.fixture
+def server(backend, make_server):
+    return make_server(backend)
+
+
+def _post(server, path: str, body, raw: bool = False) -> httpx.Response:
+    if raw:
+        return httpx.post(server.url + path, content=body,
+                          headers={"Content-Type": "application/json"})
+    return httpx.post(server.url + path, json=body)
+
+
+CMPL = {"model": MODEL, "prompt": "hi"}
+CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
+BAD = [
+    # (path, body, status, param)
+    ("/v1/completions", {**CMPL, "max_tokens": 0}, 400, "max_tokens"),
+    ("/v1/completions", {**CMPL, "max_tokens": -5}, 400, "max_tokens"),
+    ("/v1/completions", {**CMPL, "max_tokens": "ten"}, 400, "max_tokens"),
+    ("/v1/completions", {**CMPL, "temperature": -1}, 400, "temperature"),
+    ("/v1/completions", {**CMPL, "temperature": "hot"}, 400, "temperature"),
+    ("/v1/completions", {**CMPL, "top_p": 0}, 400, "top_p"),
+    ("/v1/completions", {**CMPL, "top_k": 1.5}, 400, "top_k"),
+    ("/v1/completions", {**CMPL, "n": 0}, 400, "n"),
+    ("/v1/completions", {**CMPL, "n": True}, 400, "n"),
+    ("/v1/completions", {**CMPL, "stream": "yes"}, 400, "stream"),
+    ("/v1/completions", {**CMPL, "stop": 5}, 400, "stop"),
+    ("/v1/completions", {**CMPL, "logprobs": 21}, 400, "logprobs"),
+    ("/v1/completions", {**CMPL, "seed": "abc"}, 400, "seed"),
+    ("/v1/completions", {**CMPL, "echo": True}, 400, "echo"),
+    ("/v1/completions", {**CMPL, "stream_options": {"include_usage": True}}, 400,
+     "stream_options"),
+    ("/v1/completions", {**CMPL, "bogus": 1}, 400, "bogus"),
+    ("/v1/completions", {**CMPL, "prompt": ""}, 400, "prompt"),
+    ("/v1/completions", {**CMPL, "prompt": [1, -2]}, 400, "prompt"),
+    ("/v1/completions", {**CMPL, "prompt": [10**6]}, 400, "prompt"),
+    ("/v1/completions", {**CMPL, "prompt": "word " * 100}, 400, "prompt"),
+    ("/v1/completions", {**CMPL, "max_tokens": 64}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": "hi"}, 400, "model"),
+    ("/v1/completions", {**CMPL, "model": "gpt-9"}, 404, "model"),
+    ("/v1/completions", [1, 2], 400, None),
+    ("/v1/chat/completions", {**CHAT, "messages": []}, 400, "messages"),
+    ("/v1/chat/completions", {**CHAT, "messages": [{"role": "wizard", "content": "x"}]}, 400,
+     "messages"),
+    ("/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": 3}]}, 400,
+     "messages"),
+    ("/v1/chat/completions", {**CHAT, "logprobs": True, "top_logprobs": 21}, 400,
+     "top_logprobs"),
+    ("/v1/chat/completions", {**CHAT, "top_logprobs": 2}, 400, "top_logprobs"),
+    ("/v1/chat/completions", {**CHAT, "logprobs": 1}, 400, "logprobs"),
+    ("/v1/chat/completions", {**CHAT, "tools": [{"type": "function"}]}, 400, "tools"),
+    ("/v1/chat/completions", {**CHAT, "model": "other"}, 404, "model"),
+    ("/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": "w " * 100}]},
+     400, "messages"),
+]
+
+
+@pytest.mark.parametrize("path,body,status,param", BAD)
+def test_bad_input(server, backend, path, body, status, param):
+    r = _post(server, path, body)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert err["param"] == param and err["message"]
+    assert err["type"] == "invalid_request_error"
+    assert backend.requests == []  # nothing reached the nodes
+    ok = _post(server, "/v1/completions", {**CMPL, "max_tokens": 4})
+    assert ok.status_code == 200 and ok.json()["choices"][0]["text"]
+
+
+@pytest.mark.parametrize("raw", [b"{not json", b"", b'{"model": "tiny", "prompt": "x"', b"\xff\xfe"])
+def test_malformed_json(server, raw):
+    r = _post(server, "/v1/completions", raw, raw=True)
+    assert r.status_code == 400
+    assert r.json()["error"]["code"] == "invalid_json"
+    assert _post(server, "/v1/completions", {**CMPL, "max_tokens": 2}).status_code == 200
+
+
+def test_unknown_route_is_openai_shaped(server):
+    r = httpx.get(server.url + "/v1/engines")
+    assert r.status_code == 404 and r.json()["error"]["message"]
+
+
+def test_openai_client_sees_bad_request(server):
+    client = server.client()
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=MODEL, prompt="hi", max_tokens=0)
+    assert e.value.body["param"] == "max_tokens"
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="nope", messages=[{"role": "user", "content": "x"}])
+
+
+def test_503_when_no_healthy_node(server, backend):
+    backend.nodes["decode"] = 0
+    r = _post(server, "/v1/completions", CMPL)
+    assert r.status_code == 503 and r.json()["error"]["type"] == "service_unavailable"
+    backend.nodes["decode"] = 1
+    backend.unavailable = True  # the backend itself finds no node when it picks one
+    for stream in (False, True):
+        r = _post(server, "/v1/completions", {**CMPL, "stream": stream})
+        assert r.status_code == 503, r.text
+    backend.unavailable = False
+    assert _post(server, "/v1/completions", CMPL).status_code == 200
+
+
+def test_429_when_queue_full(tokenizer, make_server):
+    backend = ScriptedBackend(lambda req: [7] * 50, tokenizer.eos_token_id, delay=0.02)
+    s = make_server(backend, max_running=1, max_queue=1)
+    body = {**CMPL, "max_tokens": 50}
+    results = []
+    threads = [threading.Thread(target=lambda: results.append(_post(s, "/v1/completions", body)))
+               for _ in range(2)]
+    for t in threads:
+        t.start()
+    assert backend.started.wait(5)
+    r = _post(s, "/v1/completions", body)  # one running, one waiting: full
+    assert r.status_code == 429 and r.json()["error"]["code"] == "queue_full"
+    for t in threads:
+        t.join(10)
+    assert [x.status_code for x in results] == [200, 200]
+    assert _post(s, "/v1/completions", body).status_code == 200
+
+
+def test_error_mid_stream_is_an_error_event(tokenizer, make_server):
+    class Failing(ScriptedBackend):
+        async def generate(self, req):
+            self.requests.append(req)
+            yield TokenEvent(tokenizer.encode("hello"))
+            await asyncio.sleep(0)
+            yield TokenEvent([], error="decode node tcp://127.0.0.1:1 stopped answering")
+
+    s = make_server(Failing(lambda r: [], tokenizer.eos_token_id))
+    got = []
+    with pytest.raises(openai.APIError, match="decode node"):
+        for c in s.client().completions.create(model=MODEL, prompt="x", stream=True):
+            got.append(c.choices[0].text)
+    assert "".join(got) == "hello"  # what was sent stays, then the error: no silent truncation
+    with pytest.raises(openai.InternalServerError, match="decode node"):
+        s.client().completions.create(model=MODEL, prompt="x")
+    r = httpx.post(s.url + "/v1/completions", json={**CMPL, "stream": True})
+    assert r.text.rstrip().endswith("data: [DONE]") and '"error"' in r.text
