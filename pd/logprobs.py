@@ -31,7 +31,7 @@ class Logprobs(NamedTuple):
 def _order_key(x: torch.Tensor) -> torch.Tensor:
     """An int64 key per element, ordered like the float32 values of `x` and, among equal
     values, larger for a lower column index. All keys of a row are distinct."""
-    bits = x.contiguous().view(torch.int32)
+    bits = (x + 0.0).view(torch.int32)  # + 0.0 turns -0.0 into +0.0
     # NOTE: flipping the magnitude bits of negative floats makes signed int order equal float
     # order (for every non-NaN value).
     ordered = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(torch.int64)
