@@ -18,9 +18,8 @@ from pathlib import Path
 from aiohttp import web
 
 from router.backend import Backend
+from router.policy import POLICIES
 from router.server import RouterServer, ServerConfig
-
-POLICIES = ("load", "round_robin", "random")
 
 
 def _address(value: str) -> str:

@@ -1,0 +1,37 @@
+"""The router's command line: flags, defaults, address checks, config derived from them."""
+
+from __future__ import annotations
+
+import pytest
+
+from router.main import build_parser, server_config
+
+
+def test_flags_and_defaults(tmp_path):
+    model = tmp_path / "my-model"
+    model.mkdir()
+    args = build_parser().parse_args([
+        "--model", str(model), "--prefill", "127.0.0.1:7001", "h2:7002",
+        "--decode", "127.0.0.1:7101", "--policy", "round_robin", "--api-key", "k"])
+    assert (args.host, args.port, args.policy) == ("127.0.0.1", 8000, "round_robin")
+    assert args.prefill == ["127.0.0.1:7001", "h2:7002"] and args.decode == ["127.0.0.1:7101"]
+    cfg = server_config(args)
+    assert cfg.served_model_name == "my-model" and cfg.api_key == "k"
+    args = build_parser().parse_args(["--model", str(model), "--served-model-name", "m"])
+    assert server_config(args).served_model_name == "m"
+
+
+@pytest.mark.parametrize("bad", [["--prefill", "nohost"], ["--decode", "h:99999"],
+                                 ["--policy", "fastest"], []])
+def test_bad_flags(bad, capsys):
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--model", "m"] * (bad != []) + bad)
+
+
+def test_help_explains_every_flag(capsys):
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--help"])
+    out = capsys.readouterr().out
+    for flag in ("--host", "--port", "--model", "--served-model-name", "--prefill", "--decode",
+                 "--policy", "--max-queue", "--api-key", "--log-level", "--log-requests"):
+        assert flag in out
