@@ -111,7 +111,9 @@ class RouterServer:
             return error_response(APIError(e.status, f"{e.reason}: {request.method} "
                                                      f"{request.path}", code=str(e.status)))
         finally:
-            self.metrics.http_requests.labels(request.path, str(status)).inc()
+            resource = request.match_info.route.resource
+            endpoint = resource.canonical if resource is not None else "other"
+            self.metrics.http_requests.labels(endpoint, str(status)).inc()
 
     async def models(self, request: web.Request) -> web.Response:
         data = [{"id": self.config.served_model_name, "object": "model",
