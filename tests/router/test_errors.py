@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 
 import httpx
 import openai
@@ -135,6 +136,9 @@ def test_429_when_queue_full(tokenizer, make_server):
     for t in threads:
         t.start()
     assert backend.started.wait(5)
+    deadline = time.monotonic() + 5
+    while s.server.admission.num_waiting < 1 and time.monotonic() < deadline:
+        time.sleep(0.005)
     r = _post(s, "/v1/completions", body)  # one running, one waiting: full
     assert r.status_code == 429 and r.json()["error"]["code"] == "queue_full"
     for t in threads:
