@@ -40,14 +40,30 @@ def _order_key(x: torch.Tensor) -> torch.Tensor:
     return ordered * (1 << 32) + tiebreak
 
 
+def _topk_by_key(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    _, pos = torch.topk(_order_key(x), k, dim=-1, sorted=True)
+    return x.gather(-1, pos), pos
+
+
 def topk_lowest_id(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-`k` values and column ids of each row of float32 `x`, descending, ties broken by
     the lowest id. Returns ([B, k] float32, [B, k] int64); k = 0 gives empty columns."""
+    batch, vocab = x.shape
     if k == 0:
-        empty = x.new_empty((x.shape[0], 0))
+        empty = x.new_empty((batch, 0))
         return empty, empty.to(torch.int64)
-    _, pos = torch.topk(_order_key(x), k, dim=-1, sorted=True)
-    return x.gather(-1, pos), pos
+    if k >= vocab:
+        return _topk_by_key(x, vocab)
+    values, ids = torch.topk(x, k + 1, dim=-1, sorted=True)
+    # NOTE: torch.topk orders ties arbitrarily. A row with no two equal values among its top
+    # k + 1 has no tie inside its top k nor across its boundary: its result is exact. Only the
+    # other rows (rare in float32, common with bf16 logits) take the exact, slower key path.
+    tied = (values[:, 1:] == values[:, :-1]).any(dim=-1)
+    values, ids = values[:, :k], ids[:, :k]
+    if bool(tied.any()):
+        rows = tied.nonzero().squeeze(1)
+        values[rows], ids[rows] = _topk_by_key(x[rows], k)
+    return values, ids
 
 
 def compute_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, num_top: int) -> Logprobs:

@@ -89,39 +89,42 @@ def _index(rows: list[int], device: torch.device) -> torch.Tensor:
     return torch.tensor(rows, dtype=torch.int64, device=device)
 
 
+def _flat_keys(lists: list[list[int]], rows: list[int], vocab: int, dev) -> torch.Tensor:
+    """Indices into a flattened [B, V] tensor of token `lists[j]` in row `rows[j]`."""
+    base = [r * vocab for r in rows]
+    return torch.tensor([b + t for b, ts in zip(base, lists) for t in ts], dtype=torch.int64,
+                        device=dev)
+
+
 def apply_penalties(x: torch.Tensor, rows: list[SamplingRow]) -> None:
     """Repetition, frequency and presence penalties, in place on float32 logits [B, V]:
     seen = prompt ∪ output: x = x / rp if x > 0 else x * rp;
-    then x -= frequency * count(output) + presence * [count(output) > 0]."""
+    then x -= frequency * count(output) + presence * [count(output) > 0].
+    Only the touched entries are read and written (work grows with tokens, not B * V)."""
     idx = [i for i, r in enumerate(rows) if r.params.has_penalties]
     if not idx:
         return
     dev, vocab = x.device, x.shape[1]
-    whole = len(idx) == len(rows)
-    idx_t = None if whole else _index(idx, dev)
-    sub = x if whole else x[idx_t]  # [P, V]
-    prows = [rows[i] for i in idx]
+    flat = x.view(-1)
     coef = torch.tensor(
         [[r.params.repetition_penalty, r.params.frequency_penalty, r.params.presence_penalty]
-         for r in prows], dtype=torch.float32, device=dev,
-    )  # [P, 3]
-    rep, freq, pres = coef[:, 0:1], coef[:, 1:2], coef[:, 2:3]
-
-    def scatter_rows(lists: list[list[int]], into: torch.Tensor, value: torch.Tensor) -> None:
-        lens = torch.tensor([len(t) for t in lists], dtype=torch.int64, device=dev)
-        ids = torch.tensor([t for ts in lists for t in ts], dtype=torch.int64, device=dev)
-        row_of = torch.repeat_interleave(torch.arange(len(lists), device=dev), lens)
-        into.index_put_((row_of, ids), value.expand(ids.shape[0]), accumulate=True)
-
-    counts = torch.zeros_like(sub)
-    scatter_rows([r.output_token_ids for r in prows], counts, torch.ones((), device=dev))
-    if any(r.params.repetition_penalty != 1.0 for r in prows):
-        seen = counts.clone()
-        scatter_rows([r.prompt_token_ids for r in prows], seen, torch.ones((), device=dev))
-        sub.copy_(torch.where(seen > 0, torch.where(sub > 0, sub / rep, sub * rep), sub))
-    sub.sub_(freq * counts + pres * (counts > 0))
-    if not whole:
-        x[idx_t] = sub
+         for r in rows], dtype=torch.float32, device=dev,
+    )  # [B, 3]
+    rep_idx = [i for i in idx if rows[i].params.repetition_penalty != 1.0]
+    if rep_idx:
+        keys = torch.cat([
+            _flat_keys([rows[i].prompt_token_ids for i in rep_idx], rep_idx, vocab, dev),
+            _flat_keys([rows[i].output_token_ids for i in rep_idx], rep_idx, vocab, dev),
+        ]).unique()
+        vals, rp = flat[keys], coef[keys // vocab, 0]
+        flat[keys] = torch.where(vals > 0, vals / rp, vals * rp)
+    out_idx = [i for i in idx if rows[i].output_token_ids and (
+        rows[i].params.frequency_penalty != 0.0 or rows[i].params.presence_penalty != 0.0)]
+    if out_idx:
+        keys = _flat_keys([rows[i].output_token_ids for i in out_idx], out_idx, vocab, dev)
+        keys, counts = keys.unique(return_counts=True)
+        row_of = keys // vocab
+        flat[keys] -= coef[row_of, 1] * counts + coef[row_of, 2]
 
 
 def apply_min_tokens(x: torch.Tensor, rows: list[SamplingRow]) -> None:
@@ -140,52 +143,72 @@ def process_logits(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tenso
     when a row needs either; otherwise the result may share memory with `logits`."""
     if not any(r.params.has_penalties or r.step < r.params.min_tokens for r in rows):
         return logits.float()
-    x = logits.to(torch.float32, copy=True)
+    x = logits.to(torch.float32, copy=True, memory_format=torch.contiguous_format)
     apply_penalties(x, rows)
     apply_min_tokens(x, rows)
     return x
 
 
-def truncated_probs(x: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-    """Sampling distribution [S, V] float32 of sampled rows (temperature >= GREEDY_EPS) from
-    their processed logits `x` [S, V]: temperature, top-k, top-p, min-p, softmax.
-    Each truncation keeps every token whose (tempered) logit is >= the row's threshold:
-    top-k: the k-th largest; top-p: the smallest prefix of the sorted row whose mass reaches
-    top_p (mass before a kept token < top_p); min-p: max + log(min_p), i.e. p >= min_p * p_max."""
+TOP_P_CANDIDATES = 256  # top-p looks for its cut among this many largest logits first
+
+
+def _top_p_threshold(x: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """[S, 1]: the smallest logit top-p keeps in each row of `x` [S, V] (-inf where
+    top_p == 1): the shortest prefix of the sorted row whose mass reaches top_p."""
+    vocab = x.shape[1]
+    lse = x.logsumexp(dim=-1, keepdim=True)
+    p = top_p.unsqueeze(1)
+
+    def cut(ordered: torch.Tensor, lse: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+        probs = (ordered - lse).exp()
+        num_keep = ((probs.cumsum(dim=-1) - probs) < p).sum(dim=-1, keepdim=True)
+        return num_keep.clamp(min=1)
+
+    # NOTE: the candidate count is fixed, so whether a row needs the full sort depends on that
+    # row alone, and its cut never on the batch.
+    ordered = x.topk(min(vocab, TOP_P_CANDIDATES), dim=-1).values
+    num_keep = cut(ordered, lse, p)
+    thr = ordered.gather(1, num_keep - 1)
+    short = ((num_keep.squeeze(1) == ordered.shape[1]) & (top_p < 1.0)).nonzero().squeeze(1)
+    if short.numel() and ordered.shape[1] < vocab:
+        full = x[short].sort(dim=-1, descending=True).values
+        thr[short] = full.gather(1, cut(full, lse[short], p[short]) - 1)
+    # NOTE: top_p == 1 keeps the whole row outright: a cumsum rounding to 1 early would
+    # otherwise drop tail tokens depending on float error.
+    return torch.where(p >= 1.0, -math.inf, thr)
+
+
+def truncated_logits(x: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Tempered logits [S, V] of sampled rows (temperature >= GREEDY_EPS), -inf on every token
+    that top-k, top-p or min-p drops; `x` [S, V] holds their processed logits (not written).
+    Each truncation keeps the tokens whose logit is >= the row's threshold (ties are kept):
+    top-k: the k-th largest; top-p: the smallest prefix of the sorted row (after top-k) whose
+    mass reaches top_p; min-p: max + log(min_p), i.e. p >= min_p * p_max."""
     dev, vocab = x.device, x.shape[1]
     cols = torch.tensor(
         [[p.temperature, p.top_p, p.min_p, p.top_k if 0 < p.top_k < vocab else 0] for p in params],
         dtype=torch.float32, device=dev,
     )  # [S, 4]
     x = x / cols[:, 0:1]  # a new tensor: everything below is in place on it
-    top_k = cols[:, 3].to(torch.int64)
-    use_k = any(0 < p.top_k < vocab for p in params)
-    use_p = any(p.top_p < 1.0 for p in params)
-    if use_k or use_p:
-        if use_p:
-            ordered = x.sort(dim=-1, descending=True).values
-        else:
-            ordered = x.topk(int(top_k.max()), dim=-1).values
-        if use_k:
-            kth = ordered.gather(1, (top_k - 1).clamp(min=0).unsqueeze(1))
-            kth = torch.where(top_k.unsqueeze(1) > 0, kth, -math.inf)
-            x.masked_fill_(x < kth, -math.inf)
-            ordered.masked_fill_(ordered < kth, -math.inf)
-        if use_p:
-            top_p = cols[:, 1]
-            sorted_probs = ordered.softmax(dim=-1)
-            mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
-            num_keep = (mass_before < top_p.unsqueeze(1)).sum(dim=-1)
-            # NOTE: top_p == 1 keeps the whole row outright: a cumsum rounding to 1 early would
-            # otherwise drop tail tokens depending on float error.
-            num_keep = torch.where(top_p >= 1.0, vocab, num_keep.clamp(min=1))
-            pth = ordered.gather(1, (num_keep - 1).unsqueeze(1))
-            x.masked_fill_(x < pth, -math.inf)
+    if any(0 < p.top_k < vocab for p in params):
+        top_k = cols[:, 3:4].to(torch.int64)
+        kth = x.topk(int(top_k.max()), dim=-1).values.gather(1, (top_k - 1).clamp(min=0))
+        x.masked_fill_(x < torch.where(top_k > 0, kth, -math.inf), -math.inf)
+    thr = None
+    if any(p.top_p < 1.0 for p in params):
+        thr = _top_p_threshold(x, cols[:, 1])
     if any(p.min_p > 0.0 for p in params):
-        min_p = cols[:, 2:3]
-        floor = x.amax(dim=-1, keepdim=True) + torch.log(min_p)  # log(0) = -inf: off
-        x.masked_fill_(x < floor, -math.inf)
-    return x.softmax(dim=-1)
+        # min-p compares with the row's max, which top-k and top-p always keep
+        floor = x.amax(dim=-1, keepdim=True) + torch.log(cols[:, 2:3])  # log(0) = -inf: off
+        thr = floor if thr is None else torch.maximum(thr, floor)
+    if thr is not None:
+        x.masked_fill_(x < thr, -math.inf)
+    return x
+
+
+def truncated_probs(x: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Sampling distribution [S, V] float32 of sampled rows: softmax of `truncated_logits`."""
+    return truncated_logits(x, params).softmax(dim=-1)
 
 
 def probs_after_processing(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
@@ -229,15 +252,14 @@ class Sampler:
         noise = torch.empty_like(probs)
         seeded = [(j, r.params.seed, r.step) for j, r in enumerate(rows) if r.params.seed is not None]
         if len(seeded) < len(rows):
-            noise.exponential_(generator=self._generator(self._generators, dev))
+            noise.uniform_(generator=self._generator(self._generators, dev))
         if seeded:
             gen = self._generator(self._seeded, dev)
             for j, seed, step in seeded:
                 gen.manual_seed(step_seed(seed, step))
-                noise[j].exponential_(generator=gen)
-        # NOTE: E = 0 would turn a zero probability into 0/0 = NaN, which argmax picks.
-        noise.clamp_(min=torch.finfo(torch.float32).tiny)
-        return probs.div_(noise).argmax(dim=-1)
+                noise[j].uniform_(generator=gen)
+        # NOTE: E = -log(U) ~ Exp(1) with U in [0, 1): E > 0, so 0 / E = 0 and no NaN appears.
+        return probs.div_(noise.log_().neg_()).argmax(dim=-1)
 
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
         if logits.dim() != 2 or logits.shape[0] != len(rows):

@@ -151,6 +151,16 @@ def test_probs_after_processing_matches_reference():
     assert probs[-1].sum() == 1 and probs[-1, logits[-1].argmax()] == 1
 
 
+def test_top_p_cut_beyond_the_candidates_matches_reference():
+    logits = rand_logits(3, 2000, 8, scale=0.3)  # flat: top-p 0.9 needs most of the vocabulary
+    kws = [dict(top_p=0.9), dict(top_p=0.05), dict(top_k=900, top_p=0.8, temperature=0.5)]
+    probs = probs_after_processing(logits, [row(**kw) for kw in kws])
+    for i, kw in enumerate(kws):
+        allowed = ref_allowed(logits[i].tolist(), SP(**kw))
+        assert set((probs[i] > 0).nonzero().view(-1).tolist()) == set(allowed), kw
+    assert (probs[0] > 0).sum() > 1000 and (probs[1] > 0).sum() < 256
+
+
 def test_truncation_never_samples_a_masked_token():
     reps, vocab = 2000, 64
     base = rand_logits(len(TRUNCATIONS), vocab, 5)
