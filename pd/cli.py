@@ -14,6 +14,8 @@ import sys
 # subcommand -> (module, one-line help). Modules are imported only when their command runs.
 COMMANDS = {
     "generate": ("pd.generate_cli", "generate text in one process (the reference output)"),
+    "prefill": ("prefill_node.main", "run a prefill node"),
+    "decode": ("decode_node.main", "run a decode node"),
 }
 
 

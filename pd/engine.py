@@ -12,6 +12,7 @@ import logging
 
 from pd.allocator import BlockAllocator
 from pd.config import EngineConfig
+from pd.geometry import geometry
 from pd.request import Req
 from pd.runner import ModelRunner
 from pd.sampling_params import SamplingParams
@@ -40,6 +41,9 @@ class Engine:
     @property
     def max_model_len(self) -> int:
         return self.runner.max_model_len
+
+    def geometry(self, mtp_enabled: bool = False) -> dict:
+        return geometry(self.model_config, self.runner.dtype, self.config.block_size, mtp_enabled)
 
     def validate_prompt(self, prompt_token_ids: list[int]) -> None:
         if not prompt_token_ids:

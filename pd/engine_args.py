@@ -51,3 +51,23 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len,
     )
+
+
+def add_node_arguments(p: argparse.ArgumentParser, default_port: int) -> None:
+    g = p.add_argument_group("service")
+    g.add_argument("--host", default="127.0.0.1",
+                   help="address to bind (default: 127.0.0.1; use 0.0.0.0 to serve other hosts)")
+    g.add_argument("--port", type=int, default=default_port,
+                   help=f"control port for routers, ZMQ (default: {default_port}; 0 = any free port)")
+    g.add_argument("--metrics-port", type=int, default=None,
+                   help="HTTP port for /metrics and /health (default: none; 0 = any free port)")
+    g.add_argument("--node-id", default=None, help="name in logs and metrics (default: role-port)")
+
+
+def announce(role: str, node_id: str, **ports) -> None:
+    """Print the one machine-readable line launchers wait for: `PD_READY {json}`."""
+    import json
+    import sys
+
+    print("PD_READY " + json.dumps({"role": role, "node_id": node_id, **ports}), flush=True)
+    sys.stdout.flush()

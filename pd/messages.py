@@ -179,10 +179,14 @@ class KVRefuse:
     reason: str
 
 
-def encode(msg) -> bytes:
+def to_dict(msg) -> dict:
     d = asdict(msg)
     d["type"], d["version"] = msg.TYPE, msg.VERSION
-    return msgpack.packb(d, use_bin_type=True)
+    return d
+
+
+def encode(msg) -> bytes:
+    return msgpack.packb(to_dict(msg), use_bin_type=True)
 
 
 def decode(data: bytes | memoryview, max_bytes: int = MAX_MESSAGE_BYTES):
@@ -192,8 +196,14 @@ def decode(data: bytes | memoryview, max_bytes: int = MAX_MESSAGE_BYTES):
         d = msgpack.unpackb(data, raw=False, strict_map_key=True)
     except Exception as e:  # msgpack raises several unrelated types
         raise MessageError(f"malformed msgpack: {e.__class__.__name__}: {e}") from None
+    return from_dict(d)
+
+
+def from_dict(d) -> object:
+    """A decoded msgpack map -> its typed message, with every check `decode` promises."""
     if not isinstance(d, dict):
         raise MessageError(f"message is a {type(d).__name__}, not a map")
+    d = dict(d)
     kind, version = d.pop("type", None), d.pop("version", None)
     cls = _REGISTRY.get(kind) if isinstance(kind, str) else None
     if cls is None:
@@ -210,5 +220,3 @@ def decode(data: bytes | memoryview, max_bytes: int = MAX_MESSAGE_BYTES):
         if not isinstance(value, cls._types[name]) or (isinstance(value, bool) and bool not in cls._types[name]):
             raise MessageError(f"{kind}: field {name} has type {type(value).__name__}")
     return cls(**d)
-
-

@@ -158,6 +158,12 @@ class Scheduler:
         if not req.hold_blocks_on_finish:
             self.free_blocks(req)
 
+    def detach(self, req: Req) -> None:
+        """Take a running request out of the scheduler, keeping its blocks (a prefill node
+        hands it to a decode node, and frees the blocks once the KV has been taken)."""
+        self.running.remove(req)
+        req.status = ReqStatus.FINISHED
+
     def free_blocks(self, req: Req) -> None:
         if req.block_ids:
             self.allocator.free(req.block_ids)

@@ -1,0 +1,47 @@
+"""`pd decode`: run a decode node.
+
+Prefill nodes hand it requests (first token, then KV cache) on --kv-port; it streams every token
+to the router that sent the request. Routers reach it on --port for health, load and aborts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+
+from pd.engine_args import add_engine_arguments, add_node_arguments, announce, engine_config
+
+log = logging.getLogger(__name__)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    add_engine_arguments(p)
+    add_node_arguments(p, default_port=7200)
+    g = p.add_argument_group("decode")
+    g.add_argument("--kv-port", type=int, default=7201,
+                   help="port where prefill nodes send requests and KV (default: 7201; 0 = any)")
+    g.add_argument("--max-queue", type=int, default=4096,
+                   help="requests being handed over at once; more are refused")
+    g.add_argument("--kv-timeout", type=float, default=30.0,
+                   help="seconds a handed-over request may wait for free blocks and its KV "
+                        "before it fails (default: 30)")
+
+
+def main(args: argparse.Namespace) -> int:
+    from decode_node.node import DecodeNode
+    from pd.engine import Engine
+    from pd.tokenizer import Tokenizer
+
+    cfg = engine_config(args)
+    engine = Engine(cfg, eos_token_ids=Tokenizer.from_dir(cfg.model).eos_token_ids)
+    node = DecodeNode(
+        args.node_id or f"decode-{args.port or os.getpid()}", engine, host=args.host,
+        port=args.port, kv_port=args.kv_port, metrics_port=args.metrics_port,
+        max_queue=args.max_queue, kv_timeout=args.kv_timeout)
+    announce("decode", node.node_id, port=node.port, kv_addr=node.kv_addr,
+             metrics_port=node.probe.port if node.probe else None)
+    log.info("decode node %s serving on %s:%d, KV ingest %s", node.node_id, args.host,
+             node.port, node.kv_addr)
+    node.run()
+    return 0

@@ -1,0 +1,284 @@
+"""The decode node: takes requests handed over by prefill nodes, forwards each first token to
+the router at once, installs the KV into its own blocks, and decodes them in its running batch,
+streaming every token to the router.
+
+Intake, per request, on the KV ingest socket (from one prefill node, in order):
+  RequestMeta -> FIRST_TOKEN (forwarded to the router; blocks reserved, or queued until free)
+  -> KVAccept sent -> KV records (installed) -> KVDone -> KVAck sent, the request joins the batch.
+A request waiting for blocks or for its KV has a deadline (`--kv-timeout`): on expiry the router
+gets an error and the prefill node a KVRefuse. An ABORT (router or prefill node) ends the request
+wherever it is and frees its blocks. Every record's request id must name a request in the state
+that expects it, from the peer that announced it; anything else is refused and counted.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass
+
+from pd import messages as m
+from pd import node_metrics
+from pd.engine import Engine
+from pd.geometry import mismatch
+from pd.request import Req
+from pd.sampling_params import SamplingParams
+from pd.service import NodeService
+from shm_ipc.kv import install_kv
+from shm_ipc.receiver import KVReceiver, PeerGone
+from shm_ipc.records import AbortRecord, FirstTokenRecord, KVRecord
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)
+class Incoming:
+    req: Req
+    peer: bytes
+    reply_to: str
+    num_blocks: int  # blocks of prompt KV the prefill node will send
+    deadline: float
+    state: str = "meta"  # meta -> waiting_blocks -> receiving -> joined
+    num_records: int = 0
+
+
+class DecodeNode(NodeService):
+    role = "decode"
+
+    def __init__(self, node_id: str, engine: Engine, *, host: str, port: int, kv_port: int,
+                 metrics_port: int | None, max_queue: int = 4096, kv_timeout: float = 30.0) -> None:
+        super().__init__(node_id, host, port, metrics_port)
+        self.engine = engine
+        self.scheduler = engine.scheduler
+        self.allocator = engine.allocator
+        self.max_queue = max_queue
+        self.kv_timeout = kv_timeout
+        self.receiver = KVReceiver(f"tcp://{host}:{kv_port}", ctx=self.ctx)
+        self.kv_addr = self.receiver.endpoint
+        self.register(self.receiver.socket, self.on_kv_socket)
+        self.geometry = engine.geometry()
+        self.peers: dict[bytes, str] = {}  # paired prefill nodes: identity -> node id
+        self.incoming: dict[str, Incoming] = {}
+        self.waiting_blocks: deque[Incoming] = deque()
+        self.reply_to: dict[str, str] = {}  # running request -> router event endpoint
+        self.metrics = node_metrics.for_node(self.role, node_id)
+
+    # -- router control ------------------------------------------------------------------------
+    def on_control(self, identity: bytes, msg) -> None:
+        if isinstance(msg, m.Abort):
+            self.abort(msg.req_id)
+        else:
+            super().on_control(identity, msg)
+
+    def pong_extra(self) -> dict:
+        return {"kv_addr": self.kv_addr}
+
+    # -- KV ingest -----------------------------------------------------------------------------
+    def on_kv_socket(self) -> None:
+        for peer, item in self.receiver.recv(timeout=0):
+            try:
+                self.dispatch(peer, item)
+            except m.MessageError as e:
+                self.refuse("kv", e)
+
+    def dispatch(self, peer: bytes, item) -> None:
+        if isinstance(item, dict):
+            msg = m.from_dict(item)
+            if isinstance(msg, m.Hello):
+                self.on_hello(peer, msg)
+            elif peer not in self.peers:
+                raise m.MessageError(f"{type(msg).__name__} from an unpaired peer {peer!r}")
+            elif isinstance(msg, m.RequestMeta):
+                self.on_meta(peer, msg)
+            elif isinstance(msg, m.KVDone):
+                self.on_kv_done(peer, msg)
+            else:
+                raise m.MessageError(f"unexpected {type(msg).__name__} on the KV ingest socket")
+        elif isinstance(item, PeerGone):
+            self.on_peer_gone(peer, item.reason)
+        elif isinstance(item, AbortRecord):
+            self.abort(item.req_id, peer=peer)
+        elif isinstance(item, FirstTokenRecord):
+            self.on_first_token(self.expect(peer, item.req_id, "meta"), item)
+        elif isinstance(item, KVRecord):
+            self.on_kv(self.expect(peer, item.req_id, "receiving"), item)
+        else:
+            raise m.MessageError(f"unexpected record {type(item).__name__}")
+
+    def expect(self, peer: bytes, req_id: str, state: str) -> Incoming:
+        inc = self.incoming.get(req_id)
+        if inc is None or inc.peer != peer or inc.state != state:
+            raise m.MessageError(
+                f"record for request {req_id!r}, which is not {state!r} from this peer "
+                f"({'unknown' if inc is None else inc.state})")
+        return inc
+
+    def on_hello(self, peer: bytes, msg: m.Hello) -> None:
+        why = mismatch(self.geometry, msg.geometry)
+        if why is not None:
+            log.error("refusing to pair with prefill node %s: %s", msg.node_id, why)
+            self.receiver.send_control(peer, m.to_dict(m.HelloRefused(self.node_id, why)))
+            return
+        self.peers[peer] = msg.node_id
+        self.receiver.send_control(peer, m.to_dict(m.HelloOk(self.node_id)))
+        log.info("paired with prefill node %s", msg.node_id)
+
+    def on_meta(self, peer: bytes, msg: m.RequestMeta) -> None:
+        try:
+            if msg.req_id in self.incoming or msg.req_id in self.reply_to:
+                raise ValueError(f"duplicate request id {msg.req_id!r}")
+            if len(self.incoming) >= self.max_queue:
+                raise ValueError(f"decode node {self.node_id} is full ({self.max_queue} incoming)")
+            params = SamplingParams.from_dict(msg.params)
+            self.engine.validate_prompt(msg.prompt_ids)
+        except (ValueError, TypeError) as e:
+            self.metrics.refused("bad_request").inc()
+            self.receiver.send_control(peer, m.to_dict(m.KVRefuse(msg.req_id, str(e))))
+            self.events.send(msg.reply_to, m.TokenStream(msg.req_id, [], error=str(e)))
+            return
+        req = Req(msg.req_id, list(msg.prompt_ids), params, eos_token_ids=self.engine.eos_token_ids)
+        deadline = time.monotonic() + min(msg.deadline_s, self.kv_timeout)
+        self.incoming[msg.req_id] = Incoming(req, peer, msg.reply_to, msg.num_blocks, deadline)
+
+    def on_first_token(self, inc: Incoming, rec: FirstTokenRecord) -> None:
+        req = inc.req
+        req.append_token(rec.token_id, rec.logprob, rec.rank, [tuple(p) for p in rec.top])
+        # NOTE: the first token goes to the router now; TTFT does not wait for the KV.
+        self.stream(inc.reply_to, req, 1, None)
+        inc.state = "waiting_blocks"
+        self.waiting_blocks.append(inc)
+        self.may_reserve()
+
+    def may_reserve(self) -> None:
+        """Reserve blocks for waiting requests, in arrival order, keeping one free block per
+        running request so the batch can grow without preempting."""
+        while self.waiting_blocks:
+            inc = self.waiting_blocks[0]
+            need = self.scheduler.blocks_needed(inc.req, inc.req.num_tokens)
+            if need > self.allocator.num_free - len(self.scheduler.running):
+                return
+            self.waiting_blocks.popleft()
+            inc.req.block_ids = self.allocator.allocate(need)
+            inc.state = "receiving"
+            self.receiver.send_control(inc.peer, m.to_dict(m.KVAccept(inc.req.req_id)))
+
+    def on_kv(self, inc: Incoming, rec: KVRecord) -> None:
+        if rec.block_start + rec.num_blocks > inc.num_blocks:
+            raise m.MessageError(f"KV record for {inc.req.req_id} beyond its {inc.num_blocks} blocks")
+        try:
+            install_kv(rec, self.engine.runner.kv_cache.kv, inc.req.block_ids)
+        except ValueError as e:
+            raise m.MessageError(str(e)) from None
+        inc.num_records += 1
+        self.metrics.kv_received_bytes.inc(rec.payload.nbytes)
+
+    def on_kv_done(self, peer: bytes, msg: m.KVDone) -> None:
+        inc = self.expect(peer, msg.req_id, "receiving")
+        if inc.num_records != msg.num_records:
+            self.fail(inc, f"KV incomplete: {inc.num_records} of {msg.num_records} records arrived")
+            return
+        self.receiver.send_control(peer, m.to_dict(m.KVAck(msg.req_id)))
+        del self.incoming[msg.req_id]
+        inc.state = "joined"
+        req = inc.req
+        req.num_computed_tokens = req.num_prompt_tokens
+        self.reply_to[req.req_id] = inc.reply_to
+        self.scheduler.add_running(req)
+
+    def on_peer_gone(self, peer: bytes, reason: str) -> None:
+        self.peers.pop(peer, None)
+        for inc in [i for i in self.incoming.values() if i.peer == peer]:
+            self.fail(inc, f"prefill node gone before the KV arrived: {reason}", tell_peer=False)
+
+    # -- decoding ------------------------------------------------------------------------------
+    def has_work(self) -> bool:
+        return self.scheduler.has_work
+
+    def step(self) -> None:
+        batch = self.scheduler.schedule()
+        if batch is None:
+            return
+        start = time.perf_counter()
+        sampled = self.engine.runner.run(batch)
+        self.metrics.step_seconds.observe(time.perf_counter() - start)
+        self.metrics.generation_tokens.inc(len(sampled))
+        self.scheduler.update(batch, sampled)
+        for i in sampled:
+            req = batch.reqs[i]
+            reply_to = self.reply_to.get(req.req_id)
+            if reply_to is None:
+                continue
+            reason = req.finish_reason.value if req.is_finished else None
+            self.stream(reply_to, req, 1, reason)
+            if req.is_finished:
+                del self.reply_to[req.req_id]
+        self.may_reserve()
+
+    def stream(self, reply_to: str, req: Req, n: int, finish_reason: str | None) -> None:
+        """Send the request's last n tokens (with logprobs when asked) to the router."""
+        extra = {}
+        if req.params.logprobs is not None:
+            extra = {"logprobs": req.output_logprobs[-n:],
+                     "top_logprobs": [[list(p) for p in top] for top in req.output_top_logprobs[-n:]]}
+        self.events.send(reply_to, m.TokenStream(
+            req.req_id, req.token_ids[-n:], finish_reason=finish_reason,
+            num_prompt_tokens=req.num_prompt_tokens, num_output_tokens=req.num_output_tokens, **extra))
+
+    # -- endings -------------------------------------------------------------------------------
+    def fail(self, inc: Incoming, error: str, tell_peer: bool = True) -> None:
+        log.warning("request %s failed: %s", inc.req.req_id, error)
+        self.metrics.refused("failed").inc()
+        self.events.send(inc.reply_to, m.TokenStream(inc.req.req_id, [], error=error))
+        if tell_peer:
+            self.receiver.send_control(inc.peer, m.to_dict(m.KVRefuse(inc.req.req_id, error)))
+        self.drop_incoming(inc)
+
+    def drop_incoming(self, inc: Incoming) -> None:
+        self.incoming.pop(inc.req.req_id, None)
+        if inc.state == "waiting_blocks":
+            self.waiting_blocks.remove(inc)
+        self.scheduler.free_blocks(inc.req)
+        inc.state = "dropped"
+
+    def abort(self, req_id: str, peer: bytes | None = None) -> None:
+        inc = self.incoming.get(req_id)
+        if inc is not None and (peer is None or inc.peer == peer):
+            self.drop_incoming(inc)
+        elif req_id in self.reply_to and peer is None:
+            del self.reply_to[req_id]
+            req = next((r for r in self.scheduler.running if r.req_id == req_id), None) or \
+                next((r for r in self.scheduler.waiting if r.req_id == req_id), None)
+            if req is not None:
+                self.scheduler.abort(req)
+        self.may_reserve()
+
+    def tick(self, now: float) -> None:
+        for inc in [i for i in self.incoming.values() if now > i.deadline]:
+            self.fail(inc, {"meta": "timed out waiting for the first token",
+                            "waiting_blocks": "timed out waiting for free KV blocks at the decode node",
+                            "receiving": "timed out waiting for the KV"}[inc.state])
+        self.may_reserve()
+        mt = self.metrics
+        mt.waiting.set(len(self.scheduler.waiting) + len(self.waiting_blocks))
+        mt.running.set(len(self.scheduler.running))
+        mt.kv_usage.set(self.allocator.usage)
+        if not self.incoming and not self.scheduler.has_work:
+            self.allocator.check_integrity()
+
+    def stats(self) -> dict:
+        return {
+            "queue_len": len(self.waiting_blocks) + len(self.scheduler.waiting),
+            "running": len(self.scheduler.running),
+            "incoming": len(self.incoming),
+            "free_blocks": self.allocator.num_free,
+            "total_blocks": self.allocator.num_blocks,
+        }
+
+    def shutdown(self) -> None:
+        for inc in list(self.incoming.values()):
+            self.fail(inc, f"decode node {self.node_id} shut down")
+        for req_id, reply_to in list(self.reply_to.items()):
+            self.events.send(reply_to, m.TokenStream(
+                req_id, [], error=f"decode node {self.node_id} shut down"))
+        self.receiver.close()

@@ -1,0 +1,48 @@
+"""Prometheus metrics of the node services, defined once for both roles.
+
+Every metric carries `role` and `node` labels; a node binds its children once with
+`for_node(role, node_id)`. Names follow vLLM's vocabulary with a `pd_` prefix. The router's own
+metrics are in `router/metrics.py`; the transport's refusal counter is in `shm_ipc/metrics.py`.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from prometheus_client import Counter, Gauge, Histogram
+
+LABELS = ("role", "node")
+# Sub-millisecond to minutes.
+TIME_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25,
+                0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+
+_WAITING = Gauge("pd_num_requests_waiting", "Requests waiting to be scheduled", LABELS)
+_RUNNING = Gauge("pd_num_requests_running", "Requests in the running batch", LABELS)
+_KV_USAGE = Gauge("pd_kv_cache_usage_perc", "Fraction of KV blocks in use (0..1)", LABELS)
+_TOKENS = Counter("pd_prompt_tokens_computed", "Prompt tokens prefilled", LABELS)
+_GEN_TOKENS = Counter("pd_generation_tokens", "Tokens generated", LABELS)
+_STEP = Histogram("pd_step_duration_seconds", "Wall time of one engine step", LABELS,
+                  buckets=TIME_BUCKETS)
+_KV_SENT = Counter("pd_kv_sent_bytes", "KV bytes sent to decode nodes", LABELS)
+_KV_RECV = Counter("pd_kv_received_bytes", "KV bytes received from prefill nodes", LABELS)
+_KV_XFER = Histogram("pd_kv_transfer_seconds",
+                     "From the start of a request's KV send to the decode node's ack", LABELS,
+                     buckets=TIME_BUCKETS)
+_HANDOFF = Gauge("pd_transfers_waiting", "Requests handed to a decode node, not yet acknowledged",
+                 LABELS)
+_REFUSED = Counter("pd_requests_refused", "Requests refused or failed by a node", LABELS + ("reason",))
+_PREEMPT = Counter("pd_num_preemptions", "Requests preempted (recompute) for lack of KV blocks",
+                   LABELS)
+
+
+def for_node(role: str, node_id: str) -> SimpleNamespace:
+    lab = {"role": role, "node": node_id}
+    return SimpleNamespace(
+        waiting=_WAITING.labels(**lab), running=_RUNNING.labels(**lab),
+        kv_usage=_KV_USAGE.labels(**lab), prompt_tokens=_TOKENS.labels(**lab),
+        generation_tokens=_GEN_TOKENS.labels(**lab), step_seconds=_STEP.labels(**lab),
+        kv_sent_bytes=_KV_SENT.labels(**lab), kv_received_bytes=_KV_RECV.labels(**lab),
+        kv_transfer_seconds=_KV_XFER.labels(**lab), transfers_waiting=_HANDOFF.labels(**lab),
+        preemptions=_PREEMPT.labels(**lab),
+        refused=lambda reason: _REFUSED.labels(role=role, node=node_id, reason=reason),
+    )

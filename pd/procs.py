@@ -1,0 +1,82 @@
+"""Starting node processes and waiting for them: used by `pd launch` and the end-to-end tests.
+
+A node prints one `PD_READY {json}` line on stdout when it serves; `start_node` waits for it
+(with a timeout, and an error carrying the node's last log lines if it dies first).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+
+
+@dataclass
+class NodeProcess:
+    role: str
+    proc: subprocess.Popen
+    info: dict
+    log_path: str
+    _lines: list = field(default_factory=list, repr=False)
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def log_tail(self, n: int = 40) -> str:
+        try:
+            with open(self.log_path, errors="replace") as f:
+                return "".join(f.readlines()[-n:])
+        except OSError:
+            return ""
+
+    def stop(self, timeout: float = 10.0) -> int | None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def start_node(role: str, args: list[str], timeout: float = 60.0, env: dict | None = None,
+               log_dir: str | None = None) -> NodeProcess:
+    """Run `python -m pd ROLE ARGS...` and wait for its PD_READY line."""
+    log_dir = log_dir or tempfile.gettempdir()
+    fd, log_path = tempfile.mkstemp(prefix=f"pd-{role}-", suffix=".log", dir=log_dir)
+    log_file = os.fdopen(fd, "w")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pd", role, *args], stdout=subprocess.PIPE, stderr=log_file,
+        env={**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1"}, text=True)
+    log_file.close()
+    node = NodeProcess(role, proc, {}, log_path)
+    found = threading.Event()
+
+    def read_stdout():
+        for line in proc.stdout:
+            if line.startswith("PD_READY ") and not found.is_set():
+                node.info = json.loads(line[len("PD_READY "):])
+                found.set()
+            node._lines.append(line)
+
+    threading.Thread(target=read_stdout, daemon=True).start()
+    deadline = time.monotonic() + timeout
+    while not found.wait(0.05):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            node.kill()
+            why = f"exited with {proc.returncode}" if proc.returncode is not None else "timed out"
+            raise RuntimeError(f"pd {role} {why} before it was ready:\n{node.log_tail()}")
+    return node

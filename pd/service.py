@@ -1,0 +1,205 @@
+"""What every node service shares: the control socket, the token-event sockets to routers, the
+/metrics and /health probe, and the poll loop.
+
+A node is one thread running `NodeService.run()`: it sleeps in `zmq.Poller.poll` while idle
+(no spinning), and while it has work it polls without waiting, runs one engine step, and checks
+timeouts. Subclasses (`prefill_node`, `decode_node`) register their sockets and handlers and say
+what a step is. Refused messages are counted and logged; the loop never dies of one.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import signal
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Callable
+
+import zmq
+from prometheus_client import CONTENT_TYPE_LATEST, Counter, generate_latest
+
+from pd import messages
+from pd.messages import MessageError, Ping, Pong, TokenStream
+
+log = logging.getLogger(__name__)
+
+MESSAGES_REFUSED = Counter(
+    "pd_messages_refused", "Control messages refused by a node (malformed, unknown, too large)",
+    ["role", "node", "socket"])
+TICK_S = 0.05  # how often timeouts are checked, and the longest idle sleep
+
+
+def bind_socket(ctx: zmq.Context, kind: int, host: str, port: int) -> tuple[zmq.Socket, int]:
+    """Bind to tcp://host:port (port 0: any free port); returns the socket and its port."""
+    sock = ctx.socket(kind)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.MAXMSGSIZE, messages.MAX_MESSAGE_BYTES + 4096)
+    if port == 0:
+        port = sock.bind_to_random_port(f"tcp://{host}")
+    else:
+        sock.bind(f"tcp://{host}:{port}")
+    return sock, port
+
+
+class EventSender:
+    """PUSH sockets to the routers' event endpoints, connected on first use."""
+
+    def __init__(self, ctx: zmq.Context) -> None:
+        self.ctx = ctx
+        self.sockets: dict[str, zmq.Socket] = {}
+
+    def send(self, addr: str, msg: TokenStream) -> None:
+        sock = self.sockets.get(addr)
+        if sock is None:
+            sock = self.ctx.socket(zmq.PUSH)
+            sock.setsockopt(zmq.LINGER, 1000)
+            sock.setsockopt(zmq.SNDHWM, 100_000)
+            sock.connect(addr)
+            self.sockets[addr] = sock
+        try:
+            sock.send(messages.encode(msg), zmq.NOBLOCK)
+        except zmq.Again:
+            log.error("router %s is not reading its events; dropped one for %s", addr, msg.req_id)
+
+    def close(self) -> None:
+        for sock in self.sockets.values():
+            sock.close()
+
+
+class ProbeServer:
+    """/metrics (Prometheus text) and /health (JSON) over HTTP, in a daemon thread."""
+
+    def __init__(self, host: str, port: int, health: Callable[[], tuple[bool, dict]]) -> None:
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self):  # noqa: N802 (http.server's name)
+                path = self.path.split("?")[0]
+                if path == "/metrics":
+                    body, ctype, code = generate_latest(), CONTENT_TYPE_LATEST, 200
+                elif path in ("/health", "/healthz", "/ready"):
+                    ok, info = health()
+                    body, ctype, code = json.dumps(info).encode(), "application/json", 200 if ok else 503
+                else:
+                    body, ctype, code = b"not found\n", "text/plain", 404
+                self.send_response(code)
+                self.send_header("Content-Type", ctype)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args):
+                pass
+
+        self.server = ThreadingHTTPServer((host, port), Handler)
+        self.server.daemon_threads = True
+        self.port = self.server.server_address[1]
+        threading.Thread(target=self.server.serve_forever, name="probe", daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+class NodeService:
+    role = "node"
+
+    def __init__(self, node_id: str, host: str, port: int, metrics_port: int | None) -> None:
+        self.node_id = node_id
+        self.ctx = zmq.Context.instance()
+        self.control, self.port = bind_socket(self.ctx, zmq.ROUTER, host, port)
+        self.events = EventSender(self.ctx)
+        self.poller = zmq.Poller()
+        self.handlers: dict[zmq.Socket, Callable[[], None]] = {}
+        self.register(self.control, self._on_control_socket)
+        self.probe = ProbeServer(host, metrics_port, self.health) if metrics_port is not None else None
+        self.stopping = threading.Event()
+        self.started = time.monotonic()
+
+    # -- subclass hooks ------------------------------------------------------------------------
+    def has_work(self) -> bool:
+        return False
+
+    def step(self) -> None:
+        pass
+
+    def tick(self, now: float) -> None:
+        """Called every TICK_S: timeouts."""
+
+    def stats(self) -> dict:
+        return {}
+
+    def on_control(self, identity: bytes, msg) -> None:
+        raise MessageError(f"{type(msg).__name__} is not accepted by a {self.role} node")
+
+    def shutdown(self) -> None:
+        pass
+
+    # -- machinery -----------------------------------------------------------------------------
+    def register(self, sock: zmq.Socket, handler: Callable[[], None]) -> None:
+        self.poller.register(sock, zmq.POLLIN)
+        self.handlers[sock] = handler
+
+    def refuse(self, socket_name: str, error: Exception) -> None:
+        MESSAGES_REFUSED.labels(self.role, self.node_id, socket_name).inc()
+        log.error("%s node %s refused a message on its %s socket: %s",
+                  self.role, self.node_id, socket_name, error)
+
+    def health(self) -> tuple[bool, dict]:
+        return True, {"status": "ok", "role": self.role, "node_id": self.node_id, **self.stats()}
+
+    def reply(self, identity: bytes, msg) -> None:
+        self.control.send_multipart([identity, messages.encode(msg)])
+
+    def _on_control_socket(self) -> None:
+        while True:
+            try:
+                frames = self.control.recv_multipart(zmq.NOBLOCK, copy=True)
+            except zmq.Again:
+                return
+            if len(frames) != 2:
+                self.refuse("control", MessageError(f"{len(frames) - 1} frames, expected 1"))
+                continue
+            identity, data = frames
+            try:
+                msg = messages.decode(data)
+                if isinstance(msg, Ping):
+                    self.reply(identity, Pong(msg.seq, self.role, self.node_id, self.stats(),
+                                              **self.pong_extra()))
+                else:
+                    self.on_control(identity, msg)
+            except MessageError as e:
+                self.refuse("control", e)
+
+    def pong_extra(self) -> dict:
+        return {}
+
+    def run(self) -> None:
+        def on_signal(signum, frame):
+            log.info("%s node %s: signal %d, stopping", self.role, self.node_id, signum)
+            self.stopping.set()
+
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, on_signal)
+            signal.signal(signal.SIGINT, on_signal)
+        last_tick = 0.0
+        try:
+            while not self.stopping.is_set():
+                busy = self.has_work()
+                for sock, _ in self.poller.poll(0 if busy else TICK_S * 1000):
+                    self.handlers[sock]()
+                if self.has_work():
+                    self.step()
+                now = time.monotonic()
+                if now - last_tick >= TICK_S:
+                    last_tick = now
+                    self.tick(now)
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        self.shutdown()
+        if self.probe is not None:
+            self.probe.close()
+        self.events.close()
+        self.control.close()

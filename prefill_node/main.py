@@ -1,0 +1,53 @@
+"""`pd prefill`: run a prefill node.
+
+It takes PrefillRequests from routers on --port, prefills them in batches (chunked under
+--max-num-batched-tokens), and hands each request with its first token and KV cache to the
+decode node the router named: through a shared-memory ring when that node is on this host,
+through ZMQ frames otherwise (--transport).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+
+from pd.engine_args import add_engine_arguments, add_node_arguments, announce, engine_config
+
+log = logging.getLogger(__name__)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    add_engine_arguments(p)
+    add_node_arguments(p, default_port=7100)
+    g = p.add_argument_group("prefill")
+    g.add_argument("--transport", default=os.environ.get("PD_KV_TRANSPORT", "auto"),
+                   choices=["auto", "shm", "zmq"],
+                   help="KV transport to decode nodes: shm (shared-memory ring, same host), zmq "
+                        "(frames over TCP), auto (shm when the decode node is on this host); "
+                        "env PD_KV_TRANSPORT")
+    g.add_argument("--max-queue", type=int, default=1024,
+                   help="requests held at once (queued, prefilling, handing off); more are refused")
+    g.add_argument("--queue-timeout", type=float, default=60.0,
+                   help="seconds a request may wait for its prefill before it fails (default: 60)")
+    g.add_argument("--handoff-timeout", type=float, default=30.0,
+                   help="seconds from the first token until the decode node has the KV (default: 30)")
+
+
+def main(args: argparse.Namespace) -> int:
+    from pd.engine import Engine
+    from pd.tokenizer import Tokenizer
+    from prefill_node.node import PrefillNode
+
+    cfg = engine_config(args)
+    engine = Engine(cfg, eos_token_ids=Tokenizer.from_dir(cfg.model).eos_token_ids)
+    node = PrefillNode(
+        args.node_id or f"prefill-{args.port or os.getpid()}", engine, host=args.host,
+        port=args.port, metrics_port=args.metrics_port, transport=args.transport,
+        max_queue=args.max_queue, queue_timeout=args.queue_timeout,
+        handoff_timeout=args.handoff_timeout)
+    announce("prefill", node.node_id, port=node.port,
+             metrics_port=node.probe.port if node.probe else None)
+    log.info("prefill node %s serving on %s:%d", node.node_id, args.host, node.port)
+    node.run()
+    return 0

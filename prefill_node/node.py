@@ -1,0 +1,228 @@
+"""The prefill node: takes `PrefillRequest`s from routers, prefills prompts in batches (chunked,
+under a token budget), samples each request's first token, and hands the request to the decode
+node it names: RequestMeta + FIRST_TOKEN at once, the KV once the decode node has reserved
+blocks (KVAccept), and frees its own blocks when the decode node acknowledges (KVAck).
+
+A request that ends with its first token (max_tokens 1, EOS) is answered to the router here and
+never reaches a decode node. Every waiting state has a deadline: queued or prefilling
+(`--queue-timeout`), handed off but not acknowledged (`--handoff-timeout`); on expiry the
+router gets an error, the decode node an Abort, and the blocks are freed. Talking to one decode
+node (handshake, transport) is `link.py`'s job.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+from pd import messages as m
+from pd import node_metrics
+from pd.engine import Engine
+from pd.request import Req
+from pd.sampling_params import SamplingParams
+from pd.service import NodeService
+from prefill_node.link import DecodeLink
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)
+class Job:
+    msg: m.PrefillRequest
+    req: Req
+    deadline: float
+    state: str = "queued"  # queued -> handed_off (RequestMeta sent) -> kv_sent -> done
+    link: DecodeLink | None = None
+    arrival: float = field(default_factory=time.monotonic)
+    kv_started: float = 0.0
+
+
+class PrefillNode(NodeService):
+    role = "prefill"
+
+    def __init__(self, node_id: str, engine: Engine, *, host: str, port: int,
+                 metrics_port: int | None, transport: str = "auto", max_queue: int = 1024,
+                 queue_timeout: float = 60.0, handoff_timeout: float = 30.0) -> None:
+        super().__init__(node_id, host, port, metrics_port)
+        self.engine = engine
+        self.scheduler = engine.scheduler
+        self.transport = transport
+        self.max_queue = max_queue
+        self.queue_timeout = queue_timeout
+        self.handoff_timeout = handoff_timeout
+        self.jobs: dict[str, Job] = {}
+        self.links: dict[str, DecodeLink] = {}
+        self.geometry = engine.geometry()
+        self.metrics = node_metrics.for_node(self.role, node_id)
+
+    # -- intake --------------------------------------------------------------------------------
+    def on_control(self, identity: bytes, msg) -> None:
+        if isinstance(msg, m.PrefillRequest):
+            self.admit(msg)
+        elif isinstance(msg, m.Abort):
+            self.abort(msg.req_id, msg.reason)
+        else:
+            super().on_control(identity, msg)
+
+    def admit(self, msg: m.PrefillRequest) -> None:
+        try:
+            if msg.req_id in self.jobs:
+                raise ValueError(f"duplicate request id {msg.req_id!r}")
+            if len(self.jobs) >= self.max_queue:
+                raise ValueError(f"prefill node {self.node_id} is full ({self.max_queue} requests)")
+            params = SamplingParams.from_dict(msg.params)
+            self.engine.validate_prompt(msg.prompt_ids)
+            req = Req(msg.req_id, list(msg.prompt_ids), params,
+                      eos_token_ids=self.engine.eos_token_ids, hold_blocks_on_finish=True)
+            self.scheduler.add(req)
+        except (ValueError, TypeError) as e:
+            self.metrics.refused("bad_request").inc()
+            log.warning("refused request %s: %s", msg.req_id, e)
+            self.events.send(msg.reply_to, m.TokenStream(msg.req_id, [], error=str(e)))
+            return
+        self.jobs[msg.req_id] = Job(msg, req, time.monotonic() + self.queue_timeout)
+
+    # -- the step --------------------------------------------------------------------------------
+    def has_work(self) -> bool:
+        return self.scheduler.has_work
+
+    def step(self) -> None:
+        batch = self.scheduler.schedule()
+        if batch is None:
+            return
+        start = time.perf_counter()
+        sampled = self.engine.runner.run(batch)
+        self.metrics.prompt_tokens.inc(batch.num_tokens)
+        self.metrics.step_seconds.observe(time.perf_counter() - start)
+        self.scheduler.update(batch, sampled)
+        for i in sampled:
+            req = batch.reqs[i]
+            job = self.jobs.get(req.req_id)
+            if job is None:
+                continue
+            if req.is_finished:  # ended with its first token: answer here
+                self.finish_here(job)
+            else:
+                self.scheduler.detach(req)
+                self.hand_off(job)
+        self.may_check_integrity()
+
+    def finish_here(self, job: Job) -> None:
+        req = job.req
+        self.events.send(job.msg.reply_to, m.TokenStream(
+            req.req_id, req.output_token_ids, **first_token_logprobs(req),
+            finish_reason=req.finish_reason.value,
+            num_prompt_tokens=req.num_prompt_tokens, num_output_tokens=req.num_output_tokens))
+        self.release(job)
+
+    def hand_off(self, job: Job) -> None:
+        job.state = "handed_off"
+        job.deadline = time.monotonic() + self.handoff_timeout
+        link = self.links.get(job.msg.decode_addr)
+        if link is None or link.failed:
+            if link is not None:
+                link.close()
+            link = DecodeLink(self, job.msg.decode_addr)
+            self.links[job.msg.decode_addr] = link
+        job.link = link
+        link.submit(job)
+
+    # -- replies from decode nodes (called by DecodeLink) --------------------------------------
+    def on_kv_accept(self, link: DecodeLink, req_id: str) -> None:
+        job = self.jobs.get(req_id)
+        if job is None or job.state != "handed_off" or job.link is not link:
+            log.warning("KVAccept for %s, which is not waiting for one here", req_id)
+            return
+        job.state = "kv_sent"
+        job.kv_started = time.perf_counter()
+        nbytes = link.send_kv(job)
+        self.metrics.kv_sent_bytes.inc(nbytes)
+
+    def on_kv_ack(self, link: DecodeLink, req_id: str) -> None:
+        job = self.jobs.get(req_id)
+        if job is None or job.link is not link or job.state != "kv_sent":
+            log.warning("KVAck for %s, which has no KV in flight to that node", req_id)
+            return
+        self.metrics.kv_transfer_seconds.observe(time.perf_counter() - job.kv_started)
+        self.release(job)
+
+    def on_kv_refuse(self, link: DecodeLink, req_id: str, reason: str) -> None:
+        job = self.jobs.get(req_id)
+        if job is not None and job.link is link:
+            # NOTE: the decode node has told the router; only the blocks are ours to free.
+            log.warning("decode node %s refused %s: %s", link.addr, req_id, reason)
+            self.release(job)
+
+    def fail(self, job: Job, error: str) -> None:
+        """End a request with an error to the router, wherever it is."""
+        log.warning("request %s failed: %s", job.req.req_id, error)
+        self.metrics.refused("failed").inc()
+        self.events.send(job.msg.reply_to, m.TokenStream(job.req.req_id, [], error=error))
+        if job.state in ("handed_off", "kv_sent") and job.link is not None:
+            job.link.send_abort(job.req.req_id, error)
+        self.release(job)
+
+    # -- endings ---------------------------------------------------------------------------------
+    def release(self, job: Job) -> None:
+        self.jobs.pop(job.req.req_id, None)
+        if job.state == "queued":
+            self.scheduler.abort(job.req)
+        self.scheduler.free_blocks(job.req)
+        job.state = "done"
+
+    def abort(self, req_id: str, reason: str) -> None:
+        job = self.jobs.get(req_id)
+        if job is None:
+            return
+        if job.state in ("handed_off", "kv_sent") and job.link is not None:
+            job.link.send_abort(req_id, reason)
+        self.release(job)
+
+    def tick(self, now: float) -> None:
+        for job in [j for j in self.jobs.values() if now > j.deadline]:
+            where = {"queued": "queued at the prefill node",
+                     "handed_off": f"waiting for decode node {job.msg.decode_addr} to accept",
+                     "kv_sent": f"KV in flight to decode node {job.msg.decode_addr}"}[job.state]
+            self.fail(job, f"timed out {where}")
+        for link in list(self.links.values()):
+            link.tick(now)
+        self.update_gauges()
+
+    def update_gauges(self) -> None:
+        mt = self.metrics
+        mt.waiting.set(len(self.scheduler.waiting))
+        mt.running.set(len(self.scheduler.running))
+        mt.kv_usage.set(self.engine.allocator.usage)
+        mt.transfers_waiting.set(sum(j.state != "queued" for j in self.jobs.values()))
+
+    def may_check_integrity(self) -> None:
+        if not self.jobs and not self.scheduler.has_work:
+            self.engine.allocator.check_integrity()
+
+    def stats(self) -> dict:
+        alloc = self.engine.allocator
+        return {
+            "queue_len": len(self.scheduler.waiting),
+            "running": len(self.scheduler.running),
+            "handing_off": sum(j.state != "queued" for j in self.jobs.values()),
+            "outstanding_prefill_tokens": sum(
+                j.req.num_tokens - j.req.num_computed_tokens for j in self.jobs.values()
+                if j.state == "queued"),
+            "free_blocks": alloc.num_free,
+            "total_blocks": alloc.num_blocks,
+        }
+
+    def shutdown(self) -> None:
+        for job in list(self.jobs.values()):
+            self.fail(job, f"prefill node {self.node_id} shut down")
+        for link in self.links.values():
+            link.close()
+
+
+def first_token_logprobs(req: Req) -> dict:
+    if req.params.logprobs is None:
+        return {}
+    return {"logprobs": list(req.output_logprobs),
+            "top_logprobs": [[list(p) for p in top] for top in req.output_top_logprobs]}
+
