@@ -52,7 +52,7 @@ def topk_lowest_id(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]
     if k == 0:
         empty = x.new_empty((batch, 0))
         return empty, empty.to(torch.int64)
-    if k >= vocab:
+    if k >= vocab or x.is_cuda:  # on CUDA the exact path is cheap and needs no host wait
         return _topk_by_key(x, vocab)
     values, ids = torch.topk(x, k + 1, dim=-1, sorted=True)
     # NOTE: torch.topk orders ties arbitrarily. A row with no two equal values among its top

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import math
 import secrets
+from collections import Counter
 from dataclasses import dataclass, field
 
 import torch
@@ -85,46 +86,46 @@ def step_seed(seed: int, step: int) -> int:
     return _splitmix64(_splitmix64(seed & _MASK64) ^ (step & _MASK64)) >> 1
 
 
+def _host_to(data: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A tensor of `data` on `device`. On CUDA it goes through pinned memory without blocking,
+    so that building it never waits for the work already queued (the overlap loop)."""
+    t = torch.tensor(data, dtype=dtype)
+    if device.type != "cuda":
+        return t
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 def _index(rows: list[int], device: torch.device) -> torch.Tensor:
-    return torch.tensor(rows, dtype=torch.int64, device=device)
-
-
-def _flat_keys(lists: list[list[int]], rows: list[int], vocab: int, dev) -> torch.Tensor:
-    """Indices into a flattened [B, V] tensor of token `lists[j]` in row `rows[j]`."""
-    base = [r * vocab for r in rows]
-    return torch.tensor([b + t for b, ts in zip(base, lists) for t in ts], dtype=torch.int64,
-                        device=dev)
+    return _host_to(rows, torch.int64, device)
 
 
 def apply_penalties(x: torch.Tensor, rows: list[SamplingRow]) -> None:
     """Repetition, frequency and presence penalties, in place on float32 logits [B, V]:
     seen = prompt ∪ output: x = x / rp if x > 0 else x * rp;
     then x -= frequency * count(output) + presence * [count(output) > 0].
-    Only the touched entries are read and written (work grows with tokens, not B * V)."""
-    idx = [i for i, r in enumerate(rows) if r.params.has_penalties]
-    if not idx:
-        return
+    Token sets and counts are made on the host; only the touched entries of `x` are read and
+    written (work grows with the tokens, not with B * V)."""
     dev, vocab = x.device, x.shape[1]
     flat = x.view(-1)
-    coef = torch.tensor(
-        [[r.params.repetition_penalty, r.params.frequency_penalty, r.params.presence_penalty]
-         for r in rows], dtype=torch.float32, device=dev,
-    )  # [B, 3]
-    rep_idx = [i for i in idx if rows[i].params.repetition_penalty != 1.0]
-    if rep_idx:
-        keys = torch.cat([
-            _flat_keys([rows[i].prompt_token_ids for i in rep_idx], rep_idx, vocab, dev),
-            _flat_keys([rows[i].output_token_ids for i in rep_idx], rep_idx, vocab, dev),
-        ]).unique()
-        vals, rp = flat[keys], coef[keys // vocab, 0]
+    rep_keys, rep_vals, out_keys, out_vals = [], [], [], []
+    for i, r in enumerate(rows):
+        p = r.params
+        if p.repetition_penalty != 1.0:
+            seen = set(r.prompt_token_ids)
+            seen.update(r.output_token_ids)
+            rep_keys += [i * vocab + t for t in seen]
+            rep_vals += [p.repetition_penalty] * len(seen)
+        if p.frequency_penalty != 0.0 or p.presence_penalty != 0.0:
+            for t, n in Counter(r.output_token_ids).items():
+                out_keys.append(i * vocab + t)
+                out_vals.append(p.frequency_penalty * n + p.presence_penalty)
+    if rep_keys:
+        keys, rp = _index(rep_keys, dev), _host_to(rep_vals, torch.float32, dev)
+        vals = flat[keys]
         flat[keys] = torch.where(vals > 0, vals / rp, vals * rp)
-    out_idx = [i for i in idx if rows[i].output_token_ids and (
-        rows[i].params.frequency_penalty != 0.0 or rows[i].params.presence_penalty != 0.0)]
-    if out_idx:
-        keys = _flat_keys([rows[i].output_token_ids for i in out_idx], out_idx, vocab, dev)
-        keys, counts = keys.unique(return_counts=True)
-        row_of = keys // vocab
-        flat[keys] -= coef[row_of, 1] * counts + coef[row_of, 2]
+    if out_keys:
+        keys = _index(out_keys, dev)
+        flat[keys] -= _host_to(out_vals, torch.float32, dev)
 
 
 def apply_min_tokens(x: torch.Tensor, rows: list[SamplingRow]) -> None:
@@ -166,13 +167,16 @@ def _top_p_threshold(x: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
 
     # NOTE: the candidate count is fixed, so whether a row needs the full sort depends on that
     # row alone, and its cut never on the batch.
-    ordered = x.topk(min(vocab, TOP_P_CANDIDATES), dim=-1).values
+    # On CUDA every row is sorted: sorting is cheap there and needs no wait for a row count.
+    num_candidates = vocab if x.is_cuda else min(vocab, TOP_P_CANDIDATES)
+    ordered = x.topk(num_candidates, dim=-1).values
     num_keep = cut(ordered, lse, p)
     thr = ordered.gather(1, num_keep - 1)
-    short = ((num_keep.squeeze(1) == ordered.shape[1]) & (top_p < 1.0)).nonzero().squeeze(1)
-    if short.numel() and ordered.shape[1] < vocab:
-        full = x[short].sort(dim=-1, descending=True).values
-        thr[short] = full.gather(1, cut(full, lse[short], p[short]) - 1)
+    if num_candidates < vocab:
+        short = ((num_keep.squeeze(1) == num_candidates) & (top_p < 1.0)).nonzero().squeeze(1)
+        if short.numel():
+            full = x[short].sort(dim=-1, descending=True).values
+            thr[short] = full.gather(1, cut(full, lse[short], p[short]) - 1)
     # NOTE: top_p == 1 keeps the whole row outright: a cumsum rounding to 1 early would
     # otherwise drop tail tokens depending on float error.
     return torch.where(p >= 1.0, -math.inf, thr)
@@ -185,14 +189,15 @@ def truncated_logits(x: torch.Tensor, params: list[SamplingParams]) -> torch.Ten
     top-k: the k-th largest; top-p: the smallest prefix of the sorted row (after top-k) whose
     mass reaches top_p; min-p: max + log(min_p), i.e. p >= min_p * p_max."""
     dev, vocab = x.device, x.shape[1]
-    cols = torch.tensor(
+    cols = _host_to(
         [[p.temperature, p.top_p, p.min_p, p.top_k if 0 < p.top_k < vocab else 0] for p in params],
-        dtype=torch.float32, device=dev,
+        torch.float32, dev,
     )  # [S, 4]
     x = x / cols[:, 0:1]  # a new tensor: everything below is in place on it
-    if any(0 < p.top_k < vocab for p in params):
+    max_k = max((p.top_k for p in params if 0 < p.top_k < vocab), default=0)
+    if max_k:
         top_k = cols[:, 3:4].to(torch.int64)
-        kth = x.topk(int(top_k.max()), dim=-1).values.gather(1, (top_k - 1).clamp(min=0))
+        kth = x.topk(max_k, dim=-1).values.gather(1, (top_k - 1).clamp(min=0))
         x.masked_fill_(x < torch.where(top_k > 0, kth, -math.inf), -math.inf)
     thr = None
     if any(p.top_p < 1.0 for p in params):
