@@ -273,6 +273,7 @@ class DecodeNode(NodeService):
             "incoming": len(self.incoming),
             "free_blocks": self.allocator.num_free,
             "total_blocks": self.allocator.num_blocks,
+            "block_size": self.engine.config.block_size,
         }
 
     def shutdown(self) -> None:

@@ -16,6 +16,8 @@ COMMANDS = {
     "generate": ("pd.generate_cli", "generate text in one process (the reference output)"),
     "prefill": ("prefill_node.main", "run a prefill node"),
     "decode": ("decode_node.main", "run a decode node"),
+    "router": ("router.command", "run the OpenAI-compatible router"),
+    "launch": ("pd.launch", "start router + prefill + decode nodes on this host"),
 }
 
 

@@ -211,6 +211,7 @@ class PrefillNode(NodeService):
                 if j.state == "queued"),
             "free_blocks": alloc.num_free,
             "total_blocks": alloc.num_blocks,
+            "block_size": self.engine.config.block_size,
         }
 
     def shutdown(self) -> None:

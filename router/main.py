@@ -32,16 +32,25 @@ def _address(value: str) -> str:
 def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
     p = parser or argparse.ArgumentParser(
         prog="pd router", description="OpenAI-compatible HTTP front for prefill/decode nodes.")
-    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
-    p.add_argument("--port", type=int, default=8000, help="port to listen on (default: %(default)s)")
     p.add_argument("--model", required=parser is None,
                    help="model directory; the router reads its tokenizer and chat template")
+    p.add_argument("--log-level", default="info",
+                   choices=("debug", "info", "warning", "error"), help="(default: %(default)s)")
+    add_router_arguments(p)
+    return p
+
+
+def add_router_arguments(p, with_nodes: bool = True) -> None:
+    """The router's own flags (not --model and --log-level, which `pd launch` shares)."""
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
+    p.add_argument("--port", type=int, default=8000, help="port to listen on (default: %(default)s)")
     p.add_argument("--served-model-name", default=None,
                    help="the name clients put in 'model' (default: the model directory's name)")
-    p.add_argument("--prefill", nargs="+", type=_address, default=[], metavar="HOST:PORT",
-                   help="prefill nodes known at start; more may register with heartbeats")
-    p.add_argument("--decode", nargs="+", type=_address, default=[], metavar="HOST:PORT",
-                   help="decode nodes known at start; more may register with heartbeats")
+    if with_nodes:
+        p.add_argument("--prefill", nargs="+", type=_address, default=[], metavar="HOST:PORT",
+                       help="prefill nodes' control addresses")
+        p.add_argument("--decode", nargs="+", type=_address, default=[], metavar="HOST:PORT",
+                       help="decode nodes' control addresses")
     p.add_argument("--policy", choices=POLICIES, default="load",
                    help="node choice: 'load' (prefill: least outstanding prefill tokens; decode: "
                         "most free KV blocks; power of two choices among equals), "
@@ -54,11 +63,8 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     p.add_argument("--api-key", default=os.environ.get("PD_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on /v1/* (default: $PD_API_KEY; "
                         "none: open)")
-    p.add_argument("--log-level", default="info",
-                   choices=("debug", "info", "warning", "error"), help="(default: %(default)s)")
     p.add_argument("--log-requests", action="store_true",
                    help="log each request's id, prompt length and sampling parameters")
-    return p
 
 
 def server_config(args: argparse.Namespace) -> ServerConfig:

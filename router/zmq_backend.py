@@ -1,0 +1,223 @@
+"""The backend that runs requests on prefill and decode nodes over ZMQ.
+
+One DEALER per node carries PrefillRequest / Abort / Ping out and Pong back; one PULL socket
+(the `reply_to` every request names) takes the TokenStream messages of every request. A ping
+every `heartbeat_interval` feeds the registry (health and load); a node silent for
+`heartbeat_timeout` is marked down, and its in-flight requests end: those still waiting for
+their first token are retried once on another prefill node, the others get an error event
+(never a silent truncation). The policy picks a (P, D) pair per request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import AsyncIterator
+
+import zmq
+import zmq.asyncio
+
+from pd import messages as m
+from router.backend import Backend, BackendUnavailable, GenerateRequest, TokenEvent
+from router.policy import make_policy
+from router.registry import Node, NodeRegistry, Role
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)
+class Flight:
+    """One request on the nodes: the attempt now running and the events it receives."""
+
+    prefill: Node
+    decode: Node
+    node_req_id: str
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    got_token: bool = False
+    blocks: int = 0  # KV blocks counted against the decode node until it reports
+
+
+class ZmqBackend(Backend):
+    def __init__(self, prefill: list[str], decode: list[str], *, policy: str = "load",
+                 max_model_len: int, host: str = "127.0.0.1", heartbeat_interval: float = 0.5,
+                 heartbeat_timeout: float = 3.0) -> None:
+        self.registry = NodeRegistry(heartbeat_timeout=heartbeat_timeout)
+        for addr in prefill:
+            self.registry.add(Role.PREFILL, addr)
+        for addr in decode:
+            self.registry.add(Role.DECODE, addr)
+        self.policy = make_policy(policy)
+        self._max_model_len = max_model_len
+        self.host = host
+        self.heartbeat_interval = heartbeat_interval
+        self.ctx = zmq.asyncio.Context.instance()
+        self.sockets: dict[str, zmq.asyncio.Socket] = {}
+        self.kv_addr: dict[str, str] = {}  # decode node -> its KV ingest endpoint
+        self.block_size: dict[str, int] = {}
+        self.flights: dict[str, Flight] = {}  # node-side request id -> flight
+        self.tasks: list[asyncio.Task] = []
+        self.reply_to = ""
+
+    # -- lifecycle -------------------------------------------------------------------------------
+    async def start(self) -> None:
+        self.events = self.ctx.socket(zmq.PULL)
+        self.events.setsockopt(zmq.LINGER, 0)
+        port = self.events.bind_to_random_port(f"tcp://{self.host}")
+        self.reply_to = f"tcp://{self.host}:{port}"
+        self.tasks.append(asyncio.create_task(self._read_events()))
+        self.tasks.append(asyncio.create_task(self._heartbeats()))
+
+    async def close(self) -> None:
+        for t in self.tasks:
+            t.cancel()
+        await asyncio.gather(*self.tasks, return_exceptions=True)
+        for s in self.sockets.values():
+            s.close()
+        self.events.close()
+
+    def health(self) -> dict:
+        return self.registry.counts()
+
+    def max_model_len(self) -> int:
+        return self._max_model_len
+
+    # -- sockets ---------------------------------------------------------------------------------
+    def _socket(self, addr: str) -> zmq.asyncio.Socket:
+        sock = self.sockets.get(addr)
+        if sock is None:
+            sock = self.ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.SNDHWM, 10_000)
+            sock.connect(f"tcp://{addr}")
+            self.sockets[addr] = sock
+            self.tasks.append(asyncio.create_task(self._read_pongs(addr, sock)))
+        return sock
+
+    def _send(self, addr: str, msg) -> None:
+        try:
+            self._socket(addr).send(m.encode(msg), zmq.NOBLOCK)
+        except zmq.Again:
+            self.registry.mark_down(addr, "its control socket is not draining")
+
+    async def _heartbeats(self) -> None:
+        seq = 0
+        while True:
+            seq += 1
+            for node in self.registry.nodes():
+                self._send(node.address, m.Ping(seq))
+            for node in self.registry.sweep():
+                if not node.healthy:
+                    self._node_down(node)
+            await asyncio.sleep(self.heartbeat_interval)
+
+    async def _read_pongs(self, addr: str, sock: zmq.asyncio.Socket) -> None:
+        while True:
+            data = await sock.recv()
+            try:
+                pong = m.decode(data)
+                node = self.registry.get(addr)
+                if not isinstance(pong, m.Pong) or node is None or pong.role != node.role.value:
+                    raise m.MessageError(f"unexpected reply {pong!r} from {addr}")
+                s = pong.stats
+                self.registry.heartbeat(node.role, addr, {
+                    "queue_len": s.get("queue_len", 0), "num_running": s.get("running", 0),
+                    "free_kv_blocks": s.get("free_blocks", 0),
+                    "total_kv_blocks": s.get("total_blocks", 0),
+                    "outstanding_prefill_tokens": s.get("outstanding_prefill_tokens", 0)})
+                if pong.kv_addr:
+                    self.kv_addr[addr] = pong.kv_addr
+                self.block_size[addr] = int(s.get("block_size", 16))
+            except (m.MessageError, ValueError) as e:
+                log.error("bad heartbeat reply from %s: %s", addr, e)
+
+    async def _read_events(self) -> None:
+        while True:
+            data = await self.events.recv()
+            try:
+                msg = m.decode(data)
+                if not isinstance(msg, m.TokenStream):
+                    raise m.MessageError(f"{type(msg).__name__} on the event socket")
+            except m.MessageError as e:
+                log.error("refused an event: %s", e)
+                continue
+            flight = self.flights.get(msg.req_id)
+            if flight is not None:  # else: a request already ended (aborted, failed over)
+                flight.queue.put_nowait(msg)
+
+    def _node_down(self, node: Node) -> None:
+        for flight in list(self.flights.values()):
+            if node in (flight.prefill, flight.decode):
+                flight.queue.put_nowait(m.TokenStream(
+                    flight.node_req_id, [], error=f"{node.role.value} node {node.address} is down"))
+
+    # -- requests --------------------------------------------------------------------------------
+    def _pick(self, exclude: tuple[str, ...] = ()) -> tuple[Node, Node]:
+        prefill = self.policy.pick_prefill(self.registry.healthy(Role.PREFILL), exclude)
+        decode = self.policy.pick_decode(
+            [n for n in self.registry.healthy(Role.DECODE) if n.address in self.kv_addr])
+        if prefill is None or decode is None:
+            h = self.registry.counts()
+            raise BackendUnavailable(f"no healthy prefill or decode node ({h['prefill']} prefill, "
+                                     f"{h['decode']} decode)")
+        return prefill, decode
+
+    def _launch(self, req: GenerateRequest, node_req_id: str, exclude=()) -> Flight:
+        prefill, decode = self._pick(exclude)
+        flight = Flight(prefill, decode, node_req_id)
+        self.flights[node_req_id] = flight
+        bs = self.block_size.get(decode.address, 16)
+        blocks = -(-(len(req.prompt_ids) + req.params.max_tokens) // bs)
+        self.registry.dispatch(prefill, decode, len(req.prompt_ids), blocks)
+        flight.blocks = blocks
+        self._send(prefill.address, m.PrefillRequest(
+            node_req_id, req.prompt_ids, req.params.to_dict(), self.kv_addr[decode.address],
+            self.reply_to))
+        return flight
+
+    def _end(self, flight: Flight, abort: bool, prompt_len: int) -> None:
+        self.flights.pop(flight.node_req_id, None)
+        if abort:
+            for node in (flight.prefill, flight.decode):
+                self._send(node.address, m.Abort(flight.node_req_id, "client"))
+        if not flight.got_token:
+            self.registry.prefill_done(flight.prefill, prompt_len)
+        self.registry.decode_done(flight.decode, flight.blocks)
+
+    async def generate(self, req: GenerateRequest) -> AsyncIterator[TokenEvent]:
+        flight = self._launch(req, req.req_id)
+        finished = False
+        retried = False
+        asked = req.params.logprobs is not None
+        try:
+            while True:
+                msg: m.TokenStream = await flight.queue.get()
+                if msg.error is not None and not flight.got_token and not retried:
+                    # NOTE: nothing reached the client yet: try once more on another prefill node.
+                    log.warning("request %s failed before its first token (%s); retrying",
+                                req.req_id, msg.error)
+                    retried = True
+                    self._end(flight, abort=True, prompt_len=len(req.prompt_ids))
+                    try:
+                        flight = self._launch(req, f"{req.req_id}-retry",
+                                              exclude=(flight.prefill.address,))
+                    except BackendUnavailable:
+                        finished = True
+                        yield TokenEvent([], error=msg.error, first_token_sent=True)
+                        return
+                    continue
+                if msg.token_ids and not flight.got_token:
+                    flight.got_token = True
+                    self.registry.prefill_done(flight.prefill, len(req.prompt_ids))
+                finished = msg.finish_reason is not None or msg.error is not None
+                yield TokenEvent(
+                    list(msg.token_ids),
+                    logprobs=list(msg.logprobs) if asked and msg.logprobs is not None else None,
+                    top_logprobs=[[tuple(p) for p in top] for top in msg.top_logprobs]
+                    if asked and msg.top_logprobs is not None else None,
+                    finish_reason=msg.finish_reason, error=msg.error, first_token_sent=True)
+                if finished:
+                    return
+        finally:
+            self._end(flight, abort=not finished, prompt_len=len(req.prompt_ids))
