@@ -1,0 +1,69 @@
+"""Removal of this process's shared-memory segments at exit.
+
+Segments register themselves here when created; they are unlinked at interpreter exit (atexit)
+and on SIGTERM/SIGINT, after which the previously installed handler runs (or the default action,
+so the process still dies of the signal). SIGKILL cannot be caught: a segment left by a killed
+process is found stale by its recorded pid and replaced by the next creator (see `segment.py`).
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import signal
+import threading
+
+_lock = threading.Lock()
+_paths: set[str] = set()
+_installed = False
+_previous: dict[int, object] = {}
+
+
+def register(path: str) -> None:
+    with _lock:
+        _paths.add(path)
+    _may_install()
+
+
+def unregister(path: str) -> None:
+    with _lock:
+        _paths.discard(path)
+
+
+def unlink_all() -> None:
+    with _lock:
+        paths = list(_paths)
+        _paths.clear()
+    for path in paths:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+
+
+def _on_signal(signum, frame) -> None:
+    unlink_all()
+    prev = _previous.get(signum, signal.SIG_DFL)
+    if callable(prev):
+        prev(signum, frame)
+    elif prev == signal.SIG_DFL:
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
+    # SIG_IGN: the process had chosen to ignore it; the segments are gone, it carries on.
+
+
+def _may_install() -> None:
+    global _installed
+    if _installed:
+        return
+    _installed = True
+    atexit.register(unlink_all)
+    # NOTE: signal handlers can only be set from the main thread; elsewhere atexit alone stands.
+    if threading.current_thread() is not threading.main_thread():
+        return
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        prev = signal.getsignal(signum)
+        if prev is _on_signal:
+            continue
+        _previous[signum] = prev if prev is not None else signal.SIG_DFL
+        signal.signal(signum, _on_signal)

@@ -1,0 +1,96 @@
+"""Moving KV blocks between a node's paged cache and KV records, one call each way.
+
+The cache is one tensor `kv[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]`
+(the MTP layer, when present, last in dim 0). A request's KV is split by layer range (and, when
+one layer alone is too big, by block range) so that no record exceeds `max_record_bytes`; each
+chunk's bytes are `kv[l0:l1, :, block_ids[b0:b1]]`, contiguous, in that order. The sender
+gathers straight into ring memory (or a fresh tensor for ZMQ); the receiver copies a record's
+payload straight into `kv[l0:l1, :, dst_block_ids[b0:b1]]`. Geometry agreement between the two
+nodes is the handshake's job (the node services); here each record's size and dtype are checked.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+from .records import DTYPE_CODES, KVRecord
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    name = str(dtype).removeprefix("torch.")
+    if name not in DTYPE_CODES:
+        raise ValueError(f"KV dtype {dtype} not carried; use one of {sorted(DTYPE_CODES)}")
+    return name
+
+
+def unit_bytes(kv: torch.Tensor) -> int:
+    """Bytes of one layer's K and V for one block."""
+    return 2 * kv[0, 0, 0].numel() * kv.element_size()
+
+
+def plan_chunks(num_layers: int, num_blocks: int, unit: int, max_bytes: int
+                ) -> list[tuple[int, int, int, int]]:
+    """(layer_start, layer_end, block_start, block_end) chunks of at most `max_bytes` each."""
+    if num_blocks <= 0:
+        return []
+    if unit > max_bytes:
+        raise ValueError(f"one block of one layer ({unit} bytes) exceeds the max record size "
+                         f"({max_bytes} bytes)")
+    per_layer = num_blocks * unit
+    if per_layer <= max_bytes:
+        step = max_bytes // per_layer
+        return [(l0, min(l0 + step, num_layers), 0, num_blocks) for l0 in range(0, num_layers, step)]
+    step = max_bytes // unit
+    return [(layer, layer + 1, b0, min(b0 + step, num_blocks))
+            for layer in range(num_layers) for b0 in range(0, num_blocks, step)]
+
+
+def chunk_shape(kv: torch.Tensor, l0: int, l1: int, nb: int) -> tuple[int, ...]:
+    return (l1 - l0, 2, nb) + tuple(kv.shape[3:])
+
+
+def gather_into(kv: torch.Tensor, block_ids: torch.Tensor, chunk, out: memoryview) -> None:
+    """Write kv[l0:l1, :, block_ids[b0:b1]] into `out` (writable, exactly that many bytes)."""
+    l0, l1, b0, b1 = chunk
+    dst = torch.frombuffer(out, dtype=kv.dtype).view(chunk_shape(kv, l0, l1, b1 - b0))
+    idx = block_ids[b0:b1]
+    if kv.device.type == "cpu":
+        torch.index_select(kv[l0:l1], 2, idx, out=dst)
+    else:
+        dst.copy_(kv[l0:l1].index_select(2, idx.to(kv.device)))
+
+
+def gather(kv: torch.Tensor, block_ids: torch.Tensor, chunk) -> torch.Tensor:
+    """kv[l0:l1, :, block_ids[b0:b1]] as a new contiguous CPU tensor (for ZMQ frames)."""
+    l0, l1, b0, b1 = chunk
+    return kv[l0:l1].index_select(2, block_ids[b0:b1].to(kv.device)).cpu().contiguous()
+
+
+def payload_tensor(rec: KVRecord, kv: torch.Tensor) -> torch.Tensor:
+    """The record's bytes viewed (no copy) as [l1-l0, 2, nb, block_size, heads, head_dim]."""
+    if rec.dtype != dtype_name(kv.dtype):
+        raise ValueError(f"KV record for {rec.req_id} carries {rec.dtype}, cache is {kv.dtype}")
+    shape = chunk_shape(kv, rec.layer_start, rec.layer_end, rec.num_blocks)
+    expected = (rec.layer_end - rec.layer_start) * rec.num_blocks * unit_bytes(kv)
+    if rec.payload.nbytes != expected or rec.layer_end > kv.shape[0]:
+        raise ValueError(f"KV record for {rec.req_id} (layers {rec.layer_start}:{rec.layer_end}, "
+                         f"{rec.num_blocks} blocks, {rec.payload.nbytes} bytes) does not fit cache "
+                         f"{tuple(kv.shape)} ({expected} bytes expected)")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # read-only ZMQ frames: we only read them
+        return torch.frombuffer(rec.payload, dtype=kv.dtype).view(shape)
+
+
+def install_kv(rec: KVRecord, kv: torch.Tensor, dst_block_ids) -> None:
+    """Copy the record into kv[l0:l1, :, dst_block_ids[b0:b0+nb]] (the receiver's own blocks)."""
+    src = payload_tensor(rec, kv)
+    ids = torch.as_tensor(dst_block_ids, dtype=torch.long)
+    idx = ids[rec.block_start:rec.block_start + rec.num_blocks]
+    if idx.numel() != rec.num_blocks:
+        raise ValueError(f"KV record for {rec.req_id} covers blocks {rec.block_start}.."
+                         f"{rec.block_start + rec.num_blocks} but only {ids.numel()} are given")
+    kv[rec.layer_start:rec.layer_end].index_copy_(2, idx.to(kv.device), src.to(kv.device))

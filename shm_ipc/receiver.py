@@ -1,0 +1,168 @@
+"""`KVReceiver`: the decode node's "kv ingest" end, for any number of prefill nodes.
+
+Binds one ROUTER; each prefill node's DEALER (`transport.py`) sends control messages and records
+over it, by ZMQ frames or through a shared-memory ring rung by doorbells. `recv(timeout)` returns
+what arrived, in each peer's send order, as `Incoming(peer, item)` where `item` is a control
+dict, a record (`records.py`) or `PeerGone`. Record payloads that view a ring (KV) stay valid
+until the next `recv()` call, which releases the ring space: install or copy them before.
+Malformed records and control messages are counted (`metrics.py`), logged and dropped.
+A ring producer whose process dies is reported as `PeerGone` once its published records are
+delivered; a peer on the ZMQ transport that dies is left to the node's own health checks.
+Waiting is a ZMQ poll: no spinning. Use `socket`/`fileno()` to poll with other sockets.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import zmq
+
+from . import control, header, records
+from .doorbell import decode_pos
+from .errors import SegmentError
+from .metrics import refuse
+from .records import RecordError
+from .ring import Ring
+
+log = logging.getLogger("shm_ipc")
+
+
+@dataclass
+class PeerGone:
+    reason: str
+
+
+class Incoming(NamedTuple):
+    peer: bytes
+    item: Any  # dict | FirstTokenRecord | TokensRecord | KVRecord | AbortRecord | PeerGone
+
+
+class KVReceiver:
+    def __init__(self, endpoint: str, max_topk: int = header.DEFAULT_MAX_TOPK,
+                 ctx: zmq.Context | None = None, liveness_interval: float = 0.5,
+                 max_batch: int = 256):
+        self.max_topk = max_topk
+        self.liveness_interval = liveness_interval
+        self.max_batch = max_batch
+        self.socket = (ctx or zmq.Context.instance()).socket(zmq.ROUTER)
+        self.socket.setsockopt(zmq.ROUTER_HANDOVER, 1)
+        self.socket.setsockopt(zmq.LINGER, 0)
+        self.socket.bind(endpoint)
+        self.endpoint = self.socket.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.rings: dict[bytes, Ring] = {}
+        self._next_check = 0.0
+
+    def fileno(self) -> int:
+        return self.socket.getsockopt(zmq.FD)
+
+    def send_control(self, peer: bytes, msg: dict) -> None:
+        self.socket.send_multipart([peer, control.encode(msg)])
+
+    def poll(self, timeout: float | None = 0) -> bool:
+        ms = None if timeout is None else int(timeout * 1000)
+        return bool(self.socket.poll(ms, zmq.POLLIN))
+
+    def recv(self, timeout: float | None = None) -> list[Incoming]:
+        """What arrived, waiting up to `timeout` seconds (None: until something does)."""
+        for ring in self.rings.values():
+            ring.release()
+        out: list[Incoming] = []
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            wait = self.liveness_interval if deadline is None else \
+                min(self.liveness_interval, max(0.0, deadline - time.monotonic()))
+            if self.socket.poll(int(wait * 1000), zmq.POLLIN):
+                for _ in range(self.max_batch):
+                    try:
+                        frames = self.socket.recv_multipart(zmq.NOBLOCK, copy=False)
+                    except zmq.Again:
+                        break
+                    self._dispatch(frames, out)
+            if time.monotonic() >= self._next_check:
+                self._check_rings(out)
+            if out or (deadline is not None and time.monotonic() >= deadline):
+                return out
+
+    # ---- dispatch -----------------------------------------------------------------------------
+    def _dispatch(self, frames, out: list[Incoming]) -> None:
+        peer = frames[0].bytes
+        first = frames[1].buffer if len(frames) > 1 else b""
+        try:
+            if len(frames) == 3 and len(first) == 0:  # doorbell
+                self._drain(peer, decode_pos(frames[2].buffer), out)
+            elif len(first) == 4:  # ZMQ data message
+                if len(frames) not in (3, 4):
+                    raise RecordError("frames", f"data message of {len(frames) - 1} frames")
+                raw = frames[3].buffer if len(frames) == 4 else None
+                out.append(Incoming(peer, records.decode(
+                    header.from_bytes(first), frames[2].buffer, raw, self.max_topk)))
+            elif len(frames) in (2, 3) and len(first) > 4:  # control (+ ring position)
+                msg = control.decode(first)
+                if len(frames) == 3:
+                    self._drain(peer, decode_pos(frames[2].buffer), out)
+                self._on_control(peer, msg, out)
+            else:
+                raise RecordError("frames", f"message of {len(frames) - 1} frames, first "
+                                            f"of {len(first)} bytes")
+        except (RecordError, header.HeaderError) as e:
+            refuse(e.reason, f"from {peer!r}: {e}")
+        except (control.ControlError, ValueError) as e:
+            refuse("control", f"from {peer!r}: {e}")
+
+    def _on_control(self, peer: bytes, msg: dict, out: list[Incoming]) -> None:
+        kind = msg["type"]
+        if kind == control.SHM_ATTACH:
+            self._drop_ring(peer)
+            try:
+                self.rings[peer] = Ring.attach(str(msg.get("segment", "")))
+            except SegmentError as e:
+                log.error("cannot attach ring for %r: %s", peer, e)
+                self.send_control(peer, {"type": control.SHM_REFUSED, "version": 1,
+                                         "reason": str(e)})
+            else:
+                self.send_control(peer, {"type": control.SHM_ATTACHED, "version": 1})
+        elif kind == control.SHM_DETACH:
+            self._drop_ring(peer)
+            out.append(Incoming(peer, PeerGone("the prefill node closed its ring")))
+        else:
+            out.append(Incoming(peer, msg))
+
+    def _drain(self, peer: bytes, limit: int | None, out: list[Incoming]) -> None:
+        ring = self.rings.get(peer)
+        if ring is None and not limit:
+            return  # a control message sent before any record (the attach itself)
+        if ring is None:
+            raise RecordError("no_ring", "doorbell from a peer without an attached ring")
+        while (rec := ring.next_record(limit)) is not None:
+            word, body = rec
+            try:
+                out.append(Incoming(peer, records.decode(word, body, None, self.max_topk)))
+            except RecordError as e:
+                refuse(e.reason, f"ring {ring.name!r}: {e}")
+
+    def _check_rings(self, out: list[Incoming]) -> None:
+        self._next_check = time.monotonic() + self.liveness_interval
+        for peer, ring in list(self.rings.items()):
+            if not ring.seg.creator_alive():
+                self._drain(peer, None, out)  # its process is dead: nothing more will be written
+                self._drop_ring(peer)
+                out.append(Incoming(peer, PeerGone(f"prefill process of ring {ring.name!r} died")))
+
+    def _drop_ring(self, peer: bytes) -> None:
+        ring = self.rings.pop(peer, None)
+        if ring is not None:
+            ring.close()
+
+    def close(self) -> None:
+        for peer in list(self.rings):
+            self._drop_ring(peer)
+        self.socket.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -1,0 +1,194 @@
+"""Named shared-memory segments, one per node instance and peer, under /dev/shm (Linux).
+
+A segment opens with a 64-byte owner header (`SEGMENT_HEADER`, written once by the creator):
+a magic word, the layout kind and version of what follows, the total size, and the creator's
+pid and process start time. Creating refuses a name held by a live process and replaces one
+left by a dead process (found stale by pid + start time); attaching checks owner-only
+permissions, the owner uid, the magic, the layout kind and version, the size and that the
+creator still lives. The creator unlinks the segment on `close()`, at exit and on SIGTERM/SIGINT
+(`cleanup.py`). What lives after the header is the caller's (see `ring.py`).
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+import re
+import stat
+
+import numpy as np
+
+from . import cleanup
+from .errors import SegmentError
+
+log = logging.getLogger("shm_ipc")
+
+SHM_DIR = "/dev/shm"
+PREFIX = "pd_shm_"
+MAGIC = 0x31304D4853445000  # b"\0PDSHM01" read as little-endian
+
+# Written by the creator only, once, before the magic (which is written last).
+SEGMENT_HEADER = np.dtype({
+    "names": ["magic", "layout_version", "kind", "size", "creator_pid", "creator_start"],
+    "formats": ["<u8", "<u4", "<u4", "<u8", "<u8", "<u8"],
+    "offsets": [0, 8, 12, 16, 24, 32],
+    "itemsize": 64,
+})
+
+_NAME_RE = re.compile(r"^[A-Za-z0-9_.-]{1,200}$")
+
+
+def segment_name(*parts: str) -> str:
+    """A segment name with the project prefix; characters other than [A-Za-z0-9_.-] become '-'."""
+    return PREFIX + "_".join(re.sub(r"[^A-Za-z0-9_.-]", "-", str(p)) for p in parts)
+
+
+def process_start(pid: int) -> int | None:
+    """The start time (clock ticks since boot) of a live process, None if gone or a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            data = f.read()
+    except (FileNotFoundError, ProcessLookupError, PermissionError):
+        return None
+    fields = data[data.rindex(b")") + 2:].split()
+    if fields[0] in (b"Z", b"X"):
+        return None
+    return int(fields[19])
+
+
+def is_alive(pid: int, start: int) -> bool:
+    """True when `pid` runs and is the same process that recorded `start` (no pid reuse)."""
+    now = process_start(pid)
+    return now is not None and (start == 0 or now == start)
+
+
+class Segment:
+    """A mapped segment; `buf` is a writable memoryview over all of it, header included."""
+
+    def __init__(self, name: str, fd: int, size: int, owner: bool):
+        self.name = name
+        self.path = os.path.join(SHM_DIR, name)
+        self.size = size
+        self.owner = owner
+        flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+        try:
+            self._mmap = mmap.mmap(fd, size, flags=flags)
+        finally:
+            os.close(fd)
+        self.buf = memoryview(self._mmap)
+        self.header = np.frombuffer(self._mmap, dtype=SEGMENT_HEADER, count=1)[0]
+        self.closed = False
+
+    @classmethod
+    def create(cls, name: str, size: int, kind: int, layout_version: int) -> "Segment":
+        _check_name(name)
+        path = os.path.join(SHM_DIR, name)
+        for _ in range(3):
+            try:
+                fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+                break
+            except FileExistsError:
+                _may_remove_stale(path)
+        else:
+            raise SegmentError(f"segment {name!r} keeps reappearing; another creator races us")
+        try:
+            os.ftruncate(fd, size)
+        except OSError:
+            os.close(fd)
+            os.unlink(path)
+            raise
+        cleanup.register(path)
+        seg = cls(name, fd, size, owner=True)
+        h = seg.header
+        h["layout_version"], h["kind"], h["size"] = layout_version, kind, size
+        h["creator_pid"], h["creator_start"] = os.getpid(), process_start(os.getpid()) or 0
+        h["magic"] = MAGIC
+        return seg
+
+    @classmethod
+    def attach(cls, name: str, kind: int, layout_version: int) -> "Segment":
+        _check_name(name)
+        path = os.path.join(SHM_DIR, name)
+        try:
+            fd = os.open(path, os.O_RDWR)
+        except FileNotFoundError:
+            raise SegmentError(f"segment {name!r} does not exist (is the peer on this host?)")
+        st = os.fstat(fd)
+        if st.st_uid != os.getuid() or st.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
+            os.close(fd)
+            raise SegmentError(f"segment {name!r} is not owner-only for uid {os.getuid()} "
+                               f"(uid {st.st_uid}, mode {stat.S_IMODE(st.st_mode):o})")
+        if st.st_size < SEGMENT_HEADER.itemsize:
+            os.close(fd)
+            raise SegmentError(f"segment {name!r} is too small ({st.st_size} bytes)")
+        seg = cls(name, fd, st.st_size, owner=False)
+        try:
+            seg._check(kind, layout_version)
+        except SegmentError:
+            seg.close()
+            raise
+        return seg
+
+    def _check(self, kind: int, layout_version: int) -> None:
+        h = self.header
+        if int(h["magic"]) != MAGIC:
+            raise SegmentError(f"segment {self.name!r} has no valid header (magic)")
+        if int(h["kind"]) != kind or int(h["layout_version"]) != layout_version:
+            raise SegmentError(
+                f"segment {self.name!r} holds layout kind {int(h['kind'])} version "
+                f"{int(h['layout_version'])}; this reader expects kind {kind} version "
+                f"{layout_version}")
+        if int(h["size"]) != self.size:
+            raise SegmentError(f"segment {self.name!r} records size {int(h['size'])} but is "
+                               f"{self.size} bytes")
+        if not self.creator_alive():
+            raise SegmentError(f"segment {self.name!r} is stale: its creator pid "
+                               f"{int(h['creator_pid'])} is gone")
+
+    def creator_alive(self) -> bool:
+        return is_alive(int(self.header["creator_pid"]), int(self.header["creator_start"]))
+
+    def close(self) -> None:
+        """Unmap; the creator also removes the name. Views still held keep the memory mapped."""
+        if self.closed:
+            return
+        self.closed = True
+        if self.owner:
+            cleanup.unregister(self.path)
+            try:
+                os.unlink(self.path)
+            except FileNotFoundError:
+                pass
+        self.header = None
+        self.buf.release()
+        try:
+            self._mmap.close()
+        except BufferError:
+            pass  # NOTE: numpy/torch views over it are alive; the mapping goes when they do.
+
+
+def _check_name(name: str) -> None:
+    if not _NAME_RE.match(name):
+        raise SegmentError(f"bad segment name {name!r}: use 1-200 of [A-Za-z0-9_.-]")
+
+
+def _may_remove_stale(path: str) -> None:
+    """Unlink the segment at `path` if its creator is dead; raise if a live process holds it."""
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(SEGMENT_HEADER.itemsize)
+    except FileNotFoundError:
+        return
+    if len(raw) == SEGMENT_HEADER.itemsize:
+        h = np.frombuffer(raw, dtype=SEGMENT_HEADER)[0]
+        pid, start = int(h["creator_pid"]), int(h["creator_start"])
+        if int(h["magic"]) == MAGIC and is_alive(pid, start):
+            raise SegmentError(f"segment {os.path.basename(path)!r} is in use by live pid {pid}")
+        log.warning("replacing stale segment %s left by pid %d", path, pid)
+    else:
+        log.warning("replacing unreadable segment %s", path)
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass

@@ -1,0 +1,90 @@
+"""`ShmTransport`: records in a shared-memory ring, for a decode node on this host.
+
+P creates one ring per (P instance, D endpoint), announces it with a `shm_attach` control
+message, then for each record writes the ring and rings the doorbell ([b"", u64 position]) on the
+DEALER. Control messages carry the ring position at send time, so D delivers every record
+published before a control message ahead of it. KV is gathered straight from the cache into
+ring memory. If D answers `shm_refused` (e.g. no shared /dev/shm), the next call raises;
+choosing the ZMQ transport instead is the caller's (mode "zmq").
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import zmq
+
+from . import control
+from .doorbell import encode_pos
+from .errors import TransportError
+from .header import Flag, pack
+from .kv import gather_into
+from .records import KV_DATA_OFFSET
+from .ring import Ring, RECORD_HEADER
+from .segment import segment_name
+from .transport import DEFAULT_MAX_RECORD, Transport
+
+DEFAULT_RING_BYTES = 64 << 20
+_KV_WORD = pack(Flag.KV, 0)
+
+
+class ShmTransport(Transport):
+    mode = "shm"
+
+    def __init__(self, endpoint: str, instance_id: str, ring_bytes: int = DEFAULT_RING_BYTES,
+                 max_record_bytes: int = DEFAULT_MAX_RECORD, timeout: float = 30.0,
+                 ctx: zmq.Context | None = None):
+        max_record_bytes = min(max_record_bytes, ring_bytes - RECORD_HEADER - KV_DATA_OFFSET)
+        super().__init__(endpoint, instance_id, max_record_bytes, ctx)
+        self.timeout = timeout
+        self.refused: str | None = None
+        self.attached = False
+        try:
+            self.ring = Ring.create(segment_name(instance_id, endpoint), ring_bytes)
+        except BaseException:
+            self.socket.close(linger=0)
+            raise
+        self.socket.send_multipart([control.encode({
+            "type": control.SHM_ATTACH, "version": 1, "segment": self.ring.name,
+            "capacity": self.ring.capacity, "pid": os.getpid()}), encode_pos(0)])
+
+    def _check(self) -> None:
+        # NOTE: a refusal arrives as a control message; it is seen once the node reads control
+        # messages (recv_control), which it does for its acks.
+        if self.refused is not None:
+            raise TransportError(f"decode node at {self.endpoint} refused ring "
+                                 f"{self.ring.name!r}: {self.refused}; use the zmq transport")
+
+    def _on_internal(self, msg: dict) -> None:
+        if msg["type"] == control.SHM_ATTACHED:
+            self.attached = True
+        elif msg["type"] == control.SHM_REFUSED:
+            self.refused = str(msg.get("reason", "no reason given"))
+
+    def _send_small(self, word: int, body: bytes) -> None:
+        self._check()
+        pos = self.ring.publish(word, body, timeout=self.timeout)
+        self.socket.send_multipart([b"", encode_pos(pos)])
+
+    def _send_kv_chunk(self, meta: bytes, kv: torch.Tensor, ids: torch.Tensor, chunk) -> None:
+        self._check()
+        l0, l1, b0, b1 = chunk
+        nbytes = (l1 - l0) * (b1 - b0) * 2 * kv[0, 0, 0].numel() * kv.element_size()
+        view = self.ring.reserve(_KV_WORD, KV_DATA_OFFSET + nbytes, self.timeout)
+        view[:KV_DATA_OFFSET] = meta
+        gather_into(kv, ids, chunk, view[KV_DATA_OFFSET:])
+        pos = self.ring.commit()
+        self.socket.send_multipart([b"", encode_pos(pos)])
+
+    def send_control(self, msg: dict) -> None:
+        self._check()
+        self.socket.send_multipart([control.encode(msg), encode_pos(self.ring.write_pos)])
+
+    def close(self) -> None:
+        """Tell D the ring ends after what was sent, then remove it."""
+        if not self.socket.closed:
+            self.socket.send_multipart([control.encode({"type": control.SHM_DETACH, "version": 1}),
+                                        encode_pos(self.ring.write_pos)])
+        self.ring.close()
+        super().close()
