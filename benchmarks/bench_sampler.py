@@ -2,7 +2,7 @@
 (temperature + top-k + top-p), with and without logprobs (5 top), seeded sampling, top-p alone
 (its full-sort fallback) and penalties (each row: 286 prompt and 100 output tokens).
 
-    .venv/bin/python benchmarks/bench_sampler.py [--device cuda] [--vocab 32000]
+    .venv/bin/python benchmarks/bench_sampler.py [--device cuda] [--vocab 32000] [--threads 1]
 
 Prints one table; timings only, no assertions. Logits are random, made once per batch size.
 """
@@ -55,7 +55,10 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=32000)
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 32, 256])
     ap.add_argument("--min-time", type=float, default=0.3, help="seconds per measurement")
+    ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: default)")
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     sampler = Sampler(0)
     gen = torch.Generator(device=device).manual_seed(0)

@@ -18,6 +18,9 @@ pure function of (seed, i, its logits) on a given device type: the prefill node 
 0 and the decode node sampling the rest give what one process would. Unseeded rows share one
 generator per device.
 
+On CUDA nothing here waits for the device (parameter tensors go through pinned memory, no
+shape depends on data), so the overlap loop can queue the next step behind the sampler.
+
 `probs_after_processing` gives the final distribution of each row (steps 2-5) for rejection
 sampling in speculative decoding; the sampler draws from exactly those probabilities.
 Stop checks, detokenization and which rows need sampling are left to the engine/scheduler.
