@@ -53,7 +53,7 @@ def topk_lowest_id(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]
         empty = x.new_empty((batch, 0))
         return empty, empty.to(torch.int64)
     if k >= vocab or x.is_cuda:  # on CUDA the exact path is cheap and needs no host wait
-        return _topk_by_key(x, vocab)
+        return _topk_by_key(x, k)
     values, ids = torch.topk(x, k + 1, dim=-1, sorted=True)
     # NOTE: torch.topk orders ties arbitrarily. A row with no two equal values among its top
     # k + 1 has no tie inside its top k nor across its boundary: its result is exact. Only the

@@ -139,7 +139,8 @@ def apply_min_tokens(x: torch.Tensor, rows: list[SamplingRow]) -> None:
         row_of += [i] * len(banned)
         ids += banned
     if ids:
-        x[_index(row_of, x.device), _index(ids, x.device)] = -math.inf
+        keys = [i * x.shape[1] + t for i, t in zip(row_of, ids)]
+        x.view(-1).index_fill_(0, _index(keys, x.device), -math.inf)  # scalar fill: no host wait
 
 
 def process_logits(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
@@ -172,7 +173,10 @@ def _top_p_threshold(x: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     # row alone, and its cut never on the batch.
     # On CUDA every row is sorted: sorting is cheap there and needs no wait for a row count.
     num_candidates = vocab if x.is_cuda else min(vocab, TOP_P_CANDIDATES)
-    ordered = x.topk(num_candidates, dim=-1).values
+    if num_candidates == vocab:
+        ordered = x.sort(dim=-1, descending=True).values
+    else:
+        ordered = x.topk(num_candidates, dim=-1).values
     num_keep = cut(ordered, lse, p)
     thr = ordered.gather(1, num_keep - 1)
     if num_candidates < vocab:
@@ -230,7 +234,7 @@ def probs_after_processing(logits: torch.Tensor, rows: list[SamplingRow]) -> tor
         return truncated_probs(x, [r.params for r in rows])
     probs = torch.zeros_like(x, dtype=torch.float32)
     g = _index(greedy, x.device)
-    probs[g, x[g].argmax(dim=-1)] = 1.0
+    probs[g] = torch.zeros_like(probs[g]).scatter_(1, x[g].argmax(dim=-1, keepdim=True), 1.0)
     if sampled:
         s = _index(sampled, x.device)
         probs[s] = truncated_probs(x[s], [rows[i].params for i in sampled])
