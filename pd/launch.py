@@ -79,6 +79,10 @@ def main(args: argparse.Namespace) -> int:
             nodes.append(start_node("prefill", [*common, "--port", "0", "--node-id", f"prefill-{i}",
                                                 *node_args(args, PREFILL_FLAGS)],
                                     timeout=args.ready_timeout))
+        for n in nodes:
+            print(f"node {n.info['node_id']} pid {n.pid} control 127.0.0.1:{n.info['port']}"
+                  f"{' kv ' + n.info['kv_addr'] if 'kv_addr' in n.info else ''} log {n.log_path}",
+                  flush=True)
         prefill = [f"127.0.0.1:{n.info['port']}" for n in nodes if n.role == "prefill"]
         decode = [f"127.0.0.1:{n.info['port']}" for n in nodes if n.role == "decode"]
         run_router(args, prefill, decode, nodes)
@@ -117,10 +121,14 @@ def run_router(args: argparse.Namespace, prefill: list[str], decode: list[str], 
               f"-d '{{\"model\": \"{name}\", \"prompt\": \"def fibonacci(n):\", \"max_tokens\": 48}}'",
               flush=True)
         try:
-            while all(n.proc.poll() is None for n in nodes):
+            reported: set[int] = set()
+            while True:  # a node that exits is routed around; say so once
+                for n in nodes:
+                    if n.proc.poll() is not None and n.pid not in reported:
+                        reported.add(n.pid)
+                        log.error("%s exited with status %s; serving with the others (its log: %s)",
+                                  n.info.get("node_id", n.role), n.proc.returncode, n.log_path)
                 await asyncio.sleep(0.5)
-            dead = [n.info.get("node_id", n.role) for n in nodes if n.proc.poll() is not None]
-            raise RuntimeError(f"node(s) exited: {', '.join(dead)}")
         finally:
             await runner.cleanup()
             await backend.close()

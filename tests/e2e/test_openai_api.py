@@ -1,0 +1,174 @@
+"""The OpenAI API through `pd launch` (router + prefill node + decode node as real processes),
+driven by the official `openai` client; outputs compared with single-process generation."""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import os
+import time
+
+import openai
+import pytest
+
+from pd.llm import LLM
+from pd.sampling_params import SamplingParams
+
+from pd_launch import Launch
+
+PROMPTS = ["def fibonacci(n):", "import os\n", "class Stack:", "for i in range(10):"]
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir):
+    launch = Launch(tiny_model_dir, "--num-blocks", "512")
+    yield launch
+    assert launch.stop() == 0
+    assert not [n for n in launch.nodes.values() if pid_alive(n["pid"])]
+
+
+@pytest.fixture(scope="module")
+def api(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model_dir):
+    return LLM(tiny_model_dir, num_blocks=256)
+
+
+@pytest.fixture(scope="module")
+def model_name(tiny_model_dir):
+    return tiny_model_dir.name
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def greedy_text(reference, prompt: str, max_tokens: int) -> str:
+    return reference.generate([prompt], SamplingParams(max_tokens=max_tokens, temperature=0.0))[0].text
+
+
+def test_completion_equals_single_process_streamed_or_not(api, reference, model_name):
+    for prompt in PROMPTS:
+        want = greedy_text(reference, prompt, 24)
+        full = api.completions.create(model=model_name, prompt=prompt, max_tokens=24, temperature=0)
+        assert full.choices[0].text == want
+        assert full.usage.completion_tokens == len(reference.generate(
+            [prompt], SamplingParams(max_tokens=24, temperature=0.0))[0].token_ids)
+        chunks = api.completions.create(model=model_name, prompt=prompt, max_tokens=24,
+                                        temperature=0, stream=True)
+        assert "".join(c.choices[0].text for c in chunks if c.choices) == want
+
+
+def test_chat_streamed_and_not(api, reference, model_name):
+    messages = [{"role": "user", "content": "write a loop"}]
+    ids = reference.tokenizer.encode_chat(messages)
+    want = reference.generate([ids], SamplingParams(max_tokens=16, temperature=0.0))[0].text
+    full = api.chat.completions.create(model=model_name, messages=messages, max_tokens=16,
+                                       temperature=0)
+    assert full.choices[0].message.content == want
+    stream = api.chat.completions.create(model=model_name, messages=messages, max_tokens=16,
+                                         temperature=0, stream=True,
+                                         stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == want
+    assert chunks[-1].usage.prompt_tokens == len(ids)
+
+
+def test_logprobs_match_single_process(api, reference, model_name):
+    prompt = PROMPTS[0]
+    ref = reference.generate([prompt], SamplingParams(max_tokens=8, temperature=0.0, logprobs=3))[0]
+    out = api.completions.create(model=model_name, prompt=prompt, max_tokens=8, temperature=0,
+                                 logprobs=3)
+    lp = out.choices[0].logprobs
+    assert lp.token_logprobs == pytest.approx(ref.logprobs, abs=1e-5)
+    assert all(len(top) == 3 for top in lp.top_logprobs)
+    chat = api.chat.completions.create(model=model_name, messages=[{"role": "user", "content": "x"}],
+                                       max_tokens=4, temperature=0, logprobs=True, top_logprobs=2)
+    assert all(len(c.top_logprobs) == 2 for c in chat.choices[0].logprobs.content)
+
+
+def test_stop_string(api, reference, model_name):
+    prompt = PROMPTS[1]
+    free = greedy_text(reference, prompt, 24)
+    stop = free[6:9]
+    out = api.completions.create(model=model_name, prompt=prompt, max_tokens=24, temperature=0,
+                                 stop=[stop])
+    assert out.choices[0].text == free[: free.index(stop)]
+    assert out.choices[0].finish_reason == "stop"
+
+
+def test_n2_seeded_sampling(api, model_name):
+    out = api.completions.create(model=model_name, prompt=PROMPTS[2], max_tokens=12,
+                                 temperature=1.0, n=2, seed=7)
+    again = api.completions.create(model=model_name, prompt=PROMPTS[2], max_tokens=12,
+                                   temperature=1.0, n=2, seed=7)
+    assert len(out.choices) == 2
+    assert [c.text for c in out.choices] == [c.text for c in again.choices]
+
+
+@pytest.mark.parametrize("kwargs, status", [
+    ({"max_tokens": 0}, 400), ({"max_tokens": -3}, 400), ({"logprobs": 21}, 400),
+    ({"temperature": -1}, 400), ({"prompt": "x " * 2000}, 400), ({"model": "nope"}, 404),
+])
+def test_bad_input_is_4xx_and_the_server_keeps_serving(api, model_name, kwargs, status):
+    args = {"model": model_name, "prompt": "hello", "max_tokens": 4, **kwargs}
+    with pytest.raises(openai.APIStatusError) as e:
+        api.completions.create(**args)
+    assert e.value.status_code == status
+    assert api.completions.create(model=model_name, prompt="ok", max_tokens=2).choices
+
+
+def test_concurrent_streaming_load(api, reference, model_name):
+    prompts = [f"{PROMPTS[i % 4]} # {i}" for i in range(200)]
+    want = {p: greedy_text(reference, p, 12) for p in prompts[:8]}
+
+    def one(prompt: str) -> str:
+        stream = api.completions.create(model=model_name, prompt=prompt, max_tokens=12,
+                                        temperature=0, stream=True)
+        return "".join(c.choices[0].text for c in stream if c.choices)
+
+    with cf.ThreadPoolExecutor(32) as pool:
+        texts = list(pool.map(one, prompts))
+    assert all(texts)
+    for p in prompts[:8]:
+        assert texts[prompts.index(p)] == want[p]
+
+
+def test_killing_a_decode_node_fails_only_its_requests(tiny_model_dir, reference):
+    launch = Launch(tiny_model_dir, "--num-decode", "2", "--num-blocks", "512")
+    try:
+        api = openai.OpenAI(base_url=launch.url + "/v1", api_key="x", max_retries=0, timeout=60)
+        name = tiny_model_dir.name
+        victim = launch.nodes["decode-0"]["pid"]
+
+        def one(i: int):
+            try:
+                stream = api.completions.create(model=name, prompt=f"x = {i}", max_tokens=300,
+                                                temperature=0, stream=True,
+                                                extra_body={"ignore_eos": True})
+                return "".join(c.choices[0].text for c in stream if c.choices), None
+            except openai.APIError as e:
+                return None, e
+
+        with cf.ThreadPoolExecutor(16) as pool:
+            futures = [pool.submit(one, i) for i in range(16)]
+            time.sleep(2.0)
+            os.kill(victim, 9)
+            results = [f.result(timeout=120) for f in futures]
+        failed = [e for _, e in results if e is not None]
+        done = [t for t, _ in results if t is not None]
+        assert failed and done, f"{len(failed)} failed, {len(done)} completed"
+        assert all("decode" in str(e) for e in failed)
+        # New requests go to the surviving decode node.
+        time.sleep(4.0)
+        for i in range(4):
+            out = api.completions.create(model=name, prompt=f"y = {i}", max_tokens=8, temperature=0)
+            assert out.choices[0].text == greedy_text(reference, f"y = {i}", 8)
+    finally:
+        launch.stop()
