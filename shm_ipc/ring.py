@@ -67,6 +67,7 @@ class Ring:
         self._words = self._data.cast("I")
         self._cursor = 0  # producer: next write position; consumer: next read position
         self._pending = None
+        self.num_waits = 0  # producer: times it found the ring full and waited
 
     # ---- producer -----------------------------------------------------------------------------
     @classmethod
@@ -88,6 +89,8 @@ class Ring:
         if self._pending is not None:
             raise RuntimeError("reserve() again before commit()")
         total = record_size(length)
+        if not 0 < word <= 0xFFFFFFFF:
+            raise ValueError(f"header word {word!r}: 0 is PAD, records need a uint32 above 0")
         if length > self.max_payload or length > MAX_PAYLOAD:
             raise ValueError(f"record payload {length} bytes exceeds ring {self.name!r} "
                              f"({self.max_payload} bytes max); send it in chunks")
@@ -126,6 +129,7 @@ class Ring:
         return self.commit()
 
     def _wait_space(self, end: int, timeout: float) -> None:
+        self.num_waits += 1
         deadline = time.monotonic() + timeout
         delay = 20e-6
         while end - self._ctl[READ_POS] > self.capacity:
@@ -158,6 +162,10 @@ class Ring:
     @property
     def write_pos(self) -> int:
         return self._ctl[WRITE_POS]
+
+    @property
+    def read_pos(self) -> int:
+        return self._ctl[READ_POS]
 
     def next_record(self, limit: int | None = None) -> tuple[int, memoryview] | None:
         """The next record before `limit` (default: the current write position), or None.

@@ -1,0 +1,55 @@
+"""Fixtures for shm_ipc tests, and the check that the suite leaves no segment in /dev/shm."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from shm_ipc.segment import MAGIC, PREFIX, SEGMENT_HEADER, SHM_DIR, is_alive
+
+PEER = str(Path(__file__).with_name("peer.py"))
+_counter = itertools.count()
+
+
+def _ours_left() -> set[str]:
+    """Segments with the project prefix whose creator is this process or is dead."""
+    left = set()
+    for name in os.listdir(SHM_DIR):
+        if not name.startswith(PREFIX):
+            continue
+        try:
+            with open(os.path.join(SHM_DIR, name), "rb") as f:
+                h = np.frombuffer(f.read(SEGMENT_HEADER.itemsize), SEGMENT_HEADER)[0]
+        except (OSError, ValueError):
+            continue
+        pid = int(h["creator_pid"])
+        if int(h["magic"]) != MAGIC or pid == os.getpid() or not is_alive(pid, int(h["creator_start"])):
+            left.add(name)
+    return left
+
+
+@pytest.fixture(scope="session", autouse=True)
+def no_segment_left_behind():
+    before = _ours_left()
+    yield
+    leaked = _ours_left() - before
+    for name in leaked:
+        os.unlink(os.path.join(SHM_DIR, name))
+    assert not leaked, f"segments left in {SHM_DIR}: {sorted(leaked)}"
+
+
+@pytest.fixture
+def seg_name() -> str:
+    return f"{PREFIX}test_{os.getpid()}_{next(_counter)}"
+
+
+def spawn_peer(*args) -> subprocess.Popen:
+    """Start tests/shm_ipc/peer.py in a fresh interpreter (a real second process)."""
+    return subprocess.Popen([sys.executable, PEER, *map(str, args)], stdout=subprocess.PIPE,
+                            text=True)

@@ -1,0 +1,83 @@
+"""Segments: owner-only, layout checked on attach, stale ones replaced, removed on exit/signals."""
+
+from __future__ import annotations
+
+import os
+import signal
+import stat
+import subprocess
+import sys
+
+import pytest
+
+from shm_ipc.errors import SegmentError
+from shm_ipc.ring import RING_KIND, RING_LAYOUT_VERSION, Ring
+from shm_ipc.segment import SHM_DIR, Segment, segment_name
+
+from conftest import spawn_peer
+
+
+def test_created_owner_only_and_removed_on_close(seg_name):
+    seg = Segment.create(seg_name, 8192, kind=9, layout_version=1)
+    path = os.path.join(SHM_DIR, seg_name)
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+    seg.close()
+    assert not os.path.exists(path)
+
+
+def test_attach_checks_layout_version_and_kind(seg_name):
+    with Ring.create(seg_name, 1 << 12):
+        with pytest.raises(SegmentError, match="expects kind 1 version 99"):
+            Segment.attach(seg_name, RING_KIND, 99)
+        with pytest.raises(SegmentError, match="layout kind 1"):
+            Segment.attach(seg_name, 2, RING_LAYOUT_VERSION)
+        Ring.attach(seg_name).close()
+
+
+def test_attach_refuses_group_readable_and_missing(seg_name):
+    with Ring.create(seg_name, 1 << 12):
+        os.chmod(os.path.join(SHM_DIR, seg_name), 0o640)
+        with pytest.raises(SegmentError, match="owner-only"):
+            Ring.attach(seg_name)
+    with pytest.raises(SegmentError, match="does not exist"):
+        Ring.attach(seg_name)
+
+
+def test_live_segment_is_not_taken_over(seg_name):
+    with Ring.create(seg_name, 1 << 12):
+        with pytest.raises(SegmentError, match="in use by live pid"):
+            Ring.create(seg_name, 1 << 12)
+
+
+def test_stale_segment_from_dead_process_is_replaced(seg_name):
+    proc = spawn_peer("hold", seg_name)
+    assert proc.stdout.readline().strip() == "READY"
+    proc.kill()
+    proc.wait()
+    assert os.path.exists(os.path.join(SHM_DIR, seg_name))  # SIGKILL leaves it behind
+    with pytest.raises(SegmentError, match="stale"):
+        Ring.attach(seg_name)
+    with Ring.create(seg_name, 1 << 12) as ring:
+        assert int(ring.seg.header["creator_pid"]) == os.getpid()
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_signal_removes_segments_and_chains(seg_name, signum):
+    proc = spawn_peer("hold", seg_name)
+    assert proc.stdout.readline().strip() == "READY"
+    proc.send_signal(signum)
+    rc = proc.wait(timeout=10)
+    assert not os.path.exists(os.path.join(SHM_DIR, seg_name))
+    # the previous handler still ran: the default action for SIGTERM; for SIGINT Python's
+    # KeyboardInterrupt, which an interpreter that does not catch it turns into death by SIGINT
+    assert rc == -signum
+
+
+def test_atexit_removes_segments(seg_name):
+    code = f"from shm_ipc.ring import Ring; Ring.create({seg_name!r}, 4096)"
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=30)
+    assert not os.path.exists(os.path.join(SHM_DIR, seg_name))
+
+
+def test_segment_name_is_sanitized():
+    assert segment_name("prefill-0", "tcp://10.0.0.1:5555") == "pd_shm_prefill-0_tcp---10.0.0.1-5555"
