@@ -1,0 +1,74 @@
+"""KV helpers: chunk planning under a record limit, gather into ring memory, install on the receiver."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from shm_ipc import header
+from shm_ipc.header import Flag
+from shm_ipc.kv import gather, gather_into, install_kv, plan_chunks, unit_bytes
+from shm_ipc.records import KV_DATA_OFFSET, decode, kv_meta
+from shm_ipc.ring import Ring
+
+
+def test_plan_covers_every_layer_and_block_once_under_the_limit():
+    for layers, blocks, unit, limit in [(5, 7, 100, 1000), (3, 50, 100, 1000), (1, 1, 10, 10),
+                                        (29, 33, 64, 64 * 33 * 2 + 1)]:
+        chunks = plan_chunks(layers, blocks, unit, limit)
+        covered = sorted((layer, b) for l0, l1, b0, b1 in chunks
+                         for layer in range(l0, l1) for b in range(b0, b1))
+        assert covered == [(layer, b) for layer in range(layers) for b in range(blocks)]
+        assert all((l1 - l0) * (b1 - b0) * unit <= limit for l0, l1, b0, b1 in chunks)
+    with pytest.raises(ValueError, match="exceeds"):
+        plan_chunks(2, 2, 101, 100)
+
+
+def test_a_1gib_request_needs_only_max_record_sized_records():
+    # 33 layers (32 target + MTP), 8 KV heads x 128 dims, 16-token blocks, bf16: 64 KiB per unit
+    unit = 2 * 16 * 8 * 128 * 2
+    blocks = (1 << 30) // (33 * unit) + 1
+    chunks = plan_chunks(33, blocks, unit, 16 << 20)
+    assert sum((l1 - l0) * (b1 - b0) * unit for l0, l1, b0, b1 in chunks) >= 1 << 30
+    assert max((l1 - l0) * (b1 - b0) * unit for l0, l1, b0, b1 in chunks) <= 16 << 20
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_gather_into_ring_and_install_into_other_blocks(seg_name, dtype):
+    torch.manual_seed(0)
+    src = torch.randn(3, 2, 12, 4, 2, 8).to(dtype)  # [layers, K/V, blocks, block_size, heads, dim]
+    dst = torch.zeros_like(src)
+    src_ids, dst_ids = [7, 2, 9, 4, 11], [0, 5, 1, 10, 3]
+    ids = torch.tensor(src_ids)
+    chunks = plan_chunks(3, 5, unit_bytes(src), 2 * unit_bytes(src))  # one layer, 2 blocks each
+    assert len(chunks) == 9
+    with Ring.create(seg_name, 1 << 16) as prod, Ring.attach(seg_name) as cons:
+        for chunk in chunks:
+            l0, l1, b0, b1 = chunk
+            nbytes = (l1 - l0) * (b1 - b0) * unit_bytes(src)
+            view = prod.reserve(header.pack(Flag.KV), KV_DATA_OFFSET + nbytes)
+            view[:KV_DATA_OFFSET] = kv_meta("req", l0, l1, b0, b1 - b0, str(dtype)[6:])
+            gather_into(src, ids, chunk, view[KV_DATA_OFFSET:])
+            prod.commit()
+            word, body = cons.next_record()
+            install_kv(decode(word, body), dst, dst_ids)
+            cons.release()
+    assert torch.equal(dst[:, :, dst_ids], src[:, :, src_ids])
+    untouched = [b for b in range(12) if b not in dst_ids]
+    assert not dst[:, :, untouched].any()
+
+
+def test_install_refuses_mismatched_geometry_and_dtype():
+    kv = torch.randn(2, 2, 4, 4, 2, 8)
+    data = gather(kv, torch.tensor([1, 2]), (0, 2, 0, 2))
+    rec = decode(header.pack(Flag.KV), kv_meta("r", 0, 2, 0, 2, "float32"),
+                 raw=data.view(torch.uint8).numpy())
+    with pytest.raises(ValueError, match="does not fit"):
+        install_kv(rec, torch.zeros(2, 2, 4, 8, 2, 8), [0, 1])
+    with pytest.raises(ValueError, match="carries float32"):
+        install_kv(rec, torch.zeros(2, 2, 4, 4, 2, 8, dtype=torch.float16), [0, 1])
+    with pytest.raises(ValueError, match="only 1 are given"):
+        install_kv(rec, torch.zeros_like(kv), [0])
+    out = torch.zeros_like(kv)
+    install_kv(rec, out, [3, 0])
+    assert torch.equal(out[:, :, [3, 0]], kv[:, :, [1, 2]])
