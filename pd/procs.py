@@ -1,13 +1,17 @@
-"""Starting node processes and waiting for them: used by `pd launch` and the end-to-end tests.
+"""Starting pd processes and waiting for them: used by `pd launch`, the end-to-end tests and
+the benchmarks.
 
 A node prints one `PD_READY {json}` line on stdout when it serves; `start_node` waits for it
-(with a timeout, and an error carrying the node's last log lines if it dies first).
+(with a timeout, and an error carrying the node's last log lines if it dies first). `Launch`
+runs a whole `pd launch` and waits for its URL line.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
+import socket
 import signal
 import subprocess
 import sys
@@ -80,3 +84,56 @@ def start_node(role: str, args: list[str], timeout: float = 60.0, env: dict | No
             why = f"exited with {proc.returncode}" if proc.returncode is not None else "timed out"
             raise RuntimeError(f"pd {role} {why} before it was ready:\n{node.log_tail()}")
     return node
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Launch:
+    def __init__(self, model_dir: str, *extra: str, timeout: float = 120.0) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.lines: list[str] = []
+        self.nodes: dict[str, dict] = {}
+        self.served_model_name = ""
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "pd", "launch", "--model", str(model_dir), "--port",
+             str(self.port), "--log-level", "warning", *extra],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        ready = threading.Event()
+
+        def read():
+            for line in self.proc.stdout:
+                self.lines.append(line)
+                m = re.match(r"node (\S+) pid (\d+) control (\S+)(?: kv (\S+))?", line)
+                if m:
+                    self.nodes[m.group(1)] = {"pid": int(m.group(2)), "control": m.group(3),
+                                              "kv": m.group(4)}
+                m = re.match(r"pd is serving (\S+) at", line)
+                if m:
+                    self.served_model_name = m.group(1)
+                    ready.set()
+
+        threading.Thread(target=read, daemon=True).start()
+        deadline = time.monotonic() + timeout
+        while not ready.wait(0.1):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError("pd launch did not come up:\n" + "".join(self.lines[-40:]))
+
+    def stop(self, timeout: float = 20.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode
+
+    def output(self) -> str:
+        return "".join(self.lines)

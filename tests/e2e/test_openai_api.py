@@ -13,7 +13,7 @@ import pytest
 from pd.llm import LLM
 from pd.sampling_params import SamplingParams
 
-from pd_launch import Launch
+from pd.procs import Launch
 
 PROMPTS = ["def fibonacci(n):", "import os\n", "class Stack:", "for i in range(10):"]
 
