@@ -202,6 +202,7 @@ class DecodeNode(NodeService):
         start = time.perf_counter()
         sampled = self.engine.runner.run(batch)
         self.metrics.step_seconds.observe(time.perf_counter() - start)
+        self.metrics.batch_size.observe(len(batch.reqs))
         self.metrics.generation_tokens.inc(len(sampled))
         self.scheduler.update(batch, sampled)
         for i in sampled:
@@ -263,6 +264,7 @@ class DecodeNode(NodeService):
         mt.waiting.set(len(self.scheduler.waiting) + len(self.waiting_blocks))
         mt.running.set(len(self.scheduler.running))
         mt.kv_usage.set(self.allocator.usage)
+        mt.preemptions.inc(self.scheduler.num_preemptions - mt.preemptions._value.get())
         if not self.incoming and not self.scheduler.has_work:
             self.allocator.check_integrity()
 

@@ -3,6 +3,10 @@
 Every metric carries `role` and `node` labels; a node binds its children once with
 `for_node(role, node_id)`. Names follow vLLM's vocabulary with a `pd_` prefix. The router's own
 metrics are in `router/metrics.py`; the transport's refusal counter is in `shm_ipc/metrics.py`.
+Derived figures are left to PromQL: prefill tokens/s is `rate(pd_prompt_tokens_computed_total)`,
+the mean MTP acceptance length is `1 + rate(accepted_tokens) / rate(drafts)` (vLLM's meaning).
+The speculative-decoding and step-gap metrics are set by the decode loop that runs MTP and the
+overlap scheduler; a node without them leaves them at zero.
 """
 
 from __future__ import annotations
@@ -33,6 +37,21 @@ _HANDOFF = Gauge("pd_transfers_waiting", "Requests handed to a decode node, not 
 _REFUSED = Counter("pd_requests_refused", "Requests refused or failed by a node", LABELS + ("reason",))
 _PREEMPT = Counter("pd_num_preemptions", "Requests preempted (recompute) for lack of KV blocks",
                    LABELS)
+_FIRST_SEND = Histogram("pd_first_token_send_seconds",
+                        "From a request's arrival at the prefill node to its first token sent "
+                        "(FIRST_TOKEN to the decode node, or the answer to the router)", LABELS,
+                        buckets=TIME_BUCKETS)
+_BATCH = Histogram("pd_batch_size", "Requests in one engine step", LABELS,
+                   buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024))
+_STEP_GAP = Histogram("pd_decode_step_gap_seconds",
+                      "Device idle time between two decode steps (the overlap scheduler's gap)",
+                      LABELS, buckets=TIME_BUCKETS)
+_DRAFTS = Counter("pd_spec_decode_num_drafts", "MTP draft proposals verified", LABELS)
+_DRAFT_TOKENS = Counter("pd_spec_decode_num_draft_tokens", "MTP draft tokens proposed", LABELS)
+_ACCEPTED = Counter("pd_spec_decode_num_accepted_tokens", "MTP draft tokens accepted", LABELS)
+_ACCEPTED_POS = Counter("pd_spec_decode_num_accepted_tokens_per_pos",
+                        "MTP draft tokens accepted, by draft position (0-based)",
+                        LABELS + ("position",))
 
 
 def for_node(role: str, node_id: str) -> SimpleNamespace:
@@ -43,6 +62,10 @@ def for_node(role: str, node_id: str) -> SimpleNamespace:
         generation_tokens=_GEN_TOKENS.labels(**lab), step_seconds=_STEP.labels(**lab),
         kv_sent_bytes=_KV_SENT.labels(**lab), kv_received_bytes=_KV_RECV.labels(**lab),
         kv_transfer_seconds=_KV_XFER.labels(**lab), transfers_waiting=_HANDOFF.labels(**lab),
-        preemptions=_PREEMPT.labels(**lab),
+        preemptions=_PREEMPT.labels(**lab), first_token_send_seconds=_FIRST_SEND.labels(**lab),
+        batch_size=_BATCH.labels(**lab), step_gap_seconds=_STEP_GAP.labels(**lab),
+        spec_drafts=_DRAFTS.labels(**lab), spec_draft_tokens=_DRAFT_TOKENS.labels(**lab),
+        spec_accepted_tokens=_ACCEPTED.labels(**lab),
+        spec_accepted_at=lambda pos: _ACCEPTED_POS.labels(role=role, node=node_id, position=str(pos)),
         refused=lambda reason: _REFUSED.labels(role=role, node=node_id, reason=reason),
     )

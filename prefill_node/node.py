@@ -95,6 +95,7 @@ class PrefillNode(NodeService):
         sampled = self.engine.runner.run(batch)
         self.metrics.prompt_tokens.inc(batch.num_tokens)
         self.metrics.step_seconds.observe(time.perf_counter() - start)
+        self.metrics.batch_size.observe(len(batch.reqs))
         self.scheduler.update(batch, sampled)
         for i in sampled:
             req = batch.reqs[i]
@@ -114,6 +115,7 @@ class PrefillNode(NodeService):
             req.req_id, req.output_token_ids, **first_token_logprobs(req),
             finish_reason=req.finish_reason.value,
             num_prompt_tokens=req.num_prompt_tokens, num_output_tokens=req.num_output_tokens))
+        self.metrics.first_token_send_seconds.observe(time.monotonic() - job.arrival)
         self.release(job)
 
     def hand_off(self, job: Job) -> None:
@@ -127,6 +129,8 @@ class PrefillNode(NodeService):
             self.links[job.msg.decode_addr] = link
         job.link = link
         link.submit(job)
+        if link.state == "ready":  # sent now (else when the handshake ends, not timed here)
+            self.metrics.first_token_send_seconds.observe(time.monotonic() - job.arrival)
 
     # -- replies from decode nodes (called by DecodeLink) --------------------------------------
     def on_kv_accept(self, link: DecodeLink, req_id: str) -> None:
@@ -195,6 +199,7 @@ class PrefillNode(NodeService):
         mt.running.set(len(self.scheduler.running))
         mt.kv_usage.set(self.engine.allocator.usage)
         mt.transfers_waiting.set(sum(j.state != "queued" for j in self.jobs.values()))
+        mt.preemptions.inc(self.scheduler.num_preemptions - mt.preemptions._value.get())
 
     def may_check_integrity(self) -> None:
         if not self.jobs and not self.scheduler.has_work:
