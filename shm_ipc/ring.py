@@ -82,7 +82,9 @@ class Ring:
 
     @property
     def max_payload(self) -> int:
-        return self.capacity - RECORD_HEADER
+        # NOTE: a record of at most half the ring always fits once the consumer catches up,
+        # even when it must follow a PAD; a larger one could wait forever.
+        return self.capacity // 2 // ALIGN * ALIGN - RECORD_HEADER
 
     def reserve(self, word: int, length: int, timeout: float = 30.0) -> memoryview:
         """Claim room for one record and return its writable payload; `commit()` publishes it."""

@@ -21,7 +21,7 @@ from .errors import TransportError
 from .header import Flag, pack
 from .kv import gather_into
 from .records import KV_DATA_OFFSET
-from .ring import Ring, RECORD_HEADER
+from .ring import ALIGN, RECORD_HEADER, Ring
 from .segment import segment_name
 from .transport import DEFAULT_MAX_RECORD, Transport
 
@@ -35,7 +35,7 @@ class ShmTransport(Transport):
     def __init__(self, endpoint: str, instance_id: str, ring_bytes: int = DEFAULT_RING_BYTES,
                  max_record_bytes: int = DEFAULT_MAX_RECORD, timeout: float = 30.0,
                  ctx: zmq.Context | None = None):
-        max_record_bytes = min(max_record_bytes, ring_bytes - RECORD_HEADER - KV_DATA_OFFSET)
+        max_record_bytes = min(max_record_bytes, ring_bytes // 2 - ALIGN - RECORD_HEADER - KV_DATA_OFFSET)
         super().__init__(endpoint, instance_id, max_record_bytes, ctx)
         self.timeout = timeout
         self.refused: str | None = None

@@ -46,8 +46,9 @@ def test_records_cross_in_order_with_wraparound(pair):
 
 def test_pad_fills_the_tail_and_records_never_wrap(pair):
     prod, cons = pair
-    prod.publish(1, b"x" * 3000)  # 3008 -> 3072 bytes, 1024 left at the tail
-    cons.next_record()
+    for _ in range(3):
+        prod.publish(1, b"x" * 1000)  # 1008 -> 1024 bytes each; 1024 left at the tail
+        cons.next_record()
     cons.release()
     prod.publish(2, b"y" * 1500)  # does not fit the tail: PAD, then at offset 0
     word, view = cons.next_record()
@@ -70,16 +71,17 @@ def test_full_ring_waits_then_raises_clearly(pair):
 def test_nothing_is_overwritten_before_release(pair):
     prod, cons = pair
     prod.publish(1, b"a" * 2000)
+    prod.publish(2, b"b" * 1000)
     word, view = cons.next_record()
     with pytest.raises(RingFullError):
-        prod.publish(2, b"b" * 2500, timeout=0.05)  # would need the unreleased bytes
+        prod.publish(3, b"c" * 1500, timeout=0.05)  # would need the unreleased bytes
     assert bytes(view) == b"a" * 2000
 
 
 def test_record_larger_than_ring_and_pad_word_are_refused(pair):
     prod, _ = pair
     with pytest.raises(ValueError, match="chunks"):
-        prod.reserve(1, 4096)
+        prod.reserve(1, 2048 - 7)  # more than half the ring
     with pytest.raises(ValueError, match="PAD"):
         prod.publish(0, b"x")
 

@@ -1,0 +1,164 @@
+"""The KV transport over real ZMQ sockets on loopback and a real ring: order, KV, refusals, crashes."""
+
+from __future__ import annotations
+
+import os
+import resource
+import signal
+import threading
+import time
+
+import pytest
+import torch
+import zmq
+
+from shm_ipc import control, header
+from shm_ipc.header import Flag
+from shm_ipc.kv import install_kv
+from shm_ipc.metrics import refused_count
+from shm_ipc.receiver import KVReceiver, PeerGone
+from shm_ipc.records import AbortRecord, FirstTokenRecord, KVRecord, TokensRecord
+from shm_ipc.transport import choose_mode, is_local, make_transport
+
+from conftest import spawn_peer
+
+
+@pytest.fixture
+def rx():
+    r = KVReceiver("tcp://127.0.0.1:*", max_topk=20)
+    yield r
+    r.close()
+
+
+def _collect(rx: KVReceiver, n: int, kv_dst=None, dst_ids=None, timeout: float = 20) -> list:
+    items, deadline = [], time.monotonic() + timeout
+    while len(items) < n:
+        assert time.monotonic() < deadline, f"only {len(items)} of {n} items arrived: {items}"
+        for inc in rx.recv(timeout=1.0):
+            if isinstance(inc.item, KVRecord):
+                install_kv(inc.item, kv_dst, dst_ids)  # before the next recv() reuses the ring
+                items.append(("kv", inc.item.layer_start, inc.item.block_start))
+            else:
+                items.append(inc.item)
+    return items
+
+
+@pytest.mark.parametrize("mode", ["shm", "zmq"])
+def test_control_and_records_keep_their_order_and_kv_arrives_intact(rx, mode):
+    torch.manual_seed(1)
+    kv = torch.randn(5, 2, 40, 8, 2, 16, dtype=torch.bfloat16)  # 5 layers (the last as MTP)
+    src_ids, dst_ids = list(range(39, 9, -1)), list(range(30))
+    dst = torch.zeros_like(kv)
+    first = FirstTokenRecord("a" * 32, 42, -0.75, 1, [(42, -0.75), (7, -1.25)])
+    toks = TokensRecord("a" * 32, [1, 2], [-0.5, -0.25], [1, 3], [[(1, -0.5)], [(9, -0.125)]])
+    # ring of 64 KiB, 16 KiB records: the ~245 KiB of KV wraps the ring and fills it
+    tx = make_transport(rx.endpoint, f"p-{mode}", mode=mode, ring_bytes=64 << 10,
+                        max_record_bytes=16 << 10)
+    sent = {}
+
+    def send():
+        tx.send_control({"type": "hello", "version": 1})
+        tx.send_record(first)
+        sent["chunks"] = tx.send_kv("a" * 32, kv, src_ids)
+        tx.send_control({"type": "kv_done", "version": 1, "req": "a" * 32})
+        tx.send_record(toks)
+        tx.send_record(AbortRecord("b" * 8, "client gone"))
+
+    sender = threading.Thread(target=send)
+    sender.start()
+    # 30 blocks x 1 KiB per layer > 16 KiB: one layer and 16 blocks per record, 10 records
+    got = _collect(rx, 5 + 10, dst, dst_ids)
+    sender.join()
+    assert sent["chunks"] == 10
+    assert got[:2] == [{"type": "hello", "version": 1}, first]
+    assert got[2:12] == [("kv", layer, b0) for layer in range(5) for b0 in (0, 16)]
+    assert got[12:] == [{"type": "kv_done", "version": 1, "req": "a" * 32}, toks,
+                        AbortRecord("b" * 8, "client gone")]
+    assert torch.equal(dst[:, :, dst_ids], kv[:, :, src_ids])
+
+    peer = f"p-{mode}".encode()
+    rx.send_control(peer, {"type": "kv_ack", "version": 1})
+    assert tx.recv_control(timeout=5) == {"type": "kv_ack", "version": 1}
+    tx.close()
+    if mode == "shm":
+        assert [i.item for i in rx.recv(timeout=5)] == [PeerGone("the prefill node closed its ring")]
+
+
+def test_malformed_messages_are_counted_and_the_reader_carries_on(rx):
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.connect(rx.endpoint)
+    body = b"\x01r" + b"\0" * 12
+    before = {r: refused_count(r) for r in ("reserved", "unknown_flag", "topk", "control",
+                                            "frames", "no_ring", "length")}
+    sock.send_multipart([header.to_bytes(0x01000002), body])  # reserved byte set
+    sock.send_multipart([header.to_bytes(0x09), body])  # unknown flag
+    sock.send_multipart([header.to_bytes(header.pack(Flag.FIRST_TOKEN, 21)), body])  # k > 20
+    sock.send_multipart([b"\x95\x01\x02\x03\x04\x05", b"\0" * 8])  # a list, not a control map
+    sock.send_multipart([header.to_bytes(header.pack(Flag.ABORT)), body, b"x", b"y"])  # frames
+    sock.send_multipart([b"", b"\0" * 7 + b"\1"])  # doorbell without a ring
+    sock.send_multipart([header.to_bytes(header.pack(Flag.FIRST_TOKEN, 1)), body])  # short
+    sock.send_multipart([header.to_bytes(header.pack(Flag.FIRST_TOKEN, 0)), body])  # valid
+    got = _collect(rx, 1)
+    assert got == [FirstTokenRecord("r", 0, 0.0, 0, [])]
+    for reason in before:
+        assert refused_count(reason) == before[reason] + 1, reason
+    sock.close(linger=0)
+
+
+def test_refused_attach_is_answered(rx):
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.connect(rx.endpoint)
+    sock.send_multipart([control.encode({"type": control.SHM_ATTACH, "version": 1,
+                                         "segment": "pd_shm_no_such_segment"}), b"\0" * 8])
+    assert rx.recv(timeout=1.0) == []
+    assert sock.poll(5000)
+    reply = control.decode(sock.recv())
+    assert reply["type"] == control.SHM_REFUSED and "does not exist" in reply["reason"]
+    sock.close(linger=0)
+
+
+def test_mode_choice():
+    assert choose_mode("tcp://127.0.0.1:5555") == "shm"
+    assert choose_mode("tcp://localhost:5555") == "shm"
+    assert choose_mode("ipc:///tmp/pd.sock") == "shm"
+    assert not is_local("tcp://192.0.2.7:5555")  # TEST-NET-1, never this host
+    assert choose_mode("tcp://192.0.2.7:5555") == "zmq"
+    assert choose_mode("tcp://127.0.0.1:5555", "zmq") == "zmq"
+    os.environ["PD_KV_TRANSPORT"] = "zmq"
+    try:
+        assert choose_mode("tcp://127.0.0.1:5555") == "zmq"
+    finally:
+        del os.environ["PD_KV_TRANSPORT"]
+    with pytest.raises(ValueError, match="auto, shm, zmq"):
+        choose_mode("tcp://127.0.0.1:5555", "rdma")
+
+
+def test_idle_receiver_sleeps(rx):
+    tx = make_transport(rx.endpoint, "p-idle", mode="shm", ring_bytes=1 << 16)
+    tx.send_record(AbortRecord("r", "x"))
+    assert len(_collect(rx, 1)) == 1
+    t0 = resource.getrusage(resource.RUSAGE_SELF)
+    assert rx.recv(timeout=1.0) == []
+    t1 = resource.getrusage(resource.RUSAGE_SELF)
+    cpu = (t1.ru_utime - t0.ru_utime) + (t1.ru_stime - t0.ru_stime)
+    assert cpu < 0.1, f"idle receiver used {cpu:.3f}s of CPU in 1s"  # spinning would be ~1s
+    tx.close()
+
+
+def test_killed_prefill_process_is_reported_gone_then_reattaches(rx):
+    procs = []
+    try:
+        for round_ in range(2):
+            proc = spawn_peer("tx", rx.endpoint, "p-crash", 5)  # same instance id both times
+            procs.append(proc)
+            assert proc.stdout.readline().strip() == "READY"
+            got = _collect(rx, 5)
+            assert [r.req_id for r in got] == [f"req-p-crash-{i}" for i in range(5)]
+            if round_ == 0:
+                proc.send_signal(signal.SIGKILL)
+                gone = _collect(rx, 1, timeout=10)
+                assert isinstance(gone[0], PeerGone) and "died" in gone[0].reason
+    finally:
+        for p in procs:
+            p.terminate()  # the live one removes its segment on SIGTERM
+            p.wait()
