@@ -4,22 +4,33 @@ Names follow vLLM's vocabulary with a `pd_` prefix: request counts by endpoint a
 time to first token, inter-token latency and end-to-end latency (fed by one `RequestTimer`
 per request), queue time, prompt and generation tokens, requests running and waiting,
 finished requests by reason, aborts by reason, and the healthy nodes per role as the backend
-reports them. Serving `/metrics` is the
-server's job; the nodes export their own metrics.
+reports them. Every sample is rendered with `role="router"` and `node` (env `PD_NODE_ID`, else
+the host name) so one Prometheus query can tell the router's series from the nodes'. Retries of
+the ZMQ backend (another prefill node before the first token) count in `BACKEND_RETRIES`, one
+per process. Serving `/metrics` is the server's job; the nodes export their own metrics.
 """
 
 from __future__ import annotations
 
+import os
+import socket
 import time
 from typing import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client import CONTENT_TYPE_LATEST  # noqa: F401  (re-exported for the server)
+from prometheus_client.metrics_core import Metric
 
-_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75,
-                    1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
-_ITL_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2,
-                0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
+_PROCESS = CollectorRegistry()
+BACKEND_RETRIES = Counter("pd_router_backend_retries",
+                          "Requests the backend retried on another prefill node before the first "
+                          "token", registry=_PROCESS)
+
+# Sub-millisecond to minutes.
+_LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75,
+                    1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 300.0)
+_ITL_BUCKETS = (0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2,
+                0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 30.0)
 
 
 class RouterMetrics:
@@ -55,13 +66,23 @@ class RouterMetrics:
         self.healthy_nodes = Gauge("pd_router_healthy_nodes", "Healthy nodes by role", ["role"],
                                    registry=r)
         self._health = health
+        self.labels = {"role": "router", "node": os.environ.get("PD_NODE_ID") or socket.gethostname()}
 
     def render(self) -> bytes:
         if self._health is not None:
             h = self._health()
             for role in ("prefill", "decode"):
                 self.healthy_nodes.labels(role).set(int(h.get(role, 0)))
-        return generate_latest(self.registry)
+        return generate_latest(self)
+
+    def collect(self):
+        """The registry's metrics with the router's labels added (a sample's own labels win:
+        `pd_router_healthy_nodes` keeps the role of the nodes it counts)."""
+        for registry in (self.registry, _PROCESS):
+            for mf in registry.collect():
+                out = Metric(mf.name, mf.documentation, mf.type, mf.unit)
+                out.samples = [s._replace(labels={**self.labels, **s.labels}) for s in mf.samples]
+                yield out
 
 
 class RequestTimer:

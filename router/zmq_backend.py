@@ -21,6 +21,7 @@ import zmq.asyncio
 
 from pd import messages as m
 from router.backend import Backend, BackendUnavailable, GenerateRequest, TokenEvent
+from router.metrics import BACKEND_RETRIES
 from router.policy import make_policy
 from router.registry import Node, NodeRegistry, Role
 
@@ -198,6 +199,7 @@ class ZmqBackend(Backend):
                     log.warning("request %s failed before its first token (%s); retrying",
                                 req.req_id, msg.error)
                     retried = True
+                    BACKEND_RETRIES.inc()
                     self._end(flight, abort=True, prompt_len=len(req.prompt_ids))
                     try:
                         flight = self._launch(req, f"{req.req_id}-retry",
