@@ -5,7 +5,8 @@ ports (bound to 127.0.0.1), then serves the router in this process on --host:--p
 node answers its heartbeat it prints the URL and a curl line. Ctrl-C (or SIGTERM) stops the
 router and every node, which remove their shared-memory segments on the way out. Model and
 engine flags go to every node; --transport/--queue-timeout/--handoff-timeout to prefill nodes,
---kv-timeout to decode nodes.
+--kv-timeout to decode nodes. Every node serves /metrics and /health on a free port of its own,
+printed on its `node ...` line (`metrics HOST:PORT`); the router's are at the router's URL.
 """
 
 from __future__ import annotations
@@ -61,7 +62,7 @@ def main(args: argparse.Namespace) -> int:
     from pd.procs import start_node
 
     args.model = model_dir(args)
-    common = ["--model", args.model, *node_args(args, ENGINE_FLAGS)]
+    common = ["--model", args.model, "--metrics-port", "0", *node_args(args, ENGINE_FLAGS)]
     nodes = []
 
     def stop_all() -> None:
@@ -81,7 +82,8 @@ def main(args: argparse.Namespace) -> int:
                                     timeout=args.ready_timeout))
         for n in nodes:
             print(f"node {n.info['node_id']} pid {n.pid} control 127.0.0.1:{n.info['port']}"
-                  f"{' kv ' + n.info['kv_addr'] if 'kv_addr' in n.info else ''} log {n.log_path}",
+                  f"{' kv ' + n.info['kv_addr'] if 'kv_addr' in n.info else ''}"
+                  f" metrics 127.0.0.1:{n.info['metrics_port']} log {n.log_path}",
                   flush=True)
         prefill = [f"127.0.0.1:{n.info['port']}" for n in nodes if n.role == "prefill"]
         decode = [f"127.0.0.1:{n.info['port']}" for n in nodes if n.role == "decode"]

@@ -69,6 +69,7 @@ class DecodeLink:
                 req.output_logprobs[0] if asked else 0.0,
                 req.output_ranks[0] if asked else 0,
                 list(req.output_top_logprobs[0]) if asked else []))
+            self.node.metrics.first_token_send_seconds.observe(time.monotonic() - job.arrival)
         except TransportError as e:
             self._broken(f"sending to decode node {self.addr} failed: {e}", job)
 

@@ -129,8 +129,6 @@ class PrefillNode(NodeService):
             self.links[job.msg.decode_addr] = link
         job.link = link
         link.submit(job)
-        if link.state == "ready":  # sent now (else when the handshake ends, not timed here)
-            self.metrics.first_token_send_seconds.observe(time.monotonic() - job.arrival)
 
     # -- replies from decode nodes (called by DecodeLink) --------------------------------------
     def on_kv_accept(self, link: DecodeLink, req_id: str) -> None:
