@@ -20,6 +20,7 @@ import abc
 import ipaddress
 import os
 import socket
+import time
 from urllib.parse import urlsplit
 
 import torch
@@ -79,14 +80,15 @@ class Transport(abc.ABC):
 
     def recv_control(self, timeout: float | None = 0) -> dict | None:
         """D's next control message (ack, refusal), or None after `timeout` seconds."""
-        ms = None if timeout is None else int(timeout * 1000)
-        while self.socket.poll(ms, zmq.POLLIN):
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            ms = None if deadline is None else max(0, int((deadline - time.monotonic()) * 1000))
+            if not self.socket.poll(ms, zmq.POLLIN):
+                return None
             msg = control.decode(self.socket.recv())
             if msg["type"] not in control.INTERNAL:
                 return msg
             self._on_internal(msg)
-            ms = 0
-        return None
 
     def _on_internal(self, msg: dict) -> None:
         pass

@@ -66,6 +66,13 @@ def test_control_and_records_keep_their_order_and_kv_arrives_intact(rx, mode):
 
     sender = threading.Thread(target=send)
     sender.start()
+    try:
+        _check_order(rx, tx, mode, sender, sent, kv, dst, src_ids, dst_ids, first, toks)
+    finally:
+        tx.close()
+
+
+def _check_order(rx, tx, mode, sender, sent, kv, dst, src_ids, dst_ids, first, toks):
     # 30 blocks x 1 KiB per layer > 16 KiB: one layer and 16 blocks per record, 10 records
     got = _collect(rx, 5 + 10, dst, dst_ids)
     sender.join()
@@ -135,14 +142,16 @@ def test_mode_choice():
 
 def test_idle_receiver_sleeps(rx):
     tx = make_transport(rx.endpoint, "p-idle", mode="shm", ring_bytes=1 << 16)
-    tx.send_record(AbortRecord("r", "x"))
-    assert len(_collect(rx, 1)) == 1
-    t0 = resource.getrusage(resource.RUSAGE_SELF)
-    assert rx.recv(timeout=1.0) == []
-    t1 = resource.getrusage(resource.RUSAGE_SELF)
+    try:
+        tx.send_record(AbortRecord("r", "x"))
+        assert len(_collect(rx, 1)) == 1
+        t0 = resource.getrusage(resource.RUSAGE_SELF)
+        assert rx.recv(timeout=1.0) == []
+        t1 = resource.getrusage(resource.RUSAGE_SELF)
+    finally:
+        tx.close()
     cpu = (t1.ru_utime - t0.ru_utime) + (t1.ru_stime - t0.ru_stime)
     assert cpu < 0.1, f"idle receiver used {cpu:.3f}s of CPU in 1s"  # spinning would be ~1s
-    tx.close()
 
 
 def test_killed_prefill_process_is_reported_gone_then_reattaches(rx):
