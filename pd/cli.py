@@ -18,6 +18,7 @@ COMMANDS = {
     "decode": ("decode_node.main", "run a decode node"),
     "router": ("router.command", "run the OpenAI-compatible router"),
     "launch": ("pd.launch", "start router + prefill + decode nodes on this host"),
+    "bench": ("pd.bench", "serving benchmark against the router or any OpenAI-compatible server"),
 }
 
 
