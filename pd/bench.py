@@ -65,6 +65,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--ignore-eos", action="store_true", help="ask the server to ignore EOS")
     g.add_argument("--temperature", type=float, default=0.0, help="(default: 0, greedy)")
     g.add_argument("--request-timeout", type=float, default=600.0, help="seconds per request")
+    g.add_argument("--no-test-request", action="store_true",
+                   help="skip the one short request sent (and not counted) before the run")
     g = p.add_argument_group("report")
     g.add_argument("--goodput", nargs="+", default=None, metavar="KEY:MS",
                    help="SLOs for goodput: ttft:MS tpot:MS e2el:MS")
@@ -208,10 +210,11 @@ async def run(args: argparse.Namespace, prompts: list[Prompt], tok) -> tuple[lis
         if model is None:
             async with session.get(args.base_url.rstrip("/") + "/v1/models") as r:
                 model = (await r.json())["data"][0]["id"]
-        test = await send(session, args, model, Prompt(prompts[0].prompt, prompts[0].prompt_len,
-                                                       min(prompts[0].output_len, 4)), tok)
-        if not test.success:
-            raise RuntimeError(f"the test request failed: {test.error}")
+        if not args.no_test_request:
+            test = await send(session, args, model, Prompt(
+                prompts[0].prompt, prompts[0].prompt_len, min(prompts[0].output_len, 4)), tok)
+            if not test.success:
+                raise RuntimeError(f"the test request failed: {test.error}")
         sem = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
         bar = Progress(len(prompts), not args.disable_progress)
 
