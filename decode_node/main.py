@@ -2,6 +2,7 @@
 
 Prefill nodes hand it requests (first token, then KV cache) on --kv-port; it streams every token
 to the router that sent the request. Routers reach it on --port for health, load and aborts.
+Decoding overlaps the host's work with the device's unless --no-overlap or PD_DISABLE_OVERLAP=1.
 """
 
 from __future__ import annotations
@@ -26,19 +27,24 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-timeout", type=float, default=30.0,
                    help="seconds a handed-over request may wait for free blocks and its KV "
                         "before it fails (default: 30)")
+    g.add_argument("--no-overlap", action="store_true",
+                   help="run the plain decode loop (wait for each step before scheduling the "
+                        "next) instead of the overlap scheduler; PD_DISABLE_OVERLAP=1 does the same")
 
 
 def main(args: argparse.Namespace) -> int:
     from decode_node.node import DecodeNode
     from pd.engine import Engine
+    from pd.overlap import overlap_disabled_by_env
     from pd.tokenizer import Tokenizer
 
     cfg = engine_config(args)
+    overlap = not (args.no_overlap or overlap_disabled_by_env(os.environ))
     engine = Engine(cfg, eos_token_ids=Tokenizer.from_dir(cfg.model).eos_token_ids)
     node = DecodeNode(
         args.node_id or f"decode-{args.port or os.getpid()}", engine, host=args.host,
         port=args.port, kv_port=args.kv_port, metrics_port=args.metrics_port,
-        max_queue=args.max_queue, kv_timeout=args.kv_timeout)
+        max_queue=args.max_queue, kv_timeout=args.kv_timeout, overlap=overlap)
     announce("decode", node.node_id, port=node.port, kv_addr=node.kv_addr,
              metrics_port=node.probe.port if node.probe else None)
     log.info("decode node %s serving on %s:%d, KV ingest %s", node.node_id, args.host,

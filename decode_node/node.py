@@ -7,8 +7,14 @@ Intake, per request, on the KV ingest socket (from one prefill node, in order):
   -> KVAccept sent -> KV records (installed) -> KVDone -> KVAck sent, the request joins the batch.
 A request waiting for blocks or for its KV has a deadline (`--kv-timeout`): on expiry the router
 gets an error and the prefill node a KVRefuse. An ABORT (router or prefill node) ends the request
-wherever it is and frees its blocks. Every record's request id must name a request in the state
-that expects it, from the peer that announced it; anything else is refused and counted.
+wherever it is and frees its blocks (after the step in flight, if one still holds it). Every
+record's request id must name a request in the state that expects it, from the peer that
+announced it; anything else is refused and counted.
+
+Decoding runs through `pd.overlap.DecodeLoop`: by default one step ahead of the device (the
+overlap scheduler), or the plain loop with `overlap=False` (`--no-overlap`,
+PD_DISABLE_OVERLAP=1). Requests joining from prefill nodes and aborts are applied between
+steps; the step gap (device idle time between steps) is a histogram and a periodic log line.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ from pd import messages as m
 from pd import node_metrics
 from pd.engine import Engine
 from pd.geometry import mismatch
+from pd.overlap import make_decode_loop
 from pd.request import Req
 from pd.sampling_params import SamplingParams
 from pd.service import NodeService
@@ -30,6 +37,7 @@ from shm_ipc.receiver import KVReceiver, PeerGone
 from shm_ipc.records import AbortRecord, FirstTokenRecord, KVRecord
 
 log = logging.getLogger(__name__)
+GAP_LOG_S = 30.0  # how often the step-gap quantiles are logged while decoding
 
 
 @dataclass(eq=False)
@@ -47,7 +55,8 @@ class DecodeNode(NodeService):
     role = "decode"
 
     def __init__(self, node_id: str, engine: Engine, *, host: str, port: int, kv_port: int,
-                 metrics_port: int | None, max_queue: int = 4096, kv_timeout: float = 30.0) -> None:
+                 metrics_port: int | None, max_queue: int = 4096, kv_timeout: float = 30.0,
+                 overlap: bool = True) -> None:
         super().__init__(node_id, host, port, metrics_port)
         self.engine = engine
         self.scheduler = engine.scheduler
@@ -63,6 +72,9 @@ class DecodeNode(NodeService):
         self.waiting_blocks: deque[Incoming] = deque()
         self.reply_to: dict[str, str] = {}  # running request -> router event endpoint
         self.metrics = node_metrics.for_node(self.role, node_id)
+        self.loop = make_decode_loop(engine.runner, self.scheduler, overlap,
+                                     on_gap=self.metrics.step_gap_seconds.observe)
+        self.last_gap_log = time.monotonic()
 
     # -- router control ------------------------------------------------------------------------
     def on_control(self, identity: bytes, msg) -> None:
@@ -193,20 +205,16 @@ class DecodeNode(NodeService):
 
     # -- decoding ------------------------------------------------------------------------------
     def has_work(self) -> bool:
-        return self.scheduler.has_work
+        return self.loop.has_work
 
     def step(self) -> None:
-        batch = self.scheduler.schedule()
-        if batch is None:
-            return
         start = time.perf_counter()
-        sampled = self.engine.runner.run(batch)
+        emitted = self.loop.step()
+        if self.loop.batch_size:
+            self.metrics.batch_size.observe(self.loop.batch_size)
         self.metrics.step_seconds.observe(time.perf_counter() - start)
-        self.metrics.batch_size.observe(len(batch.reqs))
-        self.metrics.generation_tokens.inc(len(sampled))
-        self.scheduler.update(batch, sampled)
-        for i in sampled:
-            req = batch.reqs[i]
+        self.metrics.generation_tokens.inc(len(emitted))
+        for req in emitted:
             reply_to = self.reply_to.get(req.req_id)
             if reply_to is None:
                 continue
@@ -251,7 +259,7 @@ class DecodeNode(NodeService):
             req = next((r for r in self.scheduler.running if r.req_id == req_id), None) or \
                 next((r for r in self.scheduler.waiting if r.req_id == req_id), None)
             if req is not None:
-                self.scheduler.abort(req)
+                self.loop.abort(req)
         self.may_reserve()
 
     def tick(self, now: float) -> None:
@@ -265,8 +273,14 @@ class DecodeNode(NodeService):
         mt.running.set(len(self.scheduler.running))
         mt.kv_usage.set(self.allocator.usage)
         mt.preemptions.inc(self.scheduler.num_preemptions - mt.preemptions._value.get())
-        if not self.incoming and not self.scheduler.has_work:
+        if not self.incoming and not self.loop.has_work:
             self.allocator.check_integrity()
+        if now - self.last_gap_log >= GAP_LOG_S:
+            self.last_gap_log = now
+            summary = self.loop.take_gap_summary()
+            if summary is not None:
+                log.info("decode node %s (overlap %s): %s", self.node_id,
+                         "on" if self.loop.overlap else "off", summary)
 
     def stats(self) -> dict:
         return {
@@ -279,6 +293,7 @@ class DecodeNode(NodeService):
         }
 
     def shutdown(self) -> None:
+        self.loop.close()
         for inc in list(self.incoming.values()):
             self.fail(inc, f"decode node {self.node_id} shut down")
         for req_id, reply_to in list(self.reply_to.items()):

@@ -4,12 +4,20 @@ where a step's tensors are built (`prepare`).
 It runs a `ScheduledBatch` (any mix of prefill chunks and decode tokens) and returns the sampled
 tokens with their logprobs for the requests that caught up. Which requests run, and what happens
 to their state afterwards, is the scheduler's business.
+
+For the decode overlap loop (`pd.overlap`) the runner also splits a step in two: `prepare`
+(host) and `execute` (device work only, no host wait), which writes the sampled tokens into a
+device tensor the next step reads (future-token slots: an input id `-(j + 1)` stands for row
+j of the previous step's tokens) and copies the results into host buffers (`alloc_output`,
+pinned on CUDA). Where `execute` runs (a CUDA stream, a worker thread) and how its completion
+is awaited is the executor's business (`pd.executor`).
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import fields, replace
+from typing import NamedTuple
 
 import torch
 
@@ -27,14 +35,33 @@ log = logging.getLogger(__name__)
 SampledToken = tuple[int, float | None, int | None, list[tuple[int, float]] | None]
 
 
-@dataclass
-class ForwardInput:
-    input_ids: torch.Tensor  # [T]
+class ForwardInput(NamedTuple):
+    input_ids: torch.Tensor  # [T]; negative ids are future tokens, see future_index
     positions: torch.Tensor  # [T]
     context: ForwardContext
     logits_index: torch.Tensor  # [S] rows of the hidden states to sample from
     sample_reqs: list[int]  # batch index of each sampled row
     rows: list[SamplingRow]
+    # NOTE: tokens whose id the host does not know yet (sampled by the step still in flight)
+    # are read on the device from that step's next tokens: input_ids[future_index] =
+    # prev_tokens[future_slots]. None when every id is known.
+    future_index: torch.Tensor | None = None  # [F] positions in input_ids
+    future_slots: torch.Tensor | None = None  # [F] rows of the previous step's next tokens
+    num_top: int = 0  # top-logprob columns: the most any row asked for
+
+    @property
+    def wants_logprobs(self) -> bool:
+        return any(r.params.logprobs is not None for r in self.rows)
+
+
+class ForwardOutput(NamedTuple):
+    """One launched step. Tokens are [S] (one per sampled row); a verify step of 1 + k tokens
+    per row would make them [S, 1 + k] with the accepted counts beside them."""
+
+    next_tokens_gpu: torch.Tensor  # [S] int64 on the device: what the next step's future ids read
+    next_tokens_cpu: torch.Tensor  # [S] int64 on the host (pinned on CUDA); valid after copy_done
+    logprobs_cpu: SamplerOutput | None  # host copies of the logprob tensors, likewise
+    copy_done: object  # the executor's completion: .wait() returns once the host copies landed
 
 
 class ModelRunner:
@@ -85,15 +112,29 @@ class ModelRunner:
                 sample_reqs.append(i)
                 rows.append(self.sampling_row(req))
         ctx = build_context(batch.num_new_tokens, context_lens,
-                            [req.block_ids for req in batch.reqs], slots, self.device)
+                            [req.block_ids for req in batch.reqs], slots, torch.device("cpu"))
+        future = [j for j, t in enumerate(input_ids) if t < 0]
+        asked = [r.params.logprobs for r in rows if r.params.logprobs is not None]
         return ForwardInput(
-            input_ids=torch.tensor(input_ids, dtype=torch.int64, device=self.device),
-            positions=torch.tensor(positions, dtype=torch.int64, device=self.device),
-            context=ctx,
-            logits_index=torch.tensor(logits_index, dtype=torch.int64, device=self.device),
+            input_ids=self.to_device(torch.tensor(input_ids, dtype=torch.int64)),
+            positions=self.to_device(torch.tensor(positions, dtype=torch.int64)),
+            context=replace(ctx, **{f.name: self.to_device(getattr(ctx, f.name))
+                                    for f in fields(ctx) if isinstance(getattr(ctx, f.name), torch.Tensor)}),
+            logits_index=self.to_device(torch.tensor(logits_index, dtype=torch.int64)),
             sample_reqs=sample_reqs,
             rows=rows,
+            future_index=self.to_device(torch.tensor(future, dtype=torch.int64)) if future else None,
+            future_slots=self.to_device(torch.tensor([-input_ids[j] - 1 for j in future],
+                                                     dtype=torch.int64)) if future else None,
+            num_top=min(max(asked, default=0), self.model_config.vocab_size),
         )
+
+    def to_device(self, t: torch.Tensor) -> torch.Tensor:
+        """A host tensor on the runner's device; on CUDA through pinned memory without blocking,
+        on the current stream, so building a step never waits for the one in flight."""
+        if self.device.type != "cuda":
+            return t
+        return t.pin_memory().to(self.device, non_blocking=True)
 
     @staticmethod
     def sampling_row(req: Req) -> SamplingRow:
@@ -112,14 +153,54 @@ class ModelRunner:
             return self.model(inp.input_ids, inp.positions)
 
     @torch.inference_mode()
-    def run(self, batch: ScheduledBatch) -> dict[int, SampledToken]:
-        inp = self.prepare(batch)
+    def sample(self, inp: ForwardInput, prev_tokens: torch.Tensor | None = None) -> SamplerOutput | None:
+        """Forward + sampler on the device; `prev_tokens` fills the future ids. None when no
+        row samples."""
+        if inp.future_index is not None:
+            if prev_tokens is None:
+                raise ValueError("the batch has future token ids but no previous step's tokens")
+            ids = inp.input_ids.index_put((inp.future_index,), prev_tokens[inp.future_slots])
+            inp = inp._replace(input_ids=ids)
         hidden = self.forward(inp)
         if not inp.rows:
-            return {}
-        logits = self.model.compute_logits(hidden[inp.logits_index])
-        out = self.sampler(logits, inp.rows)
-        return unpack_sampled(out, inp.sample_reqs, inp.rows)
+            return None
+        return self.sampler(self.model.compute_logits(hidden[inp.logits_index]), inp.rows)
+
+    @torch.inference_mode()
+    def run(self, batch: ScheduledBatch) -> dict[int, SampledToken]:
+        inp = self.prepare(batch)
+        out = self.sample(inp)
+        return {} if out is None else unpack_sampled(out, inp.sample_reqs, inp.rows)
+
+    # -- the split step of the overlap loop ----------------------------------------------------
+    def alloc_output(self, inp: ForwardInput) -> tuple[torch.Tensor, torch.Tensor, SamplerOutput | None]:
+        """Buffers `execute` writes: next tokens on the device, and host copies (pinned on CUDA)."""
+        num_rows, pin = len(inp.rows), self.device.type == "cuda"
+
+        def host(*shape, dtype=torch.int64):
+            return torch.empty(shape, dtype=dtype, pin_memory=pin)
+
+        tokens_cpu, logprobs = host(num_rows), None
+        if inp.wants_logprobs:
+            logprobs = SamplerOutput(tokens_cpu, host(num_rows, dtype=torch.float32), host(num_rows),
+                                     host(num_rows, inp.num_top),
+                                     host(num_rows, inp.num_top, dtype=torch.float32))
+        return torch.empty(num_rows, dtype=torch.int64, device=self.device), tokens_cpu, logprobs
+
+    @torch.inference_mode()
+    def execute(self, inp: ForwardInput, prev_tokens: torch.Tensor | None,
+                next_tokens: torch.Tensor, tokens_cpu: torch.Tensor,
+                logprobs_cpu: SamplerOutput | None) -> None:
+        """The device part of a step: forward, sample, write `next_tokens` (read by the next
+        step in stream order) and start the copies to the host buffers. Never waits."""
+        out = self.sample(inp, prev_tokens)
+        if out is None:
+            return
+        next_tokens.copy_(out.token_ids)
+        tokens_cpu.copy_(out.token_ids, non_blocking=True)
+        if logprobs_cpu is not None:  # its token_ids is tokens_cpu
+            for name in ("logprobs", "ranks", "topk_ids", "topk_logprobs"):
+                getattr(logprobs_cpu, name).copy_(getattr(out, name), non_blocking=True)
 
 
 def unpack_sampled(out: SamplerOutput, sample_reqs: list[int],
