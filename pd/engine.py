@@ -2,7 +2,9 @@
 
 It is the reference the PD path must equal (`pd.LLM`, `pd generate`) and the core each node
 builds on: a prefill node runs prompts through it and exports KV, a decode node imports KV and
-decodes. Tokenization and output formatting are left to `llm.py` and the router.
+decodes. With `num_speculative_tokens` k > 0, each step verifies the MTP layer's k drafts
+(`pd.spec_decode`, `pd.mtp`). Tokenization and output formatting are left to `llm.py` and the
+router.
 """
 
 from __future__ import annotations
@@ -13,16 +15,19 @@ import logging
 from pd.allocator import BlockAllocator
 from pd.config import EngineConfig
 from pd.geometry import geometry
+from pd.mtp import MTPDrafter
 from pd.request import Req
 from pd.runner import ModelRunner
 from pd.sampling_params import SamplingParams
 from pd.scheduler import Scheduler
+from pd.spec_decode import SpecDecoder
 
 log = logging.getLogger(__name__)
 
 
 class Engine:
-    def __init__(self, cfg: EngineConfig, eos_token_ids: tuple[int, ...] = ()) -> None:
+    def __init__(self, cfg: EngineConfig, eos_token_ids: tuple[int, ...] = (),
+                 num_speculative_tokens: int = 0) -> None:
         self.config = cfg
         self.runner = ModelRunner(cfg)
         self.model_config = self.runner.model_config
@@ -34,7 +39,13 @@ class Engine:
             max_num_seqs=cfg.max_num_seqs,
             max_num_batched_tokens=cfg.max_num_batched_tokens,
             max_model_len=self.runner.max_model_len,
+            num_lookahead_slots=num_speculative_tokens,
         )
+        self.spec: SpecDecoder | None = None
+        if num_speculative_tokens:
+            self.spec = SpecDecoder(self.runner, num_speculative_tokens,
+                                    MTPDrafter(self.runner, num_speculative_tokens),
+                                    self.runner.max_model_len, seed=cfg.seed)
         self.requests: dict[str, Req] = {}
         self._ids = itertools.count()
 
@@ -84,8 +95,10 @@ class Engine:
             if self.scheduler.waiting:
                 raise RuntimeError("no request can be scheduled: the KV cache is too small")
             return []
-        sampled = self.runner.run(batch)
-        finished = self.scheduler.update(batch, sampled)
+        if self.spec is not None:
+            finished = self.scheduler.update_spec(batch, self.spec.run(batch))
+        else:
+            finished = self.scheduler.update(batch, self.runner.run(batch))
         for req in finished:
             self.requests.pop(req.req_id, None)
         if not self.scheduler.has_work:

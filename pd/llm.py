@@ -45,11 +45,13 @@ Prompt = str | list[int]
 
 
 class LLM:
-    def __init__(self, model: str | Path | None = None, **engine_kwargs) -> None:
+    def __init__(self, model: str | Path | None = None, num_speculative_tokens: int = 0,
+                 **engine_kwargs) -> None:
         model = Path(model) if model is not None else default_model_dir()
         self.tokenizer = Tokenizer.from_dir(model)
         self.engine = Engine(EngineConfig(model=str(model), **engine_kwargs),
-                             eos_token_ids=tuple(self.tokenizer.eos_token_ids))
+                             eos_token_ids=tuple(self.tokenizer.eos_token_ids),
+                             num_speculative_tokens=num_speculative_tokens)
 
     def encode(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):

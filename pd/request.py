@@ -43,6 +43,8 @@ class Req:
     output_ranks: list[int] = field(default_factory=list)
     output_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     num_preemptions: int = 0
+    # MTP draft tokens to verify in the next step (after token_ids; not counted in num_tokens).
+    spec_token_ids: list[int] = field(default_factory=list)
     # NOTE: a prefill node keeps a finished request's blocks until the decode node has the KV.
     hold_blocks_on_finish: bool = False
 

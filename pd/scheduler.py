@@ -30,15 +30,20 @@ class ScheduledBatch:
         return sum(self.num_new_tokens)
 
     def samples(self, i: int) -> bool:
-        """Whether request i catches up this step and so samples its next token."""
+        """Whether request i catches up this step and so samples its next token (with draft
+        tokens, the step runs past `num_tokens`: it verifies them)."""
         req = self.reqs[i]
-        return req.num_computed_tokens + self.num_new_tokens[i] == req.num_tokens
+        return req.num_computed_tokens + self.num_new_tokens[i] >= req.num_tokens
 
 
 class Scheduler:
     def __init__(self, allocator: BlockAllocator, block_size: int, max_num_seqs: int,
-                 max_num_batched_tokens: int, max_model_len: int) -> None:
+                 max_num_batched_tokens: int, max_model_len: int,
+                 num_lookahead_slots: int = 0) -> None:
         self.allocator = allocator
+        # NOTE: with MTP, blocks are held this many positions past a step's last token, where
+        # the drafter writes its chained drafts' KV.
+        self.num_lookahead_slots = num_lookahead_slots
         self.block_size = block_size
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -85,8 +90,10 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
-            need = self.blocks_needed(req, req.num_computed_tokens + n)
+            n = min(req.num_tokens + len(req.spec_token_ids) - req.num_computed_tokens, budget)
+            if req.spec_token_ids:  # drafts that do not fit the budget are dropped
+                del req.spec_token_ids[max(0, n - (req.num_tokens - req.num_computed_tokens)):]
+            need = self.blocks_needed(req, req.num_computed_tokens + n + self.num_lookahead_slots)
             while need > self.allocator.num_free:
                 victim = self.running[-1]
                 self._preempt(victim)
@@ -105,7 +112,7 @@ class Scheduler:
                and len(self.running) < self.max_num_seqs):
             req = self.waiting[0]
             n = min(req.num_tokens - req.num_computed_tokens, budget)
-            need = self.blocks_needed(req, req.num_computed_tokens + n)
+            need = self.blocks_needed(req, req.num_computed_tokens + n + self.num_lookahead_slots)
             if need > self.allocator.num_free:
                 break
             self.waiting.popleft()
@@ -124,6 +131,7 @@ class Scheduler:
         self.allocator.free(req.block_ids)
         req.block_ids = []
         req.num_computed_tokens = 0
+        req.spec_token_ids = []
         req.status = ReqStatus.WAITING
         req.num_preemptions += 1
         self.num_preemptions += 1
@@ -145,6 +153,31 @@ class Scheduler:
             if reason is not None:
                 self.finish(req, reason)
                 finished.append(req)
+        return finished
+
+    def update_spec(self, batch: ScheduledBatch, results: dict) -> list[Req]:
+        """Advance the batch after a speculative step: `results[i]` (a `SpecResult`) holds the
+        kept tokens of each request index that sampled, its finish reason (found inside the
+        accepted run) and its next drafts. Returns the requests that finished this step."""
+        finished = []
+        for i, (req, n) in enumerate(zip(batch.reqs, batch.num_new_tokens)):
+            if req.status is not ReqStatus.RUNNING:
+                continue  # aborted while the step ran
+            req.num_computed_tokens += n
+            res = results.get(i)
+            if res is None:
+                continue
+            for token in res.tokens:
+                req.append_token(*token)
+            # The target's KV holds every kept token but the newest one.
+            req.num_computed_tokens = req.num_tokens - 1
+            req.spec_token_ids = []
+            if res.finish_reason is not None:
+                self.finish(req, res.finish_reason)
+                finished.append(req)
+                continue
+            room = min(req.num_prompt_tokens + req.params.max_tokens, self.max_model_len) - req.num_tokens
+            req.spec_token_ids = list(res.drafts[:max(0, room - 1)])
         return finished
 
     def finish(self, req: Req, reason: FinishReason) -> None:
