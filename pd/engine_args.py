@@ -30,6 +30,9 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                    help="token budget of one step; longer prompts are prefilled in chunks (default: 2048)")
     g.add_argument("--max-model-len", type=int, default=None,
                    help="context length limit (default: the model's max_position_embeddings)")
+    g.add_argument("--num-speculative-tokens", type=int, default=0, choices=range(0, 5),
+                   metavar="K", help="MTP draft tokens verified per step, 0..4 (default: 0 = off; "
+                                     "needs a checkpoint with an MTP layer)")
     g.add_argument("--log-level", default="info",
                    choices=["debug", "info", "warning", "error"], help="log level (default: info)")
 

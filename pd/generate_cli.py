@@ -56,7 +56,7 @@ def main(args: argparse.Namespace) -> int:
             prompts = list(args.prompt)
         prompts = [p for p in prompts for _ in range(max(1, args.repeat))]
         cfg = engine_config(args)
-        llm = LLM(cfg.model, **{k: getattr(cfg, k) for k in (
+        llm = LLM(cfg.model, num_speculative_tokens=args.num_speculative_tokens, **{k: getattr(cfg, k) for k in (
             "device", "dtype", "block_size", "num_blocks", "kv_cache_memory",
             "gpu_memory_fraction", "max_num_seqs", "max_num_batched_tokens", "max_model_len")})
         start = time.perf_counter()

@@ -5,6 +5,7 @@ logprobs of accepted tokens, and the counters."""
 
 from __future__ import annotations
 
+import json
 import random
 
 import pytest
@@ -129,3 +130,20 @@ def test_requires_an_mtp_layer(make_tiny_model):
         LLM(make_tiny_model("llama", mtp=False), num_blocks=32, num_speculative_tokens=2)
     with pytest.raises(ValueError, match="num_speculative_tokens"):
         LLM(make_tiny_model("llama", mtp=True), num_blocks=32, num_speculative_tokens=5)
+
+
+def test_generate_cli_flag(tiny_model_dir, capsys):
+    from pd.cli import main
+
+    argv = ["generate", "--model", str(tiny_model_dir), "--num-blocks", "64", "--json",
+            "--prompt-ids", "5,6,7,8", "--prompt-ids", "9,10", "--max-tokens", "12", "--top-logprobs", "2"]
+    assert main(argv) == 0
+    plain = capsys.readouterr().out
+    assert main(argv + ["--num-speculative-tokens", "3"]) == 0
+    spec = capsys.readouterr().out
+    for a, b in zip(map(json.loads, spec.splitlines()), map(json.loads, plain.splitlines()), strict=True):
+        assert {k: a[k] for k in ("token_ids", "text", "finish_reason")} == \
+            {k: b[k] for k in ("token_ids", "text", "finish_reason")}
+        assert torch.allclose(torch.tensor(a["logprobs"]), torch.tensor(b["logprobs"]), atol=1e-4)
+    with pytest.raises(SystemExit):
+        main(argv + ["--num-speculative-tokens", "5"])
