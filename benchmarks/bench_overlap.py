@@ -76,7 +76,8 @@ def run_once(engine: Engine, overlap: bool, batch: int, args, seed: int, check_s
     loop.close()
     engine.allocator.check_integrity()
     tokens = sum(r.num_output_tokens - 1 for r in reqs)  # the first came with the KV
-    return tokens / elapsed, list(loop.gaps.window), [r.output_token_ids for r in reqs]
+    return (tokens / elapsed, list(loop.gaps.window), [r.output_token_ids for r in reqs],
+            elapsed / max(1, len(loop.busy)), statistics.median(loop.busy))
 
 
 def parity(engine_of, num: int, seed: int = 0) -> None:
@@ -142,6 +143,8 @@ def main() -> None:
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (CPU)")
     p.add_argument("--check-sync", action="store_true")
+    p.add_argument("--profile", action="store_true",
+                   help="print the host time of the top torch ops of one overlap run and exit")
     p.add_argument("--parity", type=int, default=0, metavar="N",
                    help="first compare tokens with and without overlap for N requests")
     args = p.parse_args()
@@ -158,6 +161,14 @@ def main() -> None:
     print(f"model {mc.model_id}: {mc.num_layers} layers, hidden {mc.hidden_size}, vocab "
           f"{mc.vocab_size}, {engine.runner.dtype} on {args.device}; prompt {args.prompt_len}, "
           f"{args.steps} steps, median of {args.repeat}")
+    if args.profile:
+        from torch.profiler import profile
+
+        run_once(engine, True, max(args.batch), args, 5)
+        with profile() as prof:
+            run_once(engine, True, max(args.batch), args, 5)
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=20))
+        return
     if args.check_sync and args.device.startswith("cuda"):
         run_once(engine, True, max(args.batch), args, 99)  # warm-up outside the check
         probe = Engine(engine.config)  # a failed check leaves requests behind: not in this engine
@@ -176,15 +187,21 @@ def main() -> None:
             runs = [run_once(engine, overlap, batch, args, 1) for _ in range(args.repeat)]
             tps = statistics.median(r[0] for r in runs)
             gaps = [g for r in runs for g in r[1]]
-            result[overlap] = (tps, pct(gaps, 0.5), pct(gaps, 0.99), runs[0][2])
+            result[overlap] = (tps, pct(gaps, 0.5), pct(gaps, 0.99), runs[0][2],
+                               statistics.median(r[3] for r in runs) * 1e6,
+                               statistics.median(r[4] for r in runs) * 1e6,
+                               all(r[2] == runs[0][2] for r in runs))
         same = result[False][3] == result[True][3]
         rows.append((batch, result, same))
-    print(f"\n{'batch':>5} | {'off tok/s':>10} {'gap p50 us':>10} {'gap p99 us':>10} | "
-          f"{'on tok/s':>10} {'gap p50 us':>10} {'gap p99 us':>10} | {'on/off':>6} | same tokens")
+    print("\nstep = wall time per step; busy = device time per step (start to end event, or the "
+          "worker's run); same: on==off / off==off / on==on over the runs")
+    print(f"{'batch':>5} | {'off tok/s':>9} {'gap p50':>7} {'gap p99':>7} {'step us':>7} {'busy us':>7} | "
+          f"{'on tok/s':>9} {'gap p50':>7} {'gap p99':>7} {'step us':>7} {'busy us':>7} | {'on/off':>6} | same")
     for batch, r, same in rows:
         off, on = r[False], r[True]
-        print(f"{batch:>5} | {off[0]:>10.0f} {off[1]:>10.1f} {off[2]:>10.1f} | "
-              f"{on[0]:>10.0f} {on[1]:>10.1f} {on[2]:>10.1f} | {on[0] / off[0]:>6.2f} | {same}")
+        print(f"{batch:>5} | {off[0]:>9.0f} {off[1]:>7.1f} {off[2]:>7.1f} {off[4]:>7.0f} {off[5]:>7.0f} | "
+              f"{on[0]:>9.0f} {on[1]:>7.1f} {on[2]:>7.1f} {on[4]:>7.0f} {on[5]:>7.0f} | "
+              f"{on[0] / off[0]:>6.2f} | {same}/{off[6]}/{on[6]}")
 
 
 if __name__ == "__main__":

@@ -78,6 +78,10 @@ class InlineExecutor:
     def gap_seconds(prev: ForwardOutput, cur: ForwardOutput) -> float:
         return max(0.0, cur.copy_done.started - prev.copy_done.ended)
 
+    @staticmethod
+    def busy_seconds(out: ForwardOutput) -> float:
+        return out.copy_done.ended - out.copy_done.started
+
     def close(self) -> None:
         pass
 
@@ -131,6 +135,11 @@ class CudaExecutor:
     @staticmethod
     def gap_seconds(prev: ForwardOutput, cur: ForwardOutput) -> float:
         return max(0.0, prev.copy_done.end.elapsed_time(cur.copy_done.start) / 1000.0)
+
+    @staticmethod
+    def busy_seconds(out: ForwardOutput) -> float:
+        """From the step's start event to its end event (includes waits for its launches)."""
+        return out.copy_done.start.elapsed_time(out.copy_done.end) / 1000.0
 
     def close(self) -> None:
         self.stream.synchronize()

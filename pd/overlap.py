@@ -16,7 +16,11 @@ that step has completed, since the step still reads and writes them.
 The loop falls back to waiting for step N before scheduling N+1 when the host needs N's tokens
 first: a running request with penalties (the sampler builds their token sets on the host), or a
 batch that might preempt (preemption frees blocks that step N still writes). Without overlap,
-each step is launched and waited for at once. Both produce the same tokens. Where the device
+each step is launched and waited for at once. Both produce the same tokens. With MTP (a
+`pd.spec_decode.SpecDecoder` given as `spec`), each step verifies the requests' drafts and
+proposes the next ones; such a step is run to the end before the next is scheduled (how many
+tokens a step keeps is known only from its results), so overlap on and off run the same plain
+loop and give the same tokens. A request is emitted once per kept token. Where the device
 work runs is the executor's business (`pd.executor`); streaming the tokens is the node's.
 """
 
@@ -82,8 +86,10 @@ class StepGaps:
 
 class DecodeLoop:
     def __init__(self, runner: ModelRunner, scheduler: Scheduler, *, overlap: bool = True,
-                 executor=None, on_gap: Callable[[float], None] | None = None) -> None:
+                 executor=None, on_gap: Callable[[float], None] | None = None,
+                 spec=None) -> None:
         self.runner = runner
+        self.spec = spec
         self.scheduler = scheduler
         self.overlap = overlap
         self.executor = executor or make_executor(runner.device, overlap)
@@ -91,6 +97,7 @@ class DecodeLoop:
         self.last: InFlight | None = None  # the step launched and not yet processed
         self.prev_done: ForwardOutput | None = None  # the last processed step, for its end time
         self.gaps = StepGaps()
+        self.busy: deque[float] = deque(maxlen=4096)  # device time of each step, for benchmarks
         self.on_gap = on_gap
         self.num_syncs = 0  # overlap steps that had to wait for the previous one first
         self.num_ahead = 0  # steps launched while the previous one was still unprocessed
@@ -109,6 +116,8 @@ class DecodeLoop:
         """Launch the next step and process the previous one (or, without overlap, run one step
         to the end). Returns the requests that got a token, in row order; those that finished
         have their finish_reason set."""
+        if self.spec is not None:
+            return self.spec_step()
         if not self.overlap:
             cur = self.launch(None)
             return self.process(cur, None) if cur is not None else self.idle()
@@ -125,6 +134,16 @@ class DecodeLoop:
         if cur is None:
             self.idle()
         return emitted
+
+    def spec_step(self) -> list[Req]:
+        """One MTP step, run to the end: verify, keep, stop, draft."""
+        batch = self.scheduler.schedule()
+        self.batch_size = len(batch.reqs) if batch is not None else 0
+        if batch is None:
+            return self.idle()
+        results = self.spec.run(batch)
+        self.scheduler.update_spec(batch, results)
+        return [batch.reqs[i] for i, res in sorted(results.items()) for _ in res.tokens]
 
     def drain(self) -> list[Req]:
         """Process the step in flight, launching nothing new."""
@@ -176,6 +195,7 @@ class DecodeLoop:
     def process(self, f: InFlight, nxt: InFlight | None) -> list[Req]:
         """Wait for step f's results and apply them; `nxt` is the step launched after it."""
         f.out.copy_done.wait()
+        self.busy.append(self.executor.busy_seconds(f.out))
         if self.prev_done is not None:
             gap = self.executor.gap_seconds(self.prev_done, f.out)
             self.gaps.add(gap)
@@ -237,8 +257,8 @@ class DecodeLoop:
 
 
 def make_decode_loop(runner: ModelRunner, scheduler: Scheduler, overlap: bool,
-                     on_gap: Callable[[float], None] | None = None) -> DecodeLoop:
-    loop = DecodeLoop(runner, scheduler, overlap=overlap, on_gap=on_gap)
+                     on_gap: Callable[[float], None] | None = None, spec=None) -> DecodeLoop:
+    loop = DecodeLoop(runner, scheduler, overlap=overlap, on_gap=on_gap, spec=spec)
     log.info("decode loop: overlap %s (executor %s)", "on" if overlap else "off", loop.executor.name)
     return loop
 
