@@ -3,7 +3,8 @@
 On creation it connects the KV transport (shm ring on this host, ZMQ frames across hosts) and
 sends `Hello` with this node's geometry. Requests submitted before `HelloOk` wait in `pending`;
 `HelloRefused` (or no answer within the handshake timeout) fails them with the reason. Once
-paired, a request goes out as RequestMeta + FIRST_TOKEN record; its KV follows on `KVAccept`,
+paired, a request goes out as RequestMeta + FIRST_TOKEN record (+ a DRAFT_TOKENS record with
+MTP); its KV follows on `KVAccept`,
 closed by `KVDone`. Replies are dispatched back to the node. Transport errors (ring full past its
 timeout, peer gone) fail the request and mark the link failed, so the next request reconnects.
 """
@@ -18,7 +19,8 @@ from typing import TYPE_CHECKING
 
 from pd import messages as m
 from shm_ipc.errors import TransportError
-from shm_ipc.records import AbortRecord, FirstTokenRecord
+from shm_ipc.header import Flag
+from shm_ipc.records import AbortRecord, FirstTokenRecord, TokensRecord
 from shm_ipc.transport import make_transport
 
 if TYPE_CHECKING:
@@ -69,6 +71,9 @@ class DecodeLink:
                 req.output_logprobs[0] if asked else 0.0,
                 req.output_ranks[0] if asked else 0,
                 list(req.output_top_logprobs[0]) if asked else []))
+            if req.spec_token_ids:  # MTP: the first drafts, so D's first step verifies them
+                self.transport.send_record(TokensRecord(req.req_id, list(req.spec_token_ids),
+                                                        flag=Flag.DRAFT_TOKENS))
             self.node.metrics.first_token_send_seconds.observe(time.monotonic() - job.arrival)
         except TransportError as e:
             self._broken(f"sending to decode node {self.addr} failed: {e}", job)

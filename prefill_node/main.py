@@ -40,7 +40,8 @@ def main(args: argparse.Namespace) -> int:
     from prefill_node.node import PrefillNode
 
     cfg = engine_config(args)
-    engine = Engine(cfg, eos_token_ids=Tokenizer.from_dir(cfg.model).eos_token_ids)
+    engine = Engine(cfg, eos_token_ids=Tokenizer.from_dir(cfg.model).eos_token_ids,
+                    num_speculative_tokens=args.num_speculative_tokens)
     node = PrefillNode(
         args.node_id or f"prefill-{args.port or os.getpid()}", engine, host=args.host,
         port=args.port, metrics_port=args.metrics_port, transport=args.transport,

@@ -3,6 +3,11 @@ under a token budget), samples each request's first token, and hands the request
 node it names: RequestMeta + FIRST_TOKEN at once, the KV once the decode node has reserved
 blocks (KVAccept), and frees its own blocks when the decode node acknowledges (KVAck).
 
+With MTP (`--num-speculative-tokens k`), the prefill step also runs the MTP layer over the
+prompt (its KV is the last cache layer and travels with the target's) and proposes the first k
+drafts, sent as a DRAFT_TOKENS record right after FIRST_TOKEN, so the decode node's first step
+is already a verify step.
+
 A request that ends with its first token (max_tokens 1, EOS) is answered to the router here and
 never reaches a decode node. Every waiting state has a deadline: queued or prefilling
 (`--queue-timeout`), handed off but not acknowledged (`--handoff-timeout`); on expiry the
@@ -53,7 +58,7 @@ class PrefillNode(NodeService):
         self.handoff_timeout = handoff_timeout
         self.jobs: dict[str, Job] = {}
         self.links: dict[str, DecodeLink] = {}
-        self.geometry = engine.geometry()
+        self.geometry = engine.geometry(mtp_enabled=engine.spec is not None)
         self.metrics = node_metrics.for_node(self.role, node_id)
 
     # -- intake --------------------------------------------------------------------------------
@@ -92,11 +97,15 @@ class PrefillNode(NodeService):
         if batch is None:
             return
         start = time.perf_counter()
-        sampled = self.engine.runner.run(batch)
+        spec = self.engine.spec
+        sampled = spec.run(batch) if spec is not None else self.engine.runner.run(batch)
         self.metrics.prompt_tokens.inc(batch.num_tokens)
         self.metrics.step_seconds.observe(time.perf_counter() - start)
         self.metrics.batch_size.observe(len(batch.reqs))
-        self.scheduler.update(batch, sampled)
+        if spec is not None:  # the first token, and the MTP layer's first drafts
+            self.scheduler.update_spec(batch, sampled)
+        else:
+            self.scheduler.update(batch, sampled)
         for i in sampled:
             req = batch.reqs[i]
             job = self.jobs.get(req.req_id)
