@@ -40,7 +40,8 @@ def main(args: argparse.Namespace) -> int:
 
     cfg = engine_config(args)
     overlap = not (args.no_overlap or overlap_disabled_by_env(os.environ))
-    engine = Engine(cfg, eos_token_ids=Tokenizer.from_dir(cfg.model).eos_token_ids)
+    engine = Engine(cfg, eos_token_ids=Tokenizer.from_dir(cfg.model).eos_token_ids,
+                    num_speculative_tokens=args.num_speculative_tokens)
     node = DecodeNode(
         args.node_id or f"decode-{args.port or os.getpid()}", engine, host=args.host,
         port=args.port, kv_port=args.kv_port, metrics_port=args.metrics_port,

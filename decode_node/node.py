@@ -13,7 +13,9 @@ announced it; anything else is refused and counted.
 
 Decoding runs through `pd.overlap.DecodeLoop`: by default one step ahead of the device (the
 overlap scheduler), or the plain loop with `overlap=False` (`--no-overlap`,
-PD_DISABLE_OVERLAP=1). Requests joining from prefill nodes and aborts are applied between
+PD_DISABLE_OVERLAP=1). With MTP the prefill node's DRAFT_TOKENS record (after FIRST_TOKEN)
+gives the first drafts, so a request's first step here verifies them; every step may then
+stream several tokens of a request. Requests joining from prefill nodes and aborts are applied between
 steps; the step gap (device idle time between steps) is a histogram and a periodic log line.
 """
 
@@ -21,7 +23,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass
 
 from pd import messages as m
@@ -34,7 +36,8 @@ from pd.sampling_params import SamplingParams
 from pd.service import NodeService
 from shm_ipc.kv import install_kv
 from shm_ipc.receiver import KVReceiver, PeerGone
-from shm_ipc.records import AbortRecord, FirstTokenRecord, KVRecord
+from shm_ipc.header import Flag
+from shm_ipc.records import AbortRecord, FirstTokenRecord, KVRecord, TokensRecord
 
 log = logging.getLogger(__name__)
 GAP_LOG_S = 30.0  # how often the step-gap quantiles are logged while decoding
@@ -66,14 +69,15 @@ class DecodeNode(NodeService):
         self.receiver = KVReceiver(f"tcp://{host}:{kv_port}", ctx=self.ctx)
         self.kv_addr = self.receiver.endpoint
         self.register(self.receiver.socket, self.on_kv_socket)
-        self.geometry = engine.geometry()
+        self.geometry = engine.geometry(mtp_enabled=engine.spec is not None)
         self.peers: dict[bytes, str] = {}  # paired prefill nodes: identity -> node id
         self.incoming: dict[str, Incoming] = {}
         self.waiting_blocks: deque[Incoming] = deque()
         self.reply_to: dict[str, str] = {}  # running request -> router event endpoint
         self.metrics = node_metrics.for_node(self.role, node_id)
         self.loop = make_decode_loop(engine.runner, self.scheduler, overlap,
-                                     on_gap=self.metrics.step_gap_seconds.observe)
+                                     on_gap=self.metrics.step_gap_seconds.observe, spec=engine.spec)
+        self.spec_seen = (0, 0, 0, [])  # MTP counters already exported
         self.last_gap_log = time.monotonic()
 
     # -- router control ------------------------------------------------------------------------
@@ -113,6 +117,8 @@ class DecodeNode(NodeService):
             self.abort(item.req_id, peer=peer)
         elif isinstance(item, FirstTokenRecord):
             self.on_first_token(self.expect(peer, item.req_id, "meta"), item)
+        elif isinstance(item, TokensRecord) and item.flag == Flag.DRAFT_TOKENS:
+            self.on_drafts(item)
         elif isinstance(item, KVRecord):
             self.on_kv(self.expect(peer, item.req_id, "receiving"), item)
         else:
@@ -161,6 +167,17 @@ class DecodeNode(NodeService):
         inc.state = "waiting_blocks"
         self.waiting_blocks.append(inc)
         self.may_reserve()
+
+    def on_drafts(self, rec: TokensRecord) -> None:
+        inc = self.incoming.get(rec.req_id)
+        if self.engine.spec is None or inc is None or inc.state not in ("waiting_blocks", "receiving"):
+            raise m.MessageError(f"DRAFT_TOKENS for request {rec.req_id!r}, which expects none")
+        vocab, req = self.engine.model_config.vocab_size, inc.req
+        if len(rec.token_ids) > self.engine.spec.k or any(not 0 <= t < vocab for t in rec.token_ids):
+            raise m.MessageError(f"DRAFT_TOKENS for {rec.req_id!r}: more than k drafts or ids "
+                                 f"outside the vocabulary")
+        room = min(req.num_prompt_tokens + req.params.max_tokens, self.engine.max_model_len) - req.num_tokens
+        req.spec_token_ids = list(rec.token_ids[:max(0, room - 1)])
 
     def may_reserve(self) -> None:
         """Reserve blocks for waiting requests, in arrival order, keeping one free block per
@@ -214,15 +231,31 @@ class DecodeNode(NodeService):
             self.metrics.batch_size.observe(self.loop.batch_size)
         self.metrics.step_seconds.observe(time.perf_counter() - start)
         self.metrics.generation_tokens.inc(len(emitted))
-        for req in emitted:
+        counts = Counter(emitted)  # with MTP a request is emitted once per kept token
+        for req in counts:
             reply_to = self.reply_to.get(req.req_id)
             if reply_to is None:
                 continue
             reason = req.finish_reason.value if req.is_finished else None
-            self.stream(reply_to, req, 1, reason)
+            self.stream(reply_to, req, counts[req], reason)
             if req.is_finished:
                 del self.reply_to[req.req_id]
         self.may_reserve()
+        if self.engine.spec is not None:
+            self.export_spec_metrics()
+
+    def export_spec_metrics(self) -> None:
+        st, mt = self.engine.spec.stats, self.metrics
+        drafts, tokens, accepted, per_pos = self.spec_seen
+        mt.spec_drafts.inc(st.num_drafts - drafts)
+        mt.spec_draft_tokens.inc(st.num_draft_tokens - tokens)
+        mt.spec_accepted_tokens.inc(st.num_accepted_tokens - accepted)
+        for pos, n in enumerate(st.accepted_per_pos):
+            seen = per_pos[pos] if pos < len(per_pos) else 0
+            if n > seen:
+                mt.spec_accepted_at(pos).inc(n - seen)
+        self.spec_seen = (st.num_drafts, st.num_draft_tokens, st.num_accepted_tokens,
+                          list(st.accepted_per_pos))
 
     def stream(self, reply_to: str, req: Req, n: int, finish_reason: str | None) -> None:
         """Send the request's last n tokens (with logprobs when asked) to the router."""

@@ -134,7 +134,9 @@ class SpecDecoder:
                 next_ids.append(req.token_ids[start + n])
                 continue
             nd = len(req.spec_token_ids)
-            kinds.append(DECODE if nd or start + n > req.num_prompt_tokens else PREFILL)
+            # a verify slot is the newest token plus its drafts; anything longer is a prefill
+            # (a prompt, or prompt + output again after preemption)
+            kinds.append(DECODE if start == req.num_tokens - 1 else PREFILL)
             next_ids.append(0)
             sample_batch_index.append(i)
             reqs.append(req)

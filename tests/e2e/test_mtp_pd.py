@@ -1,0 +1,71 @@
+"""MTP through real prefill and decode processes: the prefill node proposes the first drafts
+(DRAFT_TOKENS after FIRST_TOKEN, the MTP layer's KV with the target's), the decode node
+verifies; greedy output equals single-process output without MTP, token for token, with
+logprobs (exact top-k counts) and stop ids, overlap on and off. A node pair that disagrees on
+MTP refuses to pair, naming the field."""
+
+from __future__ import annotations
+
+import random
+
+import httpx
+import pytest
+
+from pd.llm import LLM
+from pd.sampling_params import SamplingParams
+
+
+def prompts(n: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 512) for _ in range(rng.choice([1, 5, 16, 17, 40, 90]))] for _ in range(n)]
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model_dir):
+    return LLM(tiny_model_dir, num_blocks=512)
+
+
+@pytest.mark.parametrize("k,overlap", [(1, True), (2, False), (4, True)])
+def test_pd_with_mtp_equals_single_process(cluster, client, reference, k, overlap):
+    spec = ("--num-speculative-tokens", str(k))
+    decode = cluster.decode(*spec, "--metrics-port", "0", *(() if overlap else ("--no-overlap",)))
+    prefill = cluster.prefill(*spec, "--transport", "zmq")
+    batch = prompts(16, seed=k)
+    free = reference.generate(batch, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))
+    params = [SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, logprobs=[None, 0, 3][i % 3],
+                             stop_token_ids=[free[i].token_ids[9]] if i % 4 == 0 else ())
+              for i in range(len(batch))]
+    ids = [client.submit(prefill.addr, decode.kv_addr, p, sp) for p, sp in zip(batch, params)]
+    results = client.wait(ids, timeout=90)
+    expected = reference.generate(batch, params)
+    assert any(r.finish_reason == "stop" for r in expected)
+    for res, ref, sp in zip(results, expected, params):
+        assert res.error is None
+        assert res.token_ids == ref.token_ids
+        assert res.finish_reason == ref.finish_reason
+        if sp.logprobs is None:
+            assert res.logprobs == [] and res.top_logprobs == []
+        else:
+            assert res.logprobs == pytest.approx(ref.logprobs, abs=1e-4)
+            for got, want in zip(res.top_logprobs, ref.top_logprobs):
+                assert len(got) == sp.logprobs
+                assert [t for t, _ in got] == [t for t, _ in want]
+    # the drafts were verified on the decode node, the prefill node's records all accepted
+    text = httpx.get(f"http://127.0.0.1:{decode.info['metrics_port']}/metrics", timeout=10).text
+    draft_tokens = metric(text, "pd_spec_decode_num_draft_tokens_total")
+    assert draft_tokens > 0 and 0 <= metric(text, "pd_spec_decode_num_accepted_tokens_total") <= draft_tokens
+    assert metric(text, "pd_messages_refused_total") == 0
+
+
+def metric(text: str, name: str) -> float:
+    """The sum of a metric's samples in a Prometheus text page."""
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(name + "{") or line.startswith(name + " "))
+
+
+def test_mtp_on_one_side_only_is_refused(cluster, client):
+    decode = cluster.decode()
+    prefill = cluster.prefill("--num-speculative-tokens", "2", "--transport", "zmq")
+    rid = client.submit(prefill.addr, decode.kv_addr, [5, 6, 7], SamplingParams(max_tokens=4))
+    (res,) = client.wait([rid], timeout=30)
+    assert res.error and "mtp" in res.error and "refused to pair" in res.error
