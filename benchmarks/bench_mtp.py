@@ -1,0 +1,98 @@
+"""MTP speculative decoding in one process: tokens/s and mean acceptance length with and without
+MTP, per batch size and logprobs setting (off, top_logprobs 0, top_logprobs 5).
+
+Greedy decoding of code prompts with the shipped model (trained MTP layer) by default, every
+request generating exactly --max-tokens tokens (ignore_eos). The figures are end-to-end
+`LLM.generate` wall time, prefill included; speedup is against k = 0 at the same batch size and
+logprobs setting. Mean acceptance length = 1 + accepted drafts / verify steps (vLLM's meaning).
+
+    python benchmarks/bench_mtp.py                      # CPU
+    python benchmarks/bench_mtp.py --device cuda        # GPU (bfloat16)
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from pd.llm import LLM
+from pd.sampling_params import SamplingParams
+from pd.spec_decode import SpecStats
+
+PROMPTS = [
+    "import os\nimport sys\n\n\ndef main(argv):",
+    "def fibonacci(n):",
+    "class Stack:\n    def __init__(self):",
+    "def read_lines(path):\n    with open(path) as f:",
+    "import json\n\n\ndef load(path):",
+    "def is_prime(n):\n    if n < 2:",
+    "for i in range(10):",
+    "def parse_args():\n    parser = argparse.ArgumentParser(",
+]
+LOGPROBS = {"off": None, "top0": 0, "top5": 5}
+
+
+def run(llm: LLM, batch: int, logprobs: int | None, max_tokens: int, repeats: int):
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(batch)]
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, logprobs=logprobs)
+    best, tokens = float("inf"), 0
+    spec = llm.engine.spec
+    for _ in range(repeats):
+        if spec is not None:
+            spec.stats = SpecStats()
+        if llm.engine.runner.device.type == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        outs = llm.generate(prompts, params)
+        if llm.engine.runner.device.type == "cuda":
+            torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - start)
+        tokens = sum(len(o.token_ids) for o in outs)
+    mal = spec.stats.mean_acceptance_length if spec is not None else 1.0
+    return tokens, best, mal
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=None, help="model directory (default: the shipped pd-tiny-code)")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default=None)
+    p.add_argument("--ks", default="0,1,2,3,4", help="speculative token counts (0 = no MTP)")
+    p.add_argument("--batch-sizes", default="1,16")
+    p.add_argument("--logprobs", default="off,top0,top5")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--repeats", type=int, default=2, help="runs per cell; the fastest counts")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    args = p.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    ks = [int(k) for k in args.ks.split(",")]
+    sizes = [int(b) for b in args.batch_sizes.split(",")]
+    modes = args.logprobs.split(",")
+    results = {}
+    for k in ks:
+        llm = LLM(args.model, num_speculative_tokens=k, device=args.device, dtype=args.dtype,
+                  num_blocks=1024)
+        llm.generate(PROMPTS[:2], SamplingParams(max_tokens=8, temperature=0.0))  # warm-up
+        for b in sizes:
+            for mode in modes:
+                results[k, b, mode] = run(llm, b, LOGPROBS[mode], args.max_tokens, args.repeats)
+        del llm
+    print(f"device {args.device}, dtype {args.dtype or 'default'}, max_tokens {args.max_tokens}, "
+          f"greedy, best of {args.repeats}, torch threads {torch.get_num_threads()}")
+    print(f"{'batch':>5} {'logprobs':>8} {'k':>2} {'tokens':>7} {'seconds':>8} {'tok/s':>9} "
+          f"{'speedup':>7} {'accept_len':>10}")
+    for b in sizes:
+        for mode in modes:
+            base = results.get((0, b, mode))
+            for k in ks:
+                tokens, secs, mal = results[k, b, mode]
+                speed = f"{(tokens / secs) / (base[0] / base[1]):.2f}x" if base else "-"
+                print(f"{b:>5} {mode:>8} {k:>2} {tokens:>7} {secs:>8.3f} {tokens / secs:>9.1f} "
+                      f"{speed:>7} {mal:>10.2f}")
+
+
+if __name__ == "__main__":
+    main()
