@@ -24,7 +24,7 @@ log = logging.getLogger("pd.launch")
 
 ENGINE_FLAGS = ("dtype", "device", "block_size", "num_blocks", "kv_cache_memory",
                 "gpu_memory_fraction", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
-                "log_level")
+                "log_level", "num_speculative_tokens")
 PREFILL_FLAGS = ("transport", "queue_timeout", "handoff_timeout")
 DECODE_FLAGS = ("kv_timeout",)
 

@@ -6,6 +6,7 @@ MTP refuses to pair, naming the field."""
 
 from __future__ import annotations
 
+import json
 import random
 
 import httpx
@@ -69,3 +70,34 @@ def test_mtp_on_one_side_only_is_refused(cluster, client):
     rid = client.submit(prefill.addr, decode.kv_addr, [5, 6, 7], SamplingParams(max_tokens=4))
     (res,) = client.wait([rid], timeout=30)
     assert res.error and "mtp" in res.error and "refused to pair" in res.error
+
+
+def test_openai_api_through_pd_launch_with_mtp():
+    """`pd launch --num-speculative-tokens 3` with the shipped model (trained MTP layer): the
+    completions API returns the single-process greedy text, with exactly the asked top
+    logprobs, streamed or not."""
+    from pd.config import default_model_dir
+    from pd.procs import Launch
+
+    prompts = ["def fibonacci(n):", "import os\nimport sys\n\n\ndef main(argv):"]
+    want = LLM().generate(prompts, SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))
+    lg = Launch(str(default_model_dir()), "--num-speculative-tokens", "3", "--transport", "zmq",
+                "--num-blocks", "256")
+    try:
+        for prompt, ref in zip(prompts, want):
+            body = {"model": lg.served_model_name, "prompt": prompt, "max_tokens": 40,
+                    "temperature": 0, "ignore_eos": True, "logprobs": 2}
+            r = httpx.post(f"{lg.url}/v1/completions", json=body, timeout=60)
+            assert r.status_code == 200, r.text
+            choice = r.json()["choices"][0]
+            assert choice["text"] == ref.text
+            assert all(len(top) == 2 for top in choice["logprobs"]["top_logprobs"])
+            chunks = []
+            with httpx.stream("POST", f"{lg.url}/v1/completions", json={**body, "stream": True},
+                              timeout=60) as s:
+                for line in s.iter_lines():
+                    if line.startswith("data: ") and line != "data: [DONE]":
+                        chunks.append(json.loads(line[6:])["choices"][0]["text"])
+            assert "".join(chunks) == ref.text
+    finally:
+        lg.stop()
