@@ -101,3 +101,19 @@ def test_openai_api_through_pd_launch_with_mtp():
             assert "".join(chunks) == ref.text
     finally:
         lg.stop()
+
+
+def test_seeded_sampling_through_pd_equals_single_process_mtp(cluster, client, tiny_model_dir):
+    """Seeded rejection sampling is a function of (seed, step) on both nodes: the prefill
+    node's first token and the decode node's verify steps give what one process gives."""
+    spec = ("--num-speculative-tokens", "2")
+    decode = cluster.decode(*spec)
+    prefill = cluster.prefill(*spec, "--transport", "zmq")
+    batch = prompts(8, seed=11)
+    params = [SamplingParams(max_tokens=12, temperature=0.8, top_k=20, seed=100 + i, ignore_eos=True)
+              for i in range(len(batch))]
+    ids = [client.submit(prefill.addr, decode.kv_addr, p, sp) for p, sp in zip(batch, params)]
+    results = client.wait(ids, timeout=90)
+    expected = LLM(tiny_model_dir, num_blocks=512, num_speculative_tokens=2).generate(batch, params)
+    assert [r.token_ids for r in results] == [e.token_ids for e in expected]
+    assert len({tuple(e.token_ids) for e in expected}) > 1
