@@ -34,6 +34,7 @@ from pd.overlap import make_decode_loop
 from pd.request import Req
 from pd.sampling_params import SamplingParams
 from pd.service import NodeService
+from pd.spec_decode import SpecStats
 from shm_ipc.kv import install_kv
 from shm_ipc.receiver import KVReceiver, PeerGone
 from shm_ipc.header import Flag
@@ -77,7 +78,7 @@ class DecodeNode(NodeService):
         self.metrics = node_metrics.for_node(self.role, node_id)
         self.loop = make_decode_loop(engine.runner, self.scheduler, overlap,
                                      on_gap=self.metrics.step_gap_seconds.observe, spec=engine.spec)
-        self.spec_seen = (0, 0, 0, [])  # MTP counters already exported
+        self.spec_seen = SpecStats()  # MTP counters already exported
         self.last_gap_log = time.monotonic()
 
     # -- router control ------------------------------------------------------------------------
@@ -242,20 +243,7 @@ class DecodeNode(NodeService):
                 del self.reply_to[req.req_id]
         self.may_reserve()
         if self.engine.spec is not None:
-            self.export_spec_metrics()
-
-    def export_spec_metrics(self) -> None:
-        st, mt = self.engine.spec.stats, self.metrics
-        drafts, tokens, accepted, per_pos = self.spec_seen
-        mt.spec_drafts.inc(st.num_drafts - drafts)
-        mt.spec_draft_tokens.inc(st.num_draft_tokens - tokens)
-        mt.spec_accepted_tokens.inc(st.num_accepted_tokens - accepted)
-        for pos, n in enumerate(st.accepted_per_pos):
-            seen = per_pos[pos] if pos < len(per_pos) else 0
-            if n > seen:
-                mt.spec_accepted_at(pos).inc(n - seen)
-        self.spec_seen = (st.num_drafts, st.num_draft_tokens, st.num_accepted_tokens,
-                          list(st.accepted_per_pos))
+            self.spec_seen = self.engine.spec.stats.export(self.metrics, self.spec_seen)
 
     def stream(self, reply_to: str, req: Req, n: int, finish_reason: str | None) -> None:
         """Send the request's last n tokens (with logprobs when asked) to the router."""

@@ -84,6 +84,19 @@ class SpecStats:
     def mean_acceptance_length(self) -> float:
         return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 1.0
 
+    def export(self, metrics, seen: "SpecStats") -> "SpecStats":
+        """Add what was counted since `seen` to a node's Prometheus counters
+        (`pd.node_metrics`); returns the new snapshot."""
+        metrics.spec_drafts.inc(self.num_drafts - seen.num_drafts)
+        metrics.spec_draft_tokens.inc(self.num_draft_tokens - seen.num_draft_tokens)
+        metrics.spec_accepted_tokens.inc(self.num_accepted_tokens - seen.num_accepted_tokens)
+        for pos, n in enumerate(self.accepted_per_pos):
+            before = seen.accepted_per_pos[pos] if pos < len(seen.accepted_per_pos) else 0
+            if n > before:
+                metrics.spec_accepted_at(pos).inc(n - before)
+        return SpecStats(self.num_drafts, self.num_draft_tokens, self.num_accepted_tokens,
+                         list(self.accepted_per_pos))
+
     def add(self, num_drafts: int, num_accepted: int) -> None:
         if num_drafts == 0:
             return
