@@ -147,3 +147,21 @@ def test_generate_cli_flag(tiny_model_dir, capsys):
         assert torch.allclose(torch.tensor(a["logprobs"]), torch.tensor(b["logprobs"]), atol=1e-4)
     with pytest.raises(SystemExit):
         main(argv + ["--num-speculative-tokens", "5"])
+
+
+def test_penalties_and_min_tokens_per_verified_position(tiny_model_dir):
+    """Each verified position is processed as the plain sampler would at that step: penalties
+    over the output including the drafts before it, min_tokens banning EOS/stop ids by step."""
+    plain = LLM(tiny_model_dir, num_blocks=256)
+    batch = prompts(6, seed=13)
+    free = plain.generate(batch, SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True))
+    params = [SamplingParams(max_tokens=24, temperature=0.0, repetition_penalty=1.3,
+                             frequency_penalty=0.5, presence_penalty=0.3),
+              SamplingParams(max_tokens=24, temperature=0.0, min_tokens=10,
+                             stop_token_ids=[free[1].token_ids[3]])] * 3
+    ref = plain.generate(batch, params)
+    llm = LLM(tiny_model_dir, num_blocks=256, num_speculative_tokens=3)
+    continuations = {tuple(p): r.token_ids for p, r in zip(batch, ref)}
+    assert_same(llm.generate(batch, params), ref)  # MTP drafts (mostly rejected)
+    llm.engine.spec.drafter = OracleDrafter(3, continuations)
+    assert_same(llm.generate(batch, params), ref)  # perfect drafts: all accepted
