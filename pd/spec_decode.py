@@ -13,8 +13,9 @@ q_j, 0)), and a run with every draft kept draws its bonus token from p_n. p_j is
 final distribution for that position (`probs_after_processing`, with the step counter and the
 output tokens of a request that had drafts 0..j-1 accepted), so the output distribution is the
 target's. The per-slot bookkeeping runs in `kernels` (RawKernels on CUDA, their torch twins on
-CPU); the host reads the results once per step. Which requests run is the scheduler's; the
-wire format of drafts is the nodes'.
+CPU); `execute` queues device work only, and `run` reads the results on the host once per step,
+so a decode loop runs these steps one at a time (`pd.overlap`, overlap on or off). Which
+requests run is the scheduler's; the wire format of drafts is the nodes'.
 """
 
 from __future__ import annotations
