@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from tests.deploy.tools import DEPLOY, exported_metric_names, metric_names_in
+from tests.deploy.deploy_files import DEPLOY, exported_metric_names, metric_names_in
 
 WANTED = ("pd_time_to_first_token_seconds_bucket", "pd_inter_token_latency_seconds_bucket",
           "pd_generation_tokens_total", "pd_kv_cache_usage_perc",

@@ -12,7 +12,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from tests.deploy.tools import DEPLOY, parse_pd_args
+from tests.deploy.deploy_files import DEPLOY, parse_pd_args
 
 K8S = DEPLOY / "k8s"
 K8S_VERSION = "1.30.0"

@@ -7,7 +7,7 @@ import subprocess
 
 import yaml
 
-from tests.deploy.tools import DEPLOY, exported_metric_names, metric_names_in, prometheus_bins
+from tests.deploy.deploy_files import DEPLOY, exported_metric_names, metric_names_in, prometheus_bins
 
 PROM = DEPLOY / "prometheus"
 

@@ -8,7 +8,7 @@ import shlex
 
 import pytest
 
-from tests.deploy.tools import DEPLOY, parse_pd_args
+from tests.deploy.deploy_files import DEPLOY, parse_pd_args
 
 SYSTEMD = DEPLOY / "systemd"
 UNITS = {"pd-prefill@.service": ("prefill-0", "prefill"), "pd-decode@.service": ("decode-0", "decode"),

@@ -17,7 +17,7 @@ import pytest
 import yaml
 
 from pd.procs import Launch, free_port
-from tests.deploy.tools import prometheus_bins
+from tests.deploy.deploy_files import prometheus_bins
 
 NUM_REQUESTS, MAX_TOKENS = 4, 6
 

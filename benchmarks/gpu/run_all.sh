@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Every GPU check and figure of the project in one call of the device machine:
+#   kernels vs their torch twins, MTP engine parity, overlap on/off (parity of 64 requests, sync
+#   check, throughput and step gap), MTP on/off. Logs go to $OUT (or ./out) and one table each
+#   to stdout.
+#     bash benchmarks/gpu/run_all.sh
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+OUT=${OUT:-out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+status=0
+step() {  # step NAME CMD...: run one part, keep its log, remember a failure
+    local name=$1; shift
+    echo "=== $name: $*"
+    "$@" > "$OUT/$name.log" 2>&1 || { echo "FAILED ($?): $name"; status=1; }
+    tail -n "${TAIL:-25}" "$OUT/$name.log"
+}
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+python3 -c "import torch, cupy; print('torch', torch.__version__, 'cupy', cupy.__version__)"
+TAIL=8 step kernels python3 benchmarks/gpu/check_kernels.py
+TAIL=12 step mtp_engine python3 benchmarks/gpu/check_mtp_engine.py
+TAIL=8 step overlap_tiny python3 benchmarks/bench_overlap.py --device cuda --parity 64 --check-sync
+TAIL=8 step overlap_small python3 benchmarks/bench_overlap.py --device cuda --synthetic small
+TAIL=30 step mtp python3 benchmarks/bench_mtp.py --device cuda
+exit $status
