@@ -36,8 +36,10 @@ def main(args: argparse.Namespace) -> int:
     from decode_node.node import DecodeNode
     from pd.engine import Engine
     from pd.overlap import overlap_disabled_by_env
+    from pd.security import configure_from_args
     from pd.tokenizer import Tokenizer
 
+    configure_from_args(args)
     cfg = engine_config(args)
     overlap = not (args.no_overlap or overlap_disabled_by_env(os.environ))
     engine = Engine(cfg, eos_token_ids=Tokenizer.from_dir(cfg.model).eos_token_ids,

@@ -19,6 +19,7 @@ COMMANDS = {
     "router": ("router.command", "run the OpenAI-compatible router"),
     "launch": ("pd.launch", "start router + prefill + decode nodes on this host"),
     "bench": ("pd.bench", "serving benchmark against the router or any OpenAI-compatible server"),
+    "keygen": ("pd.keygen", "make the deployment's CURVE keypair for --curve-keys"),
 }
 
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import zmq
 
 from pd import messages as m
+from pd import security
 from pd.sampling_params import SamplingParams
 
 
@@ -37,6 +38,7 @@ class NodeClient:
         self.ctx = zmq.Context.instance()
         self.events = self.ctx.socket(zmq.PULL)
         self.events.setsockopt(zmq.LINGER, 0)
+        security.secure_server(self.events)
         port = self.events.bind_to_random_port(f"tcp://{host}")
         self.reply_to = f"tcp://{host}:{port}"
         self.controls: dict[str, zmq.Socket] = {}
@@ -47,6 +49,7 @@ class NodeClient:
         if sock is None:
             sock = self.ctx.socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
+            security.secure_client(sock)
             sock.connect(addr)
             self.controls[addr] = sock
         return sock

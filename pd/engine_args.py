@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 
+from pd import security
 from pd.config import EngineConfig, default_model_dir
 
 
@@ -65,6 +66,7 @@ def add_node_arguments(p: argparse.ArgumentParser, default_port: int) -> None:
     g.add_argument("--metrics-port", type=int, default=None,
                    help="HTTP port for /metrics and /health (default: none; 0 = any free port)")
     g.add_argument("--node-id", default=None, help="name in logs and metrics (default: role-port)")
+    security.add_arguments(g)
 
 
 def announce(role: str, node_id: str, **ports) -> None:

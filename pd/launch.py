@@ -60,9 +60,13 @@ def node_args(args: argparse.Namespace, names: tuple[str, ...]) -> list[str]:
 
 def main(args: argparse.Namespace) -> int:
     from pd.procs import start_node
+    from pd.security import configure_from_args
 
+    keys = configure_from_args(args)
     args.model = model_dir(args)
     common = ["--model", args.model, "--metrics-port", "0", *node_args(args, ENGINE_FLAGS)]
+    if keys is not None:
+        common += ["--curve-keys", keys.directory]
     nodes = []
 
     def stop_all() -> None:

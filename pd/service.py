@@ -20,7 +20,7 @@ from typing import Callable
 import zmq
 from prometheus_client import CONTENT_TYPE_LATEST, Counter, generate_latest
 
-from pd import messages
+from pd import messages, security
 from pd.messages import MessageError, Ping, Pong, TokenStream
 
 log = logging.getLogger(__name__)
@@ -36,6 +36,7 @@ def bind_socket(ctx: zmq.Context, kind: int, host: str, port: int) -> tuple[zmq.
     sock = ctx.socket(kind)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.MAXMSGSIZE, messages.MAX_MESSAGE_BYTES + 4096)
+    security.secure_server(sock)
     if port == 0:
         port = sock.bind_to_random_port(f"tcp://{host}")
     else:
@@ -56,6 +57,7 @@ class EventSender:
             sock = self.ctx.socket(zmq.PUSH)
             sock.setsockopt(zmq.LINGER, 1000)
             sock.setsockopt(zmq.SNDHWM, 100_000)
+            security.secure_client(sock)
             sock.connect(addr)
             self.sockets[addr] = sock
         try:

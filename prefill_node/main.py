@@ -36,9 +36,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     from pd.engine import Engine
+    from pd.security import configure_from_args
     from pd.tokenizer import Tokenizer
     from prefill_node.node import PrefillNode
 
+    configure_from_args(args)
     cfg = engine_config(args)
     engine = Engine(cfg, eos_token_ids=Tokenizer.from_dir(cfg.model).eos_token_ids,
                     num_speculative_tokens=args.num_speculative_tokens)

@@ -36,7 +36,9 @@ def make_backend(args: argparse.Namespace, prefill: list[str], decode: list[str]
 
 def main(args: argparse.Namespace) -> int:
     from pd.engine_args import model_dir
+    from pd.security import configure_from_args
 
+    configure_from_args(args)
     args.model = model_dir(args)
     run(args, make_backend(args, args.prefill, args.decode))
     return 0

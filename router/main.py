@@ -17,6 +17,7 @@ from pathlib import Path
 
 from aiohttp import web
 
+from pd import security
 from router.backend import Backend
 from router.policy import POLICIES
 from router.server import RouterServer, ServerConfig
@@ -65,6 +66,7 @@ def add_router_arguments(p, with_nodes: bool = True) -> None:
                         "none: open)")
     p.add_argument("--log-requests", action="store_true",
                    help="log each request's id, prompt length and sampling parameters")
+    security.add_arguments(p)
 
 
 def server_config(args: argparse.Namespace) -> ServerConfig:

@@ -20,6 +20,7 @@ import zmq
 import zmq.asyncio
 
 from pd import messages as m
+from pd import security
 from router.backend import Backend, BackendUnavailable, GenerateRequest, TokenEvent
 from router.metrics import BACKEND_RETRIES
 from router.policy import make_policy
@@ -65,6 +66,7 @@ class ZmqBackend(Backend):
     async def start(self) -> None:
         self.events = self.ctx.socket(zmq.PULL)
         self.events.setsockopt(zmq.LINGER, 0)
+        security.secure_server(self.events)
         port = self.events.bind_to_random_port(f"tcp://{self.host}")
         self.reply_to = f"tcp://{self.host}:{port}"
         self.tasks.append(asyncio.create_task(self._read_events()))
@@ -91,6 +93,7 @@ class ZmqBackend(Backend):
             sock = self.ctx.socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.SNDHWM, 10_000)
+            security.secure_client(sock)
             sock.connect(f"tcp://{addr}")
             self.sockets[addr] = sock
             self.tasks.append(asyncio.create_task(self._read_pongs(addr, sock)))

@@ -13,6 +13,8 @@ import struct
 
 import zmq
 
+from pd import security
+
 _POS = struct.Struct("<Q")
 
 
@@ -32,6 +34,7 @@ class Doorbell:
     def __init__(self, endpoint: str, ctx: zmq.Context | None = None):
         self._sock = (ctx or zmq.Context.instance()).socket(zmq.PUSH)
         self._sock.setsockopt(zmq.LINGER, 1000)
+        security.secure_client(self._sock)
         self._sock.connect(endpoint)
 
     def ring(self, pos: int) -> None:
@@ -47,6 +50,7 @@ class DoorbellWaiter:
     def __init__(self, endpoint: str, ctx: zmq.Context | None = None):
         self.sock = (ctx or zmq.Context.instance()).socket(zmq.PULL)
         self.sock.setsockopt(zmq.LINGER, 0)
+        security.secure_server(self.sock)
         self.sock.bind(endpoint)
         self.endpoint = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self.pos = 0

@@ -20,6 +20,8 @@ from typing import Any, NamedTuple
 
 import zmq
 
+from pd import security
+
 from . import control, header, records
 from .doorbell import decode_pos
 from .errors import SegmentError
@@ -50,6 +52,7 @@ class KVReceiver:
         self.socket = (ctx or zmq.Context.instance()).socket(zmq.ROUTER)
         self.socket.setsockopt(zmq.ROUTER_HANDOVER, 1)
         self.socket.setsockopt(zmq.LINGER, 0)
+        security.secure_server(self.socket)
         self.socket.bind(endpoint)
         self.endpoint = self.socket.getsockopt_string(zmq.LAST_ENDPOINT)
         self.rings: dict[bytes, Ring] = {}

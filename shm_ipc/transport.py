@@ -26,6 +26,8 @@ from urllib.parse import urlsplit
 import torch
 import zmq
 
+from pd import security
+
 from . import control, records
 from .errors import TransportError
 from .kv import dtype_name, plan_chunks, unit_bytes
@@ -48,6 +50,7 @@ class Transport(abc.ABC):
         self.socket = (ctx or zmq.Context.instance()).socket(zmq.DEALER)
         self.socket.setsockopt(zmq.IDENTITY, instance_id.encode())
         self.socket.setsockopt(zmq.LINGER, 2000)
+        security.secure_client(self.socket)
         self.socket.connect(endpoint)
 
     # ---- records ------------------------------------------------------------------------------
