@@ -57,14 +57,15 @@ class NodeProcess:
 
 
 def start_node(role: str, args: list[str], timeout: float = 60.0, env: dict | None = None,
-               log_dir: str | None = None) -> NodeProcess:
-    """Run `python -m pd ROLE ARGS...` and wait for its PD_READY line."""
+               log_dir: str | None = None, prefix: list[str] | None = None) -> NodeProcess:
+    """Run `python -m pd ROLE ARGS...` and wait for its PD_READY line. `prefix` runs it under
+    a command that execs it (`ip netns exec NAME`), so the pid stays the node's."""
     log_dir = log_dir or tempfile.gettempdir()
     fd, log_path = tempfile.mkstemp(prefix=f"pd-{role}-", suffix=".log", dir=log_dir)
     log_file = os.fdopen(fd, "w")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "pd", role, *args], stdout=subprocess.PIPE, stderr=log_file,
-        env={**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1"}, text=True)
+        [*(prefix or []), sys.executable, "-m", "pd", role, *args], stdout=subprocess.PIPE,
+        stderr=log_file, env={**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1"}, text=True)
     log_file.close()
     node = NodeProcess(role, proc, {}, log_path)
     found = threading.Event()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import resource
 import signal
+import socket
 import threading
 import time
 
@@ -13,6 +14,7 @@ import torch
 import zmq
 
 from shm_ipc import control, header
+from shm_ipc.errors import TransportError
 from shm_ipc.header import Flag
 from shm_ipc.kv import install_kv
 from shm_ipc.metrics import refused_count
@@ -171,3 +173,26 @@ def test_killed_prefill_process_is_reported_gone_then_reattaches(rx):
         for p in procs:
             p.terminate()  # the live one removes its segment on SIGTERM
             p.wait()
+
+
+def test_zmq_send_to_a_peer_taking_nothing_raises_instead_of_blocking():
+    with socket.socket() as s:  # a port where nobody listens: every message stays queued
+        s.bind(("127.0.0.1", 0))
+        endpoint = f"tcp://127.0.0.1:{s.getsockname()[1]}"
+    tx = make_transport(endpoint, "p-stuck", mode="zmq")
+    raised: list[Exception] = []
+
+    def send():
+        try:
+            for i in range(100_000):
+                (tx.send_control if i % 2 else tx.send_record)(
+                    {"type": "hello", "version": 1} if i % 2 else AbortRecord("a" * 32, "x"))
+        except TransportError as e:
+            raised.append(e)
+
+    t = threading.Thread(target=send, daemon=True)
+    t.start()
+    t.join(10)
+    assert not t.is_alive(), "a send blocked"
+    assert raised and "not taking messages" in str(raised[0])
+    tx.socket.close(linger=0)
