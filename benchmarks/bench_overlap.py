@@ -142,6 +142,7 @@ def main() -> None:
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (CPU)")
+    p.add_argument("--enforce-eager", action="store_true", help="CUDA: no decode CUDA graphs")
     p.add_argument("--check-sync", action="store_true")
     p.add_argument("--profile", action="store_true",
                    help="print the host time of the top torch ops of one overlap run and exit")
@@ -153,13 +154,16 @@ def main() -> None:
     model = model_dir(args)
     max_tokens = max(args.batch) * (args.prompt_len + args.steps + 16)
     if args.parity:
-        parity(lambda: Engine(EngineConfig(model=model, device=args.device, num_blocks=1024)),
+        parity(lambda: Engine(EngineConfig(model=model, device=args.device, num_blocks=1024,
+                                           enforce_eager=args.enforce_eager)),
                args.parity)
     engine = Engine(EngineConfig(model=model, device=args.device, max_num_seqs=max(args.batch),
-                                 num_blocks=max_tokens // 16 + 8, max_num_batched_tokens=4096))
+                                 num_blocks=max_tokens // 16 + 8, max_num_batched_tokens=4096,
+                                 enforce_eager=args.enforce_eager))
     mc = engine.model_config
     print(f"model {mc.model_id}: {mc.num_layers} layers, hidden {mc.hidden_size}, vocab "
-          f"{mc.vocab_size}, {engine.runner.dtype} on {args.device}; prompt {args.prompt_len}, "
+          f"{mc.vocab_size}, {engine.runner.dtype} on {args.device}"
+          f"{' (CUDA graphs)' if engine.runner.graphs else ''}; prompt {args.prompt_len}, "
           f"{args.steps} steps, median of {args.repeat}")
     if args.profile:
         from torch.profiler import profile

@@ -167,6 +167,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     seed: int = 0
+    enforce_eager: bool = False  # CUDA: no decode CUDA graphs
     extra: dict = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:

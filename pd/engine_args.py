@@ -34,6 +34,8 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--num-speculative-tokens", type=int, default=0, choices=range(0, 5),
                    metavar="K", help="MTP draft tokens verified per step, 0..4 (default: 0 = off; "
                                      "needs a checkpoint with an MTP layer)")
+    g.add_argument("--enforce-eager", action="store_true",
+                   help="CUDA: run decode steps eagerly instead of replaying CUDA graphs")
     g.add_argument("--log-level", default="info",
                    choices=["debug", "info", "warning", "error"], help="log level (default: info)")
 
@@ -54,6 +56,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len,
+        enforce_eager=getattr(args, "enforce_eager", False),
     )
 
 

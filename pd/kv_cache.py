@@ -36,10 +36,14 @@ def num_blocks_for(model: ModelConfig, engine: EngineConfig, dtype: torch.dtype)
 
 class KVCache:
     def __init__(self, model: ModelConfig, num_blocks: int, block_size: int,
-                 dtype: torch.dtype, device: str | torch.device) -> None:
+                 dtype: torch.dtype, device: str | torch.device, spare_blocks: int = 0) -> None:
+        # NOTE: blocks num_blocks.. are spare: never handed out by the allocator; the first is
+        # the dummy block that CUDA graphs' padding rows write into.
         self.num_blocks, self.block_size = num_blocks, block_size
+        self.dummy_block = num_blocks if spare_blocks else None
         self.kv = torch.zeros(
-            model.num_cache_layers, 2, num_blocks, block_size, model.num_kv_heads, model.head_dim,
+            model.num_cache_layers, 2, num_blocks + spare_blocks, block_size, model.num_kv_heads,
+            model.head_dim,
             dtype=dtype, device=device,
         )
 

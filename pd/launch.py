@@ -24,7 +24,7 @@ log = logging.getLogger("pd.launch")
 
 ENGINE_FLAGS = ("dtype", "device", "block_size", "num_blocks", "kv_cache_memory",
                 "gpu_memory_fraction", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
-                "log_level", "num_speculative_tokens")
+                "log_level", "num_speculative_tokens", "enforce_eager")
 PREFILL_FLAGS = ("transport", "queue_timeout", "handoff_timeout")
 DECODE_FLAGS = ("kv_timeout",)
 
@@ -53,7 +53,9 @@ def node_args(args: argparse.Namespace, names: tuple[str, ...]) -> list[str]:
     out = []
     for name in names:
         value = getattr(args, name)
-        if value is not None:
+        if value is True:
+            out.append(f"--{name.replace('_', '-')}")
+        elif value is not None and value is not False:
             out += [f"--{name.replace('_', '-')}", str(value)]
     return out
 

@@ -74,8 +74,16 @@ class ModelRunner:
         self.max_model_len = min(cfg.max_model_len or mc.max_position_embeddings,
                                  mc.max_position_embeddings)
         num_blocks = num_blocks_for(mc, cfg, self.dtype)
-        self.kv_cache = KVCache(mc, num_blocks, cfg.block_size, self.dtype, self.device)
+        use_graphs = self.device.type == "cuda" and not cfg.enforce_eager
+        self.kv_cache = KVCache(mc, num_blocks, cfg.block_size, self.dtype, self.device,
+                                spare_blocks=1 if use_graphs else 0)
         self.kv_cache.bind(self.model.attention_layers())
+        self.graphs = None
+        if use_graphs:
+            from pd.cuda_graph import DecodeGraphs
+
+            self.graphs = DecodeGraphs(self.model, self.kv_cache.dummy_block, cfg.block_size,
+                                       cfg.max_num_seqs, self.max_model_len, self.device)
         self.sampler = Sampler()
         log.info("model %s (%s, %d layers%s) on %s/%s, KV cache %d blocks x %d tokens (%.1f MiB)",
                  mc.model_id, mc.architecture, mc.num_layers, " + MTP" if mc.has_mtp else "",
@@ -148,7 +156,10 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, inp: ForwardInput) -> torch.Tensor:
-        """Run the target model; returns the pre-norm hidden states of every token [T, H]."""
+        """Run the target model; returns the pre-norm hidden states of every token [T, H].
+        Decode steps on CUDA replay a CUDA graph (`pd.cuda_graph`) unless --enforce-eager."""
+        if self.graphs is not None and self.graphs.can_run(inp.context):
+            return self.graphs.run(inp.input_ids, inp.positions, inp.context)
         with forward_context(inp.context):
             return self.model(inp.input_ids, inp.positions)
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Every GPU check and figure of the project in one call of the device machine:
-#   kernels vs their torch twins, MTP engine parity, overlap on/off (parity of 64 requests, sync
+#   kernels vs their torch twins, MTP engine parity, CUDA graphs vs eager, overlap on/off (parity of 64 requests, sync
 #   check, throughput and step gap), MTP on/off. Logs go to $OUT (or ./out) and one table each
 #   to stdout.
 #     bash benchmarks/gpu/run_all.sh
@@ -20,7 +20,10 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import torch, cupy; print('torch', torch.__version__, 'cupy', cupy.__version__)"
 TAIL=8 step kernels python3 benchmarks/gpu/check_kernels.py
 TAIL=12 step mtp_engine python3 benchmarks/gpu/check_mtp_engine.py
-TAIL=8 step overlap_tiny python3 benchmarks/bench_overlap.py --device cuda --parity 64 --check-sync
-TAIL=8 step overlap_small python3 benchmarks/bench_overlap.py --device cuda --synthetic small
+TAIL=4 step pytest python3 -m pytest -q -p no:cacheprovider tests/pd/test_cuda_graph.py tests/kernels
+TAIL=8 step graphs python3 benchmarks/gpu/check_graphs.py
+TAIL=9 step overlap_tiny python3 benchmarks/bench_overlap.py --device cuda --parity 64 --check-sync
+TAIL=6 step overlap_small python3 benchmarks/bench_overlap.py --device cuda --synthetic small
+TAIL=6 step overlap_small_eager python3 benchmarks/bench_overlap.py --device cuda --synthetic small --enforce-eager
 TAIL=30 step mtp python3 benchmarks/bench_mtp.py --device cuda
 exit $status

@@ -1,0 +1,53 @@
+"""Decode CUDA graphs (`pd.cuda_graph`) against eager decoding, float32, on a CUDA machine
+(skipped without one; `benchmarks/gpu/run_all.sh` runs it on the GPU). On CPU: the runner never
+builds graphs, and --enforce-eager reaches the engine config."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from pd.config import EngineConfig
+from pd.engine import Engine
+from pd.engine_args import engine_config
+from pd.sampling_params import SamplingParams
+
+
+def generate(engine: Engine, prompts, params) -> list[list[int]]:
+    reqs = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
+    while engine.has_unfinished():
+        engine.step()
+    return [r.output_token_ids for r in reqs]
+
+
+def test_cpu_runner_builds_no_graphs_and_flag_reaches_config(tiny_model_dir):
+    engine = Engine(EngineConfig(model=str(tiny_model_dir), num_blocks=64))
+    assert engine.runner.graphs is None and engine.runner.kv_cache.dummy_block is None
+    import argparse
+
+    from pd.engine_args import add_engine_arguments
+
+    p = argparse.ArgumentParser()
+    add_engine_arguments(p)
+    assert engine_config(p.parse_args(["--enforce-eager"])).enforce_eager
+    assert not engine_config(p.parse_args([])).enforce_eager
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
+def test_graphs_equal_eager_float32(tiny_model_dir):
+    rng = random.Random(1)
+    prompts = [[rng.randrange(3, 200) for _ in range(rng.choice([1, 7, 16, 33, 90]))] for _ in range(40)]
+    params = [SamplingParams(max_tokens=rng.randrange(1, 40), temperature=0.0, ignore_eos=True)
+              for _ in prompts]
+    outs = {}
+    for eager in (True, False):
+        engine = Engine(EngineConfig(model=str(tiny_model_dir), device="cuda", dtype="float32",
+                                     num_blocks=512, max_num_seqs=24, enforce_eager=eager))
+        outs[eager] = generate(engine, prompts, params)
+        engine.allocator.check_integrity()
+        if not eager:
+            assert engine.runner.graphs.graphs, "no decode step ran as a graph"
+            dummy = engine.runner.kv_cache.dummy_block
+            assert dummy == engine.allocator.num_blocks  # outside what the allocator hands out
+    assert outs[False] == outs[True]
