@@ -65,6 +65,8 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=2, help="runs per cell; the fastest counts")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="CUDA: plain decode steps eager too (MTP verify steps always are)")
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -74,13 +76,15 @@ def main() -> None:
     results = {}
     for k in ks:
         llm = LLM(args.model, num_speculative_tokens=k, device=args.device, dtype=args.dtype,
+                  enforce_eager=args.enforce_eager,
                   num_blocks=1024)
         llm.generate(PROMPTS[:2], SamplingParams(max_tokens=8, temperature=0.0))  # warm-up
         for b in sizes:
             for mode in modes:
                 results[k, b, mode] = run(llm, b, LOGPROBS[mode], args.max_tokens, args.repeats)
         del llm
-    print(f"device {args.device}, dtype {args.dtype or 'default'}, max_tokens {args.max_tokens}, "
+    print(f"device {args.device}{' (eager)' if args.enforce_eager else ''}, dtype "
+          f"{args.dtype or 'default'}, max_tokens {args.max_tokens}, "
           f"greedy, best of {args.repeats}, torch threads {torch.get_num_threads()}")
     print(f"{'batch':>5} {'logprobs':>8} {'k':>2} {'tokens':>7} {'seconds':>8} {'tok/s':>9} "
           f"{'speedup':>7} {'accept_len':>10}")

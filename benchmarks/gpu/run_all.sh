@@ -25,5 +25,6 @@ TAIL=8 step graphs python3 benchmarks/gpu/check_graphs.py
 TAIL=9 step overlap_tiny python3 benchmarks/bench_overlap.py --device cuda --parity 64 --check-sync
 TAIL=6 step overlap_small python3 benchmarks/bench_overlap.py --device cuda --synthetic small
 TAIL=6 step overlap_small_eager python3 benchmarks/bench_overlap.py --device cuda --synthetic small --enforce-eager
-TAIL=30 step mtp python3 benchmarks/bench_mtp.py --device cuda
+TAIL=32 step mtp python3 benchmarks/bench_mtp.py --device cuda
+TAIL=32 step mtp_eager python3 benchmarks/bench_mtp.py --device cuda --enforce-eager
 exit $status
