@@ -41,6 +41,7 @@ class Transport(abc.ABC):
     """P's end of one (P, D) connection. Not thread-safe: one owner thread."""
 
     mode: str
+    send_hwm = 1000  # messages queued unsent on the socket (ZMQ's SNDHWM)
 
     def __init__(self, endpoint: str, instance_id: str, max_record_bytes: int = DEFAULT_MAX_RECORD,
                  ctx: zmq.Context | None = None):
@@ -50,6 +51,7 @@ class Transport(abc.ABC):
         self.socket = (ctx or zmq.Context.instance()).socket(zmq.DEALER)
         self.socket.setsockopt(zmq.IDENTITY, instance_id.encode())
         self.socket.setsockopt(zmq.LINGER, 2000)
+        self.socket.setsockopt(zmq.SNDHWM, self.send_hwm)
         security.secure_client(self.socket)
         self.socket.connect(endpoint)
 

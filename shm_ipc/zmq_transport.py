@@ -3,8 +3,9 @@
 Each record is [header word, meta, raw buffers...]: small records carry their whole body as the
 meta frame; KV carries the KV_DATA_OFFSET-byte meta and the gathered blocks as one raw frame
 sent with `copy=False`. Control messages ride the same socket, so order is kept by ZMQ.
-Sends never block: when the socket's send queue is full (the link is down, or D stopped
-reading) a send raises `TransportError`, and the caller fails what it was sending.
+Sends never block: when the socket's send queue is full (`send_hwm` messages: the link has been
+down a long while, or D stopped reading) a send raises `TransportError`, and the caller fails
+what it was sending. The queue is deep so that a burst of hand-offs never reaches it.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ _KV_WORD = header.to_bytes(header.pack(Flag.KV, 0))
 
 class ZmqTransport(Transport):
     mode = "zmq"
+    send_hwm = 100_000
 
     def _send(self, frames: list, copy: bool = True) -> None:
         # NOTE: a blocking send would stall P's whole loop (no timeouts, no pongs) for as long

@@ -21,6 +21,7 @@ from shm_ipc.metrics import refused_count
 from shm_ipc.receiver import KVReceiver, PeerGone
 from shm_ipc.records import AbortRecord, FirstTokenRecord, KVRecord, TokensRecord
 from shm_ipc.transport import choose_mode, is_local, make_transport
+from shm_ipc.zmq_transport import ZmqTransport
 
 from conftest import spawn_peer
 
@@ -175,7 +176,8 @@ def test_killed_prefill_process_is_reported_gone_then_reattaches(rx):
             p.wait()
 
 
-def test_zmq_send_to_a_peer_taking_nothing_raises_instead_of_blocking():
+def test_zmq_send_to_a_peer_taking_nothing_raises_instead_of_blocking(monkeypatch):
+    monkeypatch.setattr(ZmqTransport, "send_hwm", 1000)
     with socket.socket() as s:  # a port where nobody listens: every message stays queued
         s.bind(("127.0.0.1", 0))
         endpoint = f"tcp://127.0.0.1:{s.getsockname()[1]}"
