@@ -1,9 +1,12 @@
 """Removal of this process's shared-memory segments at exit.
 
 Segments register themselves here when created; they are unlinked at interpreter exit (atexit)
-and on SIGTERM/SIGINT, after which the previously installed handler runs (or the default action,
-so the process still dies of the signal). SIGKILL cannot be caught: a segment left by a killed
-process is found stale by its recorded pid and replaced by the next creator (see `segment.py`).
+and on SIGTERM/SIGINT when the process has no handler of its own for the signal (the default
+action then runs, so the process still dies of it). A process with its own handler (a node that
+drains on SIGTERM) ends through it, and atexit removes what its shutdown did not. SIGKILL cannot
+be caught: a segment left by a killed process is removed by the consumer that sees its creator
+die (`receiver.py`), or found stale by its recorded pid and replaced by the next creator
+(see `segment.py`).
 """
 
 from __future__ import annotations
@@ -42,11 +45,14 @@ def unlink_all() -> None:
 
 
 def _on_signal(signum, frame) -> None:
-    unlink_all()
     prev = _previous.get(signum, signal.SIG_DFL)
     if callable(prev):
+        # NOTE: the process handles this signal itself (a node drains on SIGTERM and still uses
+        # its rings); it removes its segments on its way out, and atexit catches what it misses.
         prev(signum, frame)
-    elif prev == signal.SIG_DFL:
+        return
+    unlink_all()
+    if prev == signal.SIG_DFL:
         signal.signal(signum, signal.SIG_DFL)
         os.kill(os.getpid(), signum)
     # SIG_IGN: the process had chosen to ignore it; the segments are gone, it carries on.

@@ -7,7 +7,8 @@ dict, a record (`records.py`) or `PeerGone`. Record payloads that view a ring (K
 until the next `recv()` call, which releases the ring space: install or copy them before.
 Malformed records and control messages are counted (`metrics.py`), logged and dropped.
 A ring producer whose process dies is reported as `PeerGone` once its published records are
-delivered; a peer on the ZMQ transport that dies is left to the node's own health checks.
+delivered, and its segment is removed; a peer on the ZMQ transport that dies is left to the
+node's own health checks.
 Waiting is a ZMQ poll: no spinning. Use `socket`/`fileno()` to poll with other sockets.
 """
 
@@ -28,6 +29,7 @@ from .errors import SegmentError
 from .metrics import refuse
 from .records import RecordError
 from .ring import Ring
+from .segment import remove_if_stale
 
 log = logging.getLogger("shm_ipc")
 
@@ -123,6 +125,7 @@ class KVReceiver:
                 self.rings[peer] = Ring.attach(str(msg.get("segment", "")))
             except SegmentError as e:
                 log.error("cannot attach ring for %r: %s", peer, e)
+                remove_if_stale(str(msg.get("segment", "")))  # its creator died before we attached
                 self.send_control(peer, {"type": control.SHM_REFUSED, "version": 1,
                                          "reason": str(e)})
             else:
@@ -152,6 +155,7 @@ class KVReceiver:
             if not ring.seg.creator_alive():
                 self._drain(peer, None, out)  # its process is dead: nothing more will be written
                 self._drop_ring(peer)
+                remove_if_stale(ring.name)  # a killed creator cannot remove it itself
                 out.append(Incoming(peer, PeerGone(f"prefill process of ring {ring.name!r} died")))
 
     def _drop_ring(self, peer: bytes) -> None:

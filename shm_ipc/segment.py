@@ -6,7 +6,8 @@ pid and process start time. Creating refuses a name held by a live process and r
 left by a dead process (found stale by pid + start time); attaching checks owner-only
 permissions, the owner uid, the magic, the layout kind and version, the size and that the
 creator still lives. The creator unlinks the segment on `close()`, at exit and on SIGTERM/SIGINT
-(`cleanup.py`). What lives after the header is the caller's (see `ring.py`).
+(`cleanup.py`); a consumer that finds the creator dead may remove it (`remove_if_stale`).
+What lives after the header is the caller's (see `ring.py`).
 """
 
 from __future__ import annotations
@@ -166,6 +167,31 @@ class Segment:
             self._mmap.close()
         except BufferError:
             pass  # NOTE: numpy/torch views over it are alive; the mapping goes when they do.
+
+
+def remove_if_stale(name: str) -> bool:
+    """Unlink segment `name` if it is one of ours (prefix, magic, our uid) and its creator is
+    dead: a consumer cleaning up after a killed producer. True when it was removed."""
+    if not _NAME_RE.match(name) or not name.startswith(PREFIX):
+        return False
+    path = os.path.join(SHM_DIR, name)
+    try:
+        with open(path, "rb") as f:
+            raw, uid = f.read(SEGMENT_HEADER.itemsize), os.fstat(f.fileno()).st_uid
+    except OSError:
+        return False
+    if len(raw) < SEGMENT_HEADER.itemsize or uid != os.getuid():
+        return False
+    h = np.frombuffer(raw, dtype=SEGMENT_HEADER)[0]
+    pid = int(h["creator_pid"])
+    if int(h["magic"]) != MAGIC or is_alive(pid, int(h["creator_start"])):
+        return False
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        return False
+    log.info("removed segment %s left by dead pid %d", name, pid)
+    return True
 
 
 def _check_name(name: str) -> None:

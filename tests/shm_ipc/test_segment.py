@@ -12,7 +12,7 @@ import pytest
 
 from shm_ipc.errors import SegmentError
 from shm_ipc.ring import RING_KIND, RING_LAYOUT_VERSION, Ring
-from shm_ipc.segment import SHM_DIR, Segment, segment_name
+from shm_ipc.segment import SHM_DIR, Segment, remove_if_stale, segment_name
 
 from conftest import spawn_peer
 
@@ -59,6 +59,37 @@ def test_stale_segment_from_dead_process_is_replaced(seg_name):
         Ring.attach(seg_name)
     with Ring.create(seg_name, 1 << 12) as ring:
         assert int(ring.seg.header["creator_pid"]) == os.getpid()
+
+
+def test_consumer_removes_only_a_dead_creators_segment(seg_name):
+    proc = spawn_peer("hold", seg_name)
+    assert proc.stdout.readline().strip() == "READY"
+    assert not remove_if_stale(seg_name)  # its creator lives
+    proc.kill()
+    proc.wait()
+    assert remove_if_stale(seg_name)
+    assert not os.path.exists(os.path.join(SHM_DIR, seg_name))
+    assert not remove_if_stale(seg_name)
+    assert not remove_if_stale("../../etc/passwd") and not remove_if_stale("not_ours")
+
+
+def test_a_process_handling_sigterm_keeps_its_segments_until_it_exits(seg_name):
+    code = f"""if True:
+        import signal, os, threading
+        from shm_ipc.ring import Ring
+        done = threading.Event()
+        signal.signal(signal.SIGTERM, lambda *_: done.set())
+        Ring.create({seg_name!r}, 4096)
+        print("READY", flush=True)
+        done.wait(30)
+        print(os.path.exists({os.path.join(SHM_DIR, seg_name)!r}), flush=True)
+    """
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "READY"
+    proc.send_signal(signal.SIGTERM)
+    assert proc.stdout.readline().strip() == "True"  # still there while it winds down
+    assert proc.wait(timeout=10) == 0
+    assert not os.path.exists(os.path.join(SHM_DIR, seg_name))  # atexit removed it
 
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])

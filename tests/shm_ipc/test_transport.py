@@ -20,6 +20,7 @@ from shm_ipc.kv import install_kv
 from shm_ipc.metrics import refused_count
 from shm_ipc.receiver import KVReceiver, PeerGone
 from shm_ipc.records import AbortRecord, FirstTokenRecord, KVRecord, TokensRecord
+from shm_ipc.segment import SHM_DIR, segment_name
 from shm_ipc.transport import choose_mode, is_local, make_transport
 from shm_ipc.zmq_transport import ZmqTransport
 
@@ -170,6 +171,9 @@ def test_killed_prefill_process_is_reported_gone_then_reattaches(rx):
                 proc.send_signal(signal.SIGKILL)
                 gone = _collect(rx, 1, timeout=10)
                 assert isinstance(gone[0], PeerGone) and "died" in gone[0].reason
+                # the killed producer could not remove its ring: the consumer did
+                ring = segment_name("p-crash", rx.endpoint)
+                assert not os.path.exists(os.path.join(SHM_DIR, ring))
     finally:
         for p in procs:
             p.terminate()  # the live one removes its segment on SIGTERM
