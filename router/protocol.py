@@ -2,7 +2,8 @@
 
 `parse_completion(body)` and `parse_chat(body)` turn a decoded JSON body into an `ApiRequest`
 or raise `APIError` (400) naming the bad parameter. Types are checked strictly (a bool is not
-an int, a string is not a number), unknown fields are refused as OpenAI does, and the
+an int, a string is not a number; a whole float such as 2.0 is the integer 2, as JSON Schema
+has it, and is passed on as an int), unknown fields are refused as OpenAI does, and the
 OpenAI fields this server does not implement are accepted only at their neutral values.
 vLLM's extra sampling fields (`top_k`, `min_p`, `repetition_penalty`, `stop_token_ids`,
 `ignore_eos`, `min_tokens`) are accepted too. Tokenization, the context-length check and the
@@ -60,6 +61,23 @@ def _is_int(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
+def _as_int(v) -> int | None:
+    """`v` as an int when JSON means an integer by it (2 or 2.0), else None."""
+    if _is_int(v):
+        return v
+    if isinstance(v, float) and v.is_integer():
+        return int(v)
+    return None
+
+
+def _token_ids(v) -> list[int] | None:
+    """`v` as a list of non-negative token ids, else None."""
+    if not isinstance(v, list):
+        return None
+    ids = [_as_int(t) for t in v]
+    return ids if all(t is not None and t >= 0 for t in ids) else None
+
+
 def _num(body: dict, name: str, lo: float, hi: float, *, lo_open: bool = False) -> None:
     v = body.get(name)
     if v is None:
@@ -76,8 +94,9 @@ def _int(body: dict, name: str, lo: int, hi: int | None = None) -> int | None:
     v = body.get(name)
     if v is None:
         return None
-    if not _is_int(v):
+    if _as_int(v) is None:
         raise bad_param(name, f"must be an integer, got {v!r}")
+    v = _as_int(v)
     if v < lo or (hi is not None and v > hi):
         raise bad_param(name, f"must be an integer >= {lo}" + (f" and <= {hi}" if hi is not None
                                                                else "") + f", got {v}")
@@ -127,22 +146,22 @@ def _common(body: dict, allowed: set[str], endpoint: str) -> ApiRequest:
             raise bad_param("stop", f"must be a non-empty string or a list of at most "
                                     f"{MAX_STOP_STRINGS} non-empty strings")
         req.stop = stop
-    ids = body.get("stop_token_ids")
-    if ids is not None:
-        if not isinstance(ids, list) or not all(_is_int(t) and t >= 0 for t in ids):
+    if body.get("stop_token_ids") is not None:
+        ids = _token_ids(body["stop_token_ids"])
+        if ids is None:
             raise bad_param("stop_token_ids", "must be a list of non-negative integers")
         req.stop_token_ids = ids
     req.seed = _int(body, "seed", -(2**63), 2**63 - 1)
     _num(body, "temperature", 0.0, math.inf)
     _num(body, "top_p", 0.0, 1.0, lo_open=True)
-    _int(body, "top_k", -1)
+    ints = {"top_k": _int(body, "top_k", -1)}
     _num(body, "min_p", 0.0, 1.0)
     _num(body, "presence_penalty", -2.0, 2.0)
     _num(body, "frequency_penalty", -2.0, 2.0)
     _num(body, "repetition_penalty", 0.0, math.inf, lo_open=True)
     _bool(body, "ignore_eos")
-    _int(body, "min_tokens", 0)
-    req.sampling = {k: body[k] for k in _SAMPLING_FIELDS if body.get(k) is not None}
+    ints["min_tokens"] = _int(body, "min_tokens", 0)
+    req.sampling = {k: ints.get(k, body[k]) for k in _SAMPLING_FIELDS if body.get(k) is not None}
     user = body.get("user")
     if user is not None and not isinstance(user, str):
         raise bad_param("user", "must be a string")
@@ -165,18 +184,20 @@ def parse_completion(body: dict) -> ApiRequest:
     if req.max_tokens is None and "max_tokens" not in body:
         req.max_tokens = 16  # the OpenAI default for completions
     prompt = body.get("prompt")
-    if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and _is_int(prompt[0])):
+    if isinstance(prompt, str) or (isinstance(prompt, list) and prompt
+                                   and _as_int(prompt[0]) is not None):
         prompt = [prompt]
     if not isinstance(prompt, list) or not prompt:
         raise bad_param("prompt", "is required: a string, a list of strings, a list of token "
                                   "ids or a list of lists of token ids")
+    prompts = []
     for p in prompt:
-        ok = (isinstance(p, str) and p) or (
-            isinstance(p, list) and p and all(_is_int(t) and t >= 0 for t in p))
-        if not ok:
+        p = p if isinstance(p, str) else _token_ids(p)
+        if not p:
             raise bad_param("prompt", "each prompt must be a non-empty string or a non-empty "
                                       "list of non-negative token ids")
-    req.prompts = prompt
+        prompts.append(p)
+    req.prompts = prompts
     lp = _int(body, "logprobs", 0, MAX_TOP_LOGPROBS)
     req.logprobs = lp
     _neutral(body, "echo", False)

@@ -1,7 +1,8 @@
 """The router's HTTP server: the OpenAI-compatible API on aiohttp (run on uvloop).
 
 Routes: `POST /v1/completions`, `POST /v1/chat/completions` (SSE when `stream` is true,
-ending with `data: [DONE]`), `GET /v1/models`, `GET /health`, `GET /metrics`. A request is
+ending with `data: [DONE]`), `GET /v1/models`, `GET /health`, `GET /metrics`, and
+`GET /openapi.json` (the document of `openapi.py`). A request is
 validated (`protocol.py`), checked against the served model name and the context length,
 tokenized (chat through the model's chat template), admitted through the bounded queue,
 run on the backend as one `Generation`, and written out as chunks or as one response. Every
@@ -32,6 +33,7 @@ from router.errors import (APIError, bad_param, model_not_found, overloaded, ser
                            unauthorized, unavailable)
 from router.generation import Generation
 from router.metrics import CONTENT_TYPE_LATEST, RequestTimer, RouterMetrics
+from router.openapi import openapi_document
 from router.protocol import ApiRequest, parse_chat, parse_completion
 from router.responses import Accumulator, ResponseFormat, usage
 
@@ -87,6 +89,7 @@ class RouterServer:
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/health", self.health)
         app.router.add_get("/metrics", self.metrics_endpoint)
+        app.router.add_get("/openapi.json", self.openapi)
         app.on_startup.append(lambda _: self.backend.start())
         app.on_cleanup.append(lambda _: self.backend.close())
         return app
@@ -130,6 +133,10 @@ class RouterServer:
     async def metrics_endpoint(self, request: web.Request) -> web.Response:
         return web.Response(body=self.metrics.render(),
                             headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    async def openapi(self, request: web.Request) -> web.Response:
+        return web.json_response(openapi_document(
+            self.config.served_model_name, self.backend.max_model_len(), self.tokenizer.vocab_size))
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         return await self._generate(request, parse_completion)
