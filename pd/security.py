@@ -111,9 +111,10 @@ _lock = threading.Lock()
 
 def add_arguments(group) -> None:
     group.add_argument("--curve-keys", metavar="DIR", default=os.environ.get(ENV) or None,
-                       help="CURVE keys made by `pd keygen DIR` (copied to every host): every ZMQ "
-                            "socket is then encrypted and admits only peers holding them; pd "
-                            f"launch passes DIR to its nodes (default: ${ENV}; none: plain sockets)")
+                       help="CURVE keys made by `pd keygen DIR` (copied to every host): every "
+                            "ZMQ socket is then encrypted and admits only peers holding them; "
+                            "pd launch passes DIR to its nodes "
+                            f"(default: ${ENV}; none: plain sockets)")
 
 
 def configure(directory: str | os.PathLike | None) -> CurveKeys | None:
