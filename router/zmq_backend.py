@@ -114,7 +114,20 @@ class ZmqBackend(Backend):
             for node in self.registry.sweep():
                 if not node.healthy:
                     self._node_down(node)
+            planned = time.monotonic() + self.heartbeat_interval
             await asyncio.sleep(self.heartbeat_interval)
+            self._excuse(time.monotonic() - planned)
+
+    def _excuse(self, late: float) -> None:
+        """The router's own stall (its loop woke `late` seconds late: CPU starved, a long
+        callback) does not count as the nodes' silence: pongs it could not read meanwhile wait
+        unread, so every heartbeat deadline moves by that much."""
+        if late <= 0:
+            return
+        now = time.monotonic()
+        for node in self.registry.nodes():
+            if node.last_heartbeat is not None:
+                node.last_heartbeat = min(now, node.last_heartbeat + late)
 
     async def _read_pongs(self, addr: str, sock: zmq.asyncio.Socket) -> None:
         while True:
