@@ -1,12 +1,15 @@
 """CURVE keys and sockets (pd/security.py) on loopback: `pd keygen` files and modes, key
 loading refusals, and who a secured server lets in (the deployment, a key dropped into DIR)
-and who it does not (plain sockets, other keypairs); without keys, sockets stay plain.
-Every command binds 127.0.0.1 unless told otherwise."""
+and who it does not (plain sockets, other keypairs); without keys, sockets stay plain; every
+socket the packages create goes through it. Every command binds 127.0.0.1 unless told
+otherwise."""
 
 from __future__ import annotations
 
 import os
+import re
 import stat
+from pathlib import Path
 
 import pytest
 import zmq
@@ -153,3 +156,17 @@ def test_a_key_dropped_into_the_directory_is_admitted(ctx, keys_dir, tmp_path):
     c = knock(ctx, addr, (other.public_key, other.secret_key), keys.public_key)
     assert srv.poll(WAIT_MS) and srv.recv_multipart()[1] == b"hello"
     c.close()
+
+
+def test_every_socket_the_packages_create_is_secured():
+    """Each module that creates ZMQ sockets passes each one through secure_server/secure_client
+    (a static count, so that a new socket cannot skip it unnoticed)."""
+    root = Path(__file__).resolve().parents[2]
+    created = re.compile(r"\.socket\(")
+    secured = re.compile(r"secure_(server|client)\(")
+    files = [f for pkg in ("pd", "router", "prefill_node", "decode_node", "shm_ipc")
+             for f in (root / pkg).rglob("*.py") if f.name != "security.py"]
+    counts = {str(f.relative_to(root)): (len(created.findall(t)), len(secured.findall(t)))
+              for f in files if "import zmq" in (t := f.read_text())}
+    assert sum(n for n, _ in counts.values()) >= 9, counts
+    assert all(s >= n for n, s in counts.values()), counts
