@@ -7,9 +7,11 @@ Intake, per request, on the KV ingest socket (from one prefill node, in order):
   -> KVAccept sent -> KV records (installed) -> KVDone -> KVAck sent, the request joins the batch.
 A request waiting for blocks or for its KV has a deadline (`--kv-timeout`): on expiry the router
 gets an error and the prefill node a KVRefuse. An ABORT (router or prefill node) ends the request
-wherever it is and frees its blocks (after the step in flight, if one still holds it). Every
-record's request id must name a request in the state that expects it, from the peer that
-announced it; anything else is refused and counted.
+wherever it is and frees its blocks (after the step in flight, if one still holds it); so does
+the loss of the router that asked for it. Every record's request id must name a request in the
+state that expects it, from the peer that announced it; anything else is refused and counted.
+While draining (SIGTERM) new requests are refused (KVRefuse, and an error the router retries
+elsewhere); those already here are decoded to their end.
 
 Decoding runs through `pd.overlap.DecodeLoop`: by default one step ahead of the device (the
 overlap scheduler), or the plain loop with `overlap=False` (`--no-overlap`,
@@ -60,8 +62,8 @@ class DecodeNode(NodeService):
 
     def __init__(self, node_id: str, engine: Engine, *, host: str, port: int, kv_port: int,
                  metrics_port: int | None, max_queue: int = 4096, kv_timeout: float = 30.0,
-                 overlap: bool = True) -> None:
-        super().__init__(node_id, host, port, metrics_port)
+                 overlap: bool = True, drain_timeout: float = 30.0) -> None:
+        super().__init__(node_id, host, port, metrics_port, drain_timeout)
         self.engine = engine
         self.scheduler = engine.scheduler
         self.allocator = engine.allocator
@@ -145,6 +147,8 @@ class DecodeNode(NodeService):
 
     def on_meta(self, peer: bytes, msg: m.RequestMeta) -> None:
         try:
+            if self.draining:
+                raise ValueError(f"decode node {self.node_id} is draining (shutting down)")
             if msg.req_id in self.incoming or msg.req_id in self.reply_to:
                 raise ValueError(f"duplicate request id {msg.req_id!r}")
             if len(self.incoming) >= self.max_queue:
@@ -152,7 +156,7 @@ class DecodeNode(NodeService):
             params = SamplingParams.from_dict(msg.params)
             self.engine.validate_prompt(msg.prompt_ids)
         except (ValueError, TypeError) as e:
-            self.metrics.refused("bad_request").inc()
+            self.metrics.refused("draining" if self.draining else "bad_request").inc()
             self.receiver.send_control(peer, m.to_dict(m.KVRefuse(msg.req_id, str(e))))
             self.events.send(msg.reply_to, m.TokenStream(msg.req_id, [], error=str(e)))
             return
@@ -282,6 +286,20 @@ class DecodeNode(NodeService):
             if req is not None:
                 self.loop.abort(req)
         self.may_reserve()
+
+    def busy(self) -> bool:
+        return bool(self.incoming or self.reply_to)
+
+    def on_router_gone(self, reply_to: str) -> None:
+        for inc in [i for i in self.incoming.values() if i.reply_to == reply_to]:
+            self.metrics.refused("router_gone").inc()
+            refuse = m.KVRefuse(inc.req.req_id, "router gone")
+            self.receiver.send_control(inc.peer, m.to_dict(refuse))
+            self.drop_incoming(inc)
+        for req_id in [r for r, to in self.reply_to.items() if to == reply_to]:
+            self.metrics.refused("router_gone").inc()
+            log.warning("request %s: its router is gone", req_id)
+            self.abort(req_id)
 
     def tick(self, now: float) -> None:
         for inc in [i for i in self.incoming.values() if now > i.deadline]:

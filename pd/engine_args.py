@@ -70,6 +70,10 @@ def add_node_arguments(p: argparse.ArgumentParser, default_port: int) -> None:
                    help="HTTP port for /metrics and /health (default: none; 0 = any free port)")
     g.add_argument("--node-id", default=None, help="name in logs and metrics (default: role-port)")
     security.add_arguments(g)
+    g.add_argument("--drain-timeout", type=float, default=30.0,
+                   help="on SIGTERM, seconds to finish the requests in flight (taking no new "
+                        "ones) before ending the rest with an error and exiting (default: 30; "
+                        "SIGINT stops at once)")
 
 
 def announce(role: str, node_id: str, **ports) -> None:

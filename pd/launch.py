@@ -7,6 +7,7 @@ router and every node, which remove their shared-memory segments on the way out.
 engine flags go to every node; --transport/--queue-timeout/--handoff-timeout to prefill nodes,
 --kv-timeout to decode nodes. Every node serves /metrics and /health on a free port of its own,
 printed on its `node ...` line (`metrics HOST:PORT`); the router's are at the router's URL.
+On the way out every node gets SIGTERM at once and --drain-timeout to end what it still runs.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ ENGINE_FLAGS = ("dtype", "device", "block_size", "num_blocks", "kv_cache_memory"
                 "log_level", "num_speculative_tokens", "enforce_eager")
 PREFILL_FLAGS = ("transport", "queue_timeout", "handoff_timeout")
 DECODE_FLAGS = ("kv_timeout",)
+NODE_FLAGS = ("drain_timeout",)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -44,6 +46,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="prefill nodes: seconds from first token until the decode node has the KV")
     g.add_argument("--kv-timeout", type=float, default=30.0,
                    help="decode nodes: seconds a request may wait for blocks and its KV")
+    g.add_argument("--drain-timeout", type=float, default=30.0,
+                   help="nodes: seconds a SIGTERM leaves them to finish their requests")
     g.add_argument("--ready-timeout", type=float, default=120.0,
                    help="seconds to wait for every node to come up")
     add_router_arguments(p.add_argument_group("router"), with_nodes=False)
@@ -66,14 +70,17 @@ def main(args: argparse.Namespace) -> int:
 
     keys = configure_from_args(args)
     args.model = model_dir(args)
-    common = ["--model", args.model, "--metrics-port", "0", *node_args(args, ENGINE_FLAGS)]
+    common = ["--model", args.model, "--metrics-port", "0", *node_args(args, ENGINE_FLAGS),
+              *node_args(args, NODE_FLAGS)]
     if keys is not None:
         common += ["--curve-keys", keys.directory]
     nodes = []
 
     def stop_all() -> None:
+        for node in nodes:  # NOTE: every node drains at once, then each is waited for
+            node.proc.send_signal(signal.SIGTERM)
         for node in reversed(nodes):
-            node.stop()
+            node.stop(timeout=args.drain_timeout + 10)
 
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
     try:

@@ -7,6 +7,8 @@ paired, a request goes out as RequestMeta + FIRST_TOKEN record (+ a DRAFT_TOKENS
 MTP); its KV follows on `KVAccept`,
 closed by `KVDone`. Replies are dispatched back to the node. Transport errors (ring full past its
 timeout, peer gone) fail the request and mark the link failed, so the next request reconnects.
+A decode node that disconnects (killed, restarted) has lost every request handed to it: they all
+fail at once, and the link with them (a restarted node must be greeted again).
 """
 
 from __future__ import annotations
@@ -16,6 +18,9 @@ import logging
 import os
 import time
 from typing import TYPE_CHECKING
+
+import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from pd import messages as m
 from shm_ipc.errors import TransportError
@@ -39,7 +44,9 @@ class DecodeLink:
         self.hello_deadline = time.monotonic() + node.handoff_timeout
         instance = f"{node.node_id}-{os.getpid()}-{next(_ids)}"
         self.transport = make_transport(addr, instance, mode=node.transport)
+        self.monitor = self.transport.socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         node.register(self.transport.socket, self.on_socket)
+        node.register(self.monitor, self.on_monitor)
         self.control(m.Hello(node.node_id, node.geometry))
         log.info("connecting to decode node %s over %s", addr, self.transport.mode)
 
@@ -102,13 +109,24 @@ class DecodeLink:
         except TransportError as e:
             log.warning("could not send abort for %s to %s: %s", req_id, self.addr, e)
 
-    def _broken(self, reason: str, job: "Job | None" = None) -> None:
+    def _broken(self, reason: str, job: "Job | None" = None, everything: bool = False) -> None:
+        """Mark the link failed and fail `job` and the pending jobs (`everything`: every job
+        handed to this node too)."""
         self.state, self.reason = "failed", reason
         log.error("%s", reason)
-        for j in [job, *self.pending] if job is not None else list(self.pending):
+        jobs = [job, *self.pending] if job is not None else list(self.pending)
+        if everything:
+            jobs += [j for j in self.node.jobs.values() if j.link is self]
+        for j in jobs:
             if j.state != "done":
                 self.node.fail(j, reason)
         self.pending.clear()
+
+    def on_monitor(self) -> None:
+        while self.monitor.poll(0):
+            if recv_monitor_message(self.monitor)["event"] == zmq.EVENT_DISCONNECTED \
+                    and self.state != "failed":
+                self._broken(f"decode node {self.addr} disconnected", everything=True)
 
     # -- replies ---------------------------------------------------------------------------------
     def on_socket(self) -> None:
@@ -152,6 +170,9 @@ class DecodeLink:
             self._broken(f"decode node {self.addr} did not answer the handshake")
 
     def close(self) -> None:
-        self.node.poller.unregister(self.transport.socket)
-        self.node.handlers.pop(self.transport.socket, None)
+        for sock in (self.transport.socket, self.monitor):
+            self.node.poller.unregister(sock)
+            self.node.handlers.pop(sock, None)
+        self.transport.socket.disable_monitor()
+        self.monitor.close()
         self.transport.close()

@@ -11,8 +11,10 @@ is already a verify step.
 A request that ends with its first token (max_tokens 1, EOS) is answered to the router here and
 never reaches a decode node. Every waiting state has a deadline: queued or prefilling
 (`--queue-timeout`), handed off but not acknowledged (`--handoff-timeout`); on expiry the
-router gets an error, the decode node an Abort, and the blocks are freed. Talking to one decode
-node (handshake, transport) is `link.py`'s job.
+router gets an error, the decode node an Abort, and the blocks are freed. A request whose router
+is gone, or whose decode node disconnected, ends the same way. While draining (SIGTERM) new
+requests are refused, so the router retries them elsewhere, and those in flight run to their
+hand-off. Talking to one decode node (handshake, transport) is `link.py`'s job.
 """
 
 from __future__ import annotations
@@ -48,8 +50,9 @@ class PrefillNode(NodeService):
 
     def __init__(self, node_id: str, engine: Engine, *, host: str, port: int,
                  metrics_port: int | None, transport: str = "auto", max_queue: int = 1024,
-                 queue_timeout: float = 60.0, handoff_timeout: float = 30.0) -> None:
-        super().__init__(node_id, host, port, metrics_port)
+                 queue_timeout: float = 60.0, handoff_timeout: float = 30.0,
+                 drain_timeout: float = 30.0) -> None:
+        super().__init__(node_id, host, port, metrics_port, drain_timeout)
         self.engine = engine
         self.scheduler = engine.scheduler
         self.transport = transport
@@ -71,6 +74,11 @@ class PrefillNode(NodeService):
             super().on_control(identity, msg)
 
     def admit(self, msg: m.PrefillRequest) -> None:
+        if self.draining:
+            self.metrics.refused("draining").inc()
+            self.events.send(msg.reply_to, m.TokenStream(
+                msg.req_id, [], error=f"prefill node {self.node_id} is draining (shutting down)"))
+            return
         try:
             if msg.req_id in self.jobs:
                 raise ValueError(f"duplicate request id {msg.req_id!r}")
@@ -196,9 +204,21 @@ class PrefillNode(NodeService):
                      "handed_off": f"waiting for decode node {job.msg.decode_addr} to accept",
                      "kv_sent": f"KV in flight to decode node {job.msg.decode_addr}"}[job.state]
             self.fail(job, f"timed out {where}")
-        for link in list(self.links.values()):
+        for addr, link in list(self.links.items()):
             link.tick(now)
+            if link.failed and not any(j.link is link for j in self.jobs.values()):
+                link.close()  # NOTE: its ring goes now; the next request to addr reconnects
+                del self.links[addr]
         self.update_gauges()
+
+    def busy(self) -> bool:
+        return bool(self.jobs)
+
+    def on_router_gone(self, reply_to: str) -> None:
+        for job in [j for j in self.jobs.values() if j.msg.reply_to == reply_to]:
+            self.metrics.refused("router_gone").inc()
+            log.warning("request %s: its router is gone", job.req.req_id)
+            self.abort(job.req.req_id, "router gone")
 
     def update_gauges(self) -> None:
         mt = self.metrics
