@@ -5,7 +5,9 @@ heartbeat with `heartbeat`, transport failures with `mark_down`, a periodic `swe
 policy reads it. A node given on the command line starts down and comes up with its first
 heartbeat; a node that registers itself comes up on its first heartbeat too. A node whose
 last heartbeat is older than `heartbeat_timeout` is marked down and comes back with the next
-one; a self-registered node down for longer than `forget_after` is dropped.
+one; a self-registered node down for longer than `forget_after` is dropped. A node whose
+heartbeat says it is draining (shutting down) stays up, so its requests run to their end, but
+is not routable: the policy gets `routable()` nodes only.
 
 Load is what the node last reported (queue length, running requests, free KV blocks,
 outstanding prefill tokens) plus what this router sent it since (`dispatch`), so that a burst
@@ -58,6 +60,7 @@ class Node:
     address: str
     static: bool = False  # given on the command line: never forgotten
     healthy: bool = False
+    draining: bool = False  # up, finishing its requests, taking no new ones
     last_heartbeat: float | None = None
     down_since: float | None = None
     load: NodeLoad = field(default_factory=NodeLoad)
@@ -99,11 +102,16 @@ class NodeRegistry:
         node.static = True
         return node
 
-    def heartbeat(self, role: Role | str, address: str, load: NodeLoad | dict) -> Node:
+    def heartbeat(self, role: Role | str, address: str, load: NodeLoad | dict,
+                  draining: bool = False) -> Node:
         """Record a heartbeat; registers an unknown node and brings a down one back."""
         node = self._get_or_create(Role(role), address)
         node.load = load if isinstance(load, NodeLoad) else NodeLoad.from_dict(load)
         node.last_heartbeat = self._clock()
+        if draining != node.draining:
+            log.info("%s node %s %s", node.role.value, address,
+                     "is draining" if draining else "takes requests again")
+            node.draining = draining
         if not node.healthy:
             log.info("%s node %s is up", node.role.value, address)
             node.healthy, node.down_since = True, None
@@ -140,9 +148,13 @@ class NodeRegistry:
     def healthy(self, role: Role | str) -> list[Node]:
         return [n for n in self.nodes(role) if n.healthy]
 
+    def routable(self, role: Role | str) -> list[Node]:
+        """Healthy nodes that take new requests (not draining)."""
+        return [n for n in self.healthy(role) if not n.draining]
+
     def counts(self) -> dict:
-        """Healthy nodes per role, in `Backend.health()`'s shape."""
-        return {r.value: len(self.healthy(r)) for r in Role}
+        """Routable nodes per role, in `Backend.health()`'s shape."""
+        return {r.value: len(self.routable(r)) for r in Role}
 
     # router-side load accounting between heartbeats
 

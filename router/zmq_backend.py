@@ -4,8 +4,10 @@ One DEALER per node carries PrefillRequest / Abort / Ping out and Pong back; one
 (the `reply_to` every request names) takes the TokenStream messages of every request. A ping
 every `heartbeat_interval` feeds the registry (health and load); a node silent for
 `heartbeat_timeout` is marked down, and its in-flight requests end: those still waiting for
-their first token are retried once on another prefill node, the others get an error event
-(never a silent truncation). The policy picks a (P, D) pair per request.
+their first token are retried once on another prefill and decode node, the others get an error
+event (never a silent truncation); a request that ends in an error is aborted on both its nodes,
+so the survivor frees its blocks at once. A node that reports draining takes no new requests.
+The policy picks a (P, D) pair per request.
 """
 
 from __future__ import annotations
@@ -142,7 +144,8 @@ class ZmqBackend(Backend):
                     "queue_len": s.get("queue_len", 0), "num_running": s.get("running", 0),
                     "free_kv_blocks": s.get("free_blocks", 0),
                     "total_kv_blocks": s.get("total_blocks", 0),
-                    "outstanding_prefill_tokens": s.get("outstanding_prefill_tokens", 0)})
+                    "outstanding_prefill_tokens": s.get("outstanding_prefill_tokens", 0)},
+                    draining=s.get("draining") is True)
                 if pong.kv_addr:
                     self.kv_addr[addr] = pong.kv_addr
                 self.block_size[addr] = int(s.get("block_size", 16))
@@ -171,9 +174,9 @@ class ZmqBackend(Backend):
 
     # -- requests --------------------------------------------------------------------------------
     def _pick(self, exclude: tuple[str, ...] = ()) -> tuple[Node, Node]:
-        prefill = self.policy.pick_prefill(self.registry.healthy(Role.PREFILL), exclude)
+        prefill = self.policy.pick_prefill(self.registry.routable(Role.PREFILL), exclude)
         decode = self.policy.pick_decode(
-            [n for n in self.registry.healthy(Role.DECODE) if n.address in self.kv_addr])
+            [n for n in self.registry.routable(Role.DECODE) if n.address in self.kv_addr], exclude)
         if prefill is None or decode is None:
             h = self.registry.counts()
             raise BackendUnavailable(f"no healthy prefill or decode node ({h['prefill']} prefill, "
@@ -204,22 +207,22 @@ class ZmqBackend(Backend):
 
     async def generate(self, req: GenerateRequest) -> AsyncIterator[TokenEvent]:
         flight = self._launch(req, req.req_id)
-        finished = False
+        finished = failed = False
         retried = False
         asked = req.params.logprobs is not None
         try:
             while True:
                 msg: m.TokenStream = await flight.queue.get()
                 if msg.error is not None and not flight.got_token and not retried:
-                    # NOTE: nothing reached the client yet: try once more on another prefill node.
+                    # NOTE: nothing reached the client yet: try once more on other nodes.
                     log.warning("request %s failed before its first token (%s); retrying",
                                 req.req_id, msg.error)
                     retried = True
                     BACKEND_RETRIES.inc()
                     self._end(flight, abort=True, prompt_len=len(req.prompt_ids))
                     try:
-                        flight = self._launch(req, f"{req.req_id}-retry",
-                                              exclude=(flight.prefill.address,))
+                        flight = self._launch(req, f"{req.req_id}-retry", exclude=(
+                            flight.prefill.address, flight.decode.address))
                     except BackendUnavailable:
                         finished = True
                         yield TokenEvent([], error=msg.error, first_token_sent=True)
@@ -229,6 +232,7 @@ class ZmqBackend(Backend):
                     flight.got_token = True
                     self.registry.prefill_done(flight.prefill, len(req.prompt_ids))
                 finished = msg.finish_reason is not None or msg.error is not None
+                failed = msg.error is not None
                 yield TokenEvent(
                     list(msg.token_ids),
                     logprobs=list(msg.logprobs) if asked and msg.logprobs is not None else None,
@@ -238,4 +242,6 @@ class ZmqBackend(Backend):
                 if finished:
                     return
         finally:
-            self._end(flight, abort=not finished, prompt_len=len(req.prompt_ids))
+            # NOTE: an error may come from one node (or from a node going down); the other may
+            # still hold the request's blocks, so it is aborted there too.
+            self._end(flight, abort=not finished or failed, prompt_len=len(req.prompt_ids))

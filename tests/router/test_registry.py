@@ -34,6 +34,16 @@ def test_static_node_is_down_until_first_heartbeat(reg):
     assert reg.counts() == {"prefill": 1, "decode": 0}
 
 
+def test_draining_node_stays_up_but_is_not_routable(reg):
+    reg.heartbeat("decode", "d1:1", NodeLoad(free_kv_blocks=10))
+    node = reg.heartbeat("decode", "d2:1", NodeLoad(free_kv_blocks=10), draining=True)
+    assert node.healthy and node.draining
+    assert [n.address for n in reg.routable("decode")] == ["d1:1"]
+    assert len(reg.healthy("decode")) == 2 and reg.counts()["decode"] == 1
+    reg.heartbeat("decode", "d2:1", NodeLoad(free_kv_blocks=10))  # restarted: takes requests
+    assert reg.counts()["decode"] == 2
+
+
 def test_missed_heartbeats_take_node_out_and_it_comes_back(reg, clock):
     reg.heartbeat("decode", "d1:1", NodeLoad(free_kv_blocks=10))
     reg.heartbeat("decode", "d2:1", NodeLoad(free_kv_blocks=10))
