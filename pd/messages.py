@@ -4,7 +4,9 @@ Each message is a typed frozen dataclass with a `TYPE` and a `VERSION`, encoded 
 `{"type", "version", ...fields}`. Bulk data (KV, token records) never rides in here: it goes as
 ring records or raw frames through `shm_ipc`. `decode()` enforces a size limit and refuses
 unknown types, other versions, unknown or missing fields, with `MessageError` naming the
-problem. Nothing is pickled.
+problem. Fields that name an endpoint to connect to (`reply_to`, `decode_addr`, `kv_addr`)
+must be one (`is_endpoint`), and a deadline must be a finite number of seconds > 0, so that
+a well-typed message cannot make a node connect to nonsense or wait forever. Nothing is pickled.
 
 Who sends what:
   router -> P     PrefillRequest, Abort, Ping          (P's control socket)
@@ -17,12 +19,16 @@ Who sends what:
 
 from __future__ import annotations
 
+import math
+import re
 from dataclasses import MISSING, asdict, dataclass, fields
 from typing import ClassVar
 
 import msgpack
 
 MAX_MESSAGE_BYTES = 16 * 2**20
+_ENDPOINT = re.compile(r"tcp://(?:[A-Za-z0-9_.-]+|\[[0-9A-Fa-f:.]+\]|\*):([0-9]{1,5})|ipc://[^\0]{1,200}")
+_ENDPOINT_FIELDS = ("reply_to", "decode_addr", "kv_addr")
 
 
 class MessageError(ValueError):
@@ -179,6 +185,12 @@ class KVRefuse:
     reason: str
 
 
+def is_endpoint(addr: str) -> bool:
+    """True for tcp://HOST:PORT (a name, an address, [IPv6] or *) and ipc://PATH."""
+    found = _ENDPOINT.fullmatch(addr)
+    return found is not None and (found.group(1) is None or 0 < int(found.group(1)) < 65536)
+
+
 def to_dict(msg) -> dict:
     d = asdict(msg)
     d["type"], d["version"] = msg.TYPE, msg.VERSION
@@ -219,4 +231,11 @@ def from_dict(d) -> object:
     for name, value in d.items():
         if not isinstance(value, cls._types[name]) or (isinstance(value, bool) and bool not in cls._types[name]):
             raise MessageError(f"{kind}: field {name} has type {type(value).__name__}")
+    for name in _ENDPOINT_FIELDS:
+        value = d.get(name)
+        if value is not None and not is_endpoint(value) and not (name == "kv_addr" and value == ""):
+            raise MessageError(f"{kind}: field {name} is not a ZMQ endpoint: {value[:100]!r}")
+    deadline = d.get("deadline_s")
+    if deadline is not None and not (math.isfinite(deadline) and deadline > 0):
+        raise MessageError(f"{kind}: deadline_s must be a finite number > 0, got {deadline!r}")
     return cls(**d)

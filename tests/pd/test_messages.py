@@ -37,6 +37,11 @@ def test_round_trip(msg):
         ({"type": "ping", "version": 1, "extra": 1}, "unknown field"),
         ({"type": "abort", "version": 1, "req_id": 5}, "type int"),
         ({"type": "kv_done", "version": 1, "req_id": "a", "num_records": True}, "type bool"),
+        ({**m.to_dict(SAMPLES[0]), "reply_to": "not an endpoint"}, "reply_to is not a ZMQ endpoint"),
+        ({**m.to_dict(SAMPLES[0]), "decode_addr": "tcp://127.0.0.1"}, "decode_addr is not"),
+        ({**m.to_dict(SAMPLES[0]), "deadline_s": float("nan")}, "deadline_s"),
+        ({**m.to_dict(SAMPLES[7]), "deadline_s": 0.0}, "deadline_s"),
+        ({**m.to_dict(SAMPLES[3]), "kv_addr": "tcp://h:70000"}, "kv_addr is not"),
     ],
 )
 def test_refusals(payload, match):
@@ -44,8 +49,18 @@ def test_refusals(payload, match):
         m.decode(msgpack.packb(payload))
 
 
+def test_endpoints():
+    for ok in ("tcp://127.0.0.1:5555", "tcp://node-3.example:1", "tcp://[::1]:80", "tcp://*:9",
+               "ipc:///tmp/pd.sock"):
+        assert m.is_endpoint(ok), ok
+    for bad in ("", "garbage", "tcp://127.0.0.1", "tcp://h:0", "tcp://h:65536", "tcp://:1",
+                "tcp://a b:1", "http://h:1"):
+        assert not m.is_endpoint(bad), bad
+    assert m.decode(m.encode(m.Pong(1, "prefill", "p0", {}))).kv_addr == ""
+
+
 def test_size_limit_and_non_map():
-    big = m.encode(m.PrefillRequest("r", list(range(5000)), {}, "a", "b"))
+    big = m.encode(m.PrefillRequest("r", list(range(5000)), {}, "tcp://a:1", "tcp://b:2"))
     with pytest.raises(m.MessageError, match="exceeds"):
         m.decode(big, max_bytes=1000)
     with pytest.raises(m.MessageError, match="not a map"):
