@@ -6,8 +6,9 @@ per request), queue time, prompt and generation tokens, requests running and wai
 finished requests by reason, aborts by reason, and the healthy nodes per role as the backend
 reports them. Every sample is rendered with `role="router"` and `node` (env `PD_NODE_ID`, else
 the host name) so one Prometheus query can tell the router's series from the nodes'. Retries of
-the ZMQ backend (another prefill node before the first token) count in `BACKEND_RETRIES`, one
-per process. Serving `/metrics` is the server's job; the nodes export their own metrics.
+the ZMQ backend (another prefill node before the first token) count in `BACKEND_RETRIES`, and
+the ZMQ messages it refuses in `MESSAGES_REFUSED`, one per process. Serving `/metrics` is the
+server's job; the nodes export their own metrics.
 """
 
 from __future__ import annotations
@@ -25,6 +26,10 @@ _PROCESS = CollectorRegistry()
 BACKEND_RETRIES = Counter("pd_router_backend_retries",
                           "Requests the backend retried on another prefill node before the first "
                           "token", registry=_PROCESS)
+MESSAGES_REFUSED = Counter("pd_router_messages_refused",
+                           "ZMQ messages the router refused (malformed, unknown, too large, wrong "
+                           "frames) by socket: 'events' (its event PULL), 'control' (node replies)",
+                           ["socket"], registry=_PROCESS)
 
 # Sub-millisecond to minutes.
 _LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75,

@@ -24,11 +24,19 @@ import zmq.asyncio
 from pd import messages as m
 from pd import security
 from router.backend import Backend, BackendUnavailable, GenerateRequest, TokenEvent
-from router.metrics import BACKEND_RETRIES
+from router.metrics import BACKEND_RETRIES, MESSAGES_REFUSED
 from router.policy import make_policy
 from router.registry import Node, NodeRegistry, Role
 
 log = logging.getLogger(__name__)
+_LOAD = {"queue_len": "queue_len", "num_running": "running", "free_kv_blocks": "free_blocks",
+         "total_kv_blocks": "total_blocks",
+         "outstanding_prefill_tokens": "outstanding_prefill_tokens"}  # registry <- Pong stats
+
+
+def _refuse(socket: str, message: str) -> None:
+    MESSAGES_REFUSED.labels(socket).inc()
+    log.error("refused a message on the %s socket: %s", socket, message)
 
 
 @dataclass(eq=False)
@@ -68,6 +76,7 @@ class ZmqBackend(Backend):
     async def start(self) -> None:
         self.events = self.ctx.socket(zmq.PULL)
         self.events.setsockopt(zmq.LINGER, 0)
+        self.events.setsockopt(zmq.MAXMSGSIZE, m.MAX_MESSAGE_BYTES + 4096)
         security.secure_server(self.events)
         port = self.events.bind_to_random_port(f"tcp://{self.host}")
         self.reply_to = f"tcp://{self.host}:{port}"
@@ -133,34 +142,38 @@ class ZmqBackend(Backend):
 
     async def _read_pongs(self, addr: str, sock: zmq.asyncio.Socket) -> None:
         while True:
-            data = await sock.recv()
+            frames = await sock.recv_multipart()
             try:
-                pong = m.decode(data)
+                if len(frames) != 1:
+                    raise m.MessageError(f"reply of {len(frames)} frames from {addr}")
+                pong = m.decode(frames[0])
                 node = self.registry.get(addr)
                 if not isinstance(pong, m.Pong) or node is None or pong.role != node.role.value:
                     raise m.MessageError(f"unexpected reply {pong!r} from {addr}")
                 s = pong.stats
-                self.registry.heartbeat(node.role, addr, {
-                    "queue_len": s.get("queue_len", 0), "num_running": s.get("running", 0),
-                    "free_kv_blocks": s.get("free_blocks", 0),
-                    "total_kv_blocks": s.get("total_blocks", 0),
-                    "outstanding_prefill_tokens": s.get("outstanding_prefill_tokens", 0)},
-                    draining=s.get("draining") is True)
+                load = {name: s.get(key, 0) for name, key in _LOAD.items()}
+                block_size = s.get("block_size", 16)
+                counts = [*load.values(), block_size]
+                if not all(type(v) is int and v >= 0 for v in counts) or block_size < 1:
+                    raise m.MessageError(f"load figures from {addr} are not counts: {s!r}")
+                self.registry.heartbeat(node.role, addr, load, draining=s.get("draining") is True)
                 if pong.kv_addr:
                     self.kv_addr[addr] = pong.kv_addr
-                self.block_size[addr] = int(s.get("block_size", 16))
-            except (m.MessageError, ValueError) as e:
-                log.error("bad heartbeat reply from %s: %s", addr, e)
+                self.block_size[addr] = block_size
+            except m.MessageError as e:
+                _refuse("control", f"bad heartbeat reply from {addr}: {e}")
 
     async def _read_events(self) -> None:
         while True:
-            data = await self.events.recv()
+            frames = await self.events.recv_multipart()
             try:
-                msg = m.decode(data)
+                if len(frames) != 1:
+                    raise m.MessageError(f"event of {len(frames)} frames")
+                msg = m.decode(frames[0])
                 if not isinstance(msg, m.TokenStream):
                     raise m.MessageError(f"{type(msg).__name__} on the event socket")
             except m.MessageError as e:
-                log.error("refused an event: %s", e)
+                _refuse("events", str(e))
                 continue
             flight = self.flights.get(msg.req_id)
             if flight is not None:  # else: a request already ended (aborted, failed over)
