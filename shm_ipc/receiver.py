@@ -30,8 +30,10 @@ from .metrics import refuse
 from .records import RecordError
 from .ring import Ring
 from .segment import remove_if_stale
+from .transport import DEFAULT_MAX_RECORD
 
 log = logging.getLogger("shm_ipc")
+MAX_FRAME_BYTES = DEFAULT_MAX_RECORD + 4096  # the largest KV frame a transport sends, and more
 
 
 @dataclass
@@ -54,6 +56,8 @@ class KVReceiver:
         self.socket = (ctx or zmq.Context.instance()).socket(zmq.ROUTER)
         self.socket.setsockopt(zmq.ROUTER_HANDOVER, 1)
         self.socket.setsockopt(zmq.LINGER, 0)
+        # NOTE: a frame over this is dropped by libzmq with its sender's connection, unseen here.
+        self.socket.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
         security.secure_server(self.socket)
         self.socket.bind(endpoint)
         self.endpoint = self.socket.getsockopt_string(zmq.LAST_ENDPOINT)
@@ -142,6 +146,11 @@ class KVReceiver:
             return  # a control message sent before any record (the attach itself)
         if ring is None:
             raise RecordError("no_ring", "doorbell from a peer without an attached ring")
+        if limit is not None and limit > ring.write_pos:
+            # NOTE: an honest producer rings only after its write position passed `limit`.
+            refuse("ring_position", f"ring {ring.name!r}: doorbell at {limit}, past the "
+                                    f"published {ring.write_pos}")
+            limit = ring.write_pos
         while (rec := ring.next_record(limit)) is not None:
             word, body = rec
             try:

@@ -13,7 +13,8 @@ import pytest
 import torch
 import zmq
 
-from shm_ipc import control, header
+from shm_ipc import control, header, records
+from shm_ipc.doorbell import encode_pos
 from shm_ipc.errors import TransportError
 from shm_ipc.header import Flag
 from shm_ipc.kv import install_kv
@@ -116,6 +117,60 @@ def test_malformed_messages_are_counted_and_the_reader_carries_on(rx):
     sock.close(linger=0)
 
 
+def _attached_ring(rx: KVReceiver, name: str):
+    """A shm transport whose ring `rx` has attached."""
+    tx = make_transport(rx.endpoint, name, mode="shm", ring_bytes=64 << 10)
+    deadline = time.monotonic() + 10
+    while name.encode() not in rx.rings:
+        assert time.monotonic() < deadline, "the receiver never attached the ring"
+        rx.recv(timeout=0.1)
+    return tx
+
+
+def test_corrupt_ring_records_are_counted_and_the_reader_carries_on(rx):
+    """DESIGN section 3 through the real reader: each corrupt record is refused, counted and
+    dropped, the reader stays inside the published bytes, and the next good record arrives."""
+    good = FirstTokenRecord("r", 3, -0.5, 1, [(3, -0.5)])
+    word, body = records.encode(good)
+    reasons = ("reserved", "unknown_flag", "topk", "length", "malformed", "ring_length")
+    before = {r: refused_count(r) for r in reasons}
+    tx = _attached_ring(rx, "p-corrupt")
+    try:
+        ring = tx.ring
+        ring.publish(word | 1 << 24, body)
+        ring.publish(0x07, body)
+        ring.publish(header.pack(Flag.FIRST_TOKEN, 21), body)
+        ring.publish(word, body[:-1])
+        ring.publish(header.pack(Flag.KV), b"\xff" * records.KV_DATA_OFFSET + b"\0" * 64)
+        tx.socket.send_multipart([b"", encode_pos(ring.write_pos)])
+        start = ring.write_pos % ring.capacity
+        ring.publish(word, body)
+        ring._words[start // 4 + 1] = 1 << 20  # a length running past what was published
+        tx.socket.send_multipart([b"", encode_pos(ring.write_pos)])
+        tx.send_record(good)
+        assert _collect(rx, 1) == [good]
+    finally:
+        tx.close()
+    for r in reasons:
+        assert refused_count(r) == before[r] + 1, r
+
+
+def test_doorbell_past_the_published_position_reads_nothing_unpublished(rx):
+    first, second = AbortRecord("r1", "a"), AbortRecord("r2", "b")
+    before = {r: refused_count(r) for r in ("ring_position", "ring_length", "unknown_flag")}
+    tx = _attached_ring(rx, "p-lying-bell")
+    try:
+        tx.send_record(first)
+        tx.socket.send_multipart([b"", encode_pos(tx.ring.write_pos + 4096)])
+        tx.send_record(second)
+        assert _collect(rx, 2) == [first, second]
+    finally:
+        tx.close()
+    assert refused_count("ring_position") == before["ring_position"] + 1
+    for r in ("ring_length", "unknown_flag"):  # nothing unpublished was read as a record
+        assert refused_count(r) == before[r], r
+
+
 def test_refused_attach_is_answered(rx):
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.connect(rx.endpoint)
@@ -125,6 +180,11 @@ def test_refused_attach_is_answered(rx):
     assert sock.poll(5000)
     reply = control.decode(sock.recv())
     assert reply["type"] == control.SHM_REFUSED and "does not exist" in reply["reason"]
+    sock.send_multipart([control.encode({"type": control.SHM_ATTACH, "version": 1,
+                                         "segment": ".."}), b"\0" * 8])  # a directory
+    assert rx.recv(timeout=1.0) == []
+    assert sock.poll(5000)
+    assert control.decode(sock.recv())["type"] == control.SHM_REFUSED
     sock.close(linger=0)
 
 
