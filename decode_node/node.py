@@ -69,7 +69,8 @@ class DecodeNode(NodeService):
         self.allocator = engine.allocator
         self.max_queue = max_queue
         self.kv_timeout = kv_timeout
-        self.receiver = KVReceiver(f"tcp://{host}:{kv_port}", ctx=self.ctx)
+        self.receiver = KVReceiver(f"tcp://{host}:{kv_port}", ctx=self.ctx,
+                                   pin_rings=engine.runner.device.type == "cuda")
         self.kv_addr = self.receiver.endpoint
         self.register(self.receiver.socket, self.on_kv_socket)
         self.geometry = engine.geometry(mtp_enabled=engine.spec is not None)
@@ -302,6 +303,7 @@ class DecodeNode(NodeService):
             self.abort(req_id)
 
     def tick(self, now: float) -> None:
+        self.on_kv_socket()  # NOTE: the receiver checks its ring producers' lives when read
         for inc in [i for i in self.incoming.values() if now > i.deadline]:
             self.fail(inc, {"meta": "timed out waiting for the first token",
                             "waiting_blocks": "timed out waiting for free KV blocks at the decode node",

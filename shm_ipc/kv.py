@@ -53,15 +53,33 @@ def chunk_shape(kv: torch.Tensor, l0: int, l1: int, nb: int) -> tuple[int, ...]:
     return (l1 - l0, 2, nb) + tuple(kv.shape[3:])
 
 
+_COPY_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def copy_stream(device: torch.device) -> torch.cuda.Stream:
+    """The side stream KV copies run on, one per device, so they overlap the compute stream."""
+    if device not in _COPY_STREAMS:
+        _COPY_STREAMS[device] = torch.cuda.Stream(device)
+    return _COPY_STREAMS[device]
+
+
 def gather_into(kv: torch.Tensor, block_ids: torch.Tensor, chunk, out: memoryview) -> None:
-    """Write kv[l0:l1, :, block_ids[b0:b1]] into `out` (writable, exactly that many bytes)."""
+    """Write kv[l0:l1, :, block_ids[b0:b1]] into `out` (writable, exactly that many bytes).
+
+    On CUDA the copy runs on the side stream, by DMA when `out` is pinned (a pinned ring), and
+    this returns once the bytes are in `out`; the compute stream is not waited for."""
     l0, l1, b0, b1 = chunk
     dst = torch.frombuffer(out, dtype=kv.dtype).view(chunk_shape(kv, l0, l1, b1 - b0))
     idx = block_ids[b0:b1]
     if kv.device.type == "cpu":
         torch.index_select(kv[l0:l1], 2, idx, out=dst)
-    else:
-        dst.copy_(kv[l0:l1].index_select(2, idx.to(kv.device)))
+        return
+    stream = copy_stream(kv.device)
+    # NOTE: the KV was written by work queued on the current stream; the copy waits for it there.
+    stream.wait_stream(torch.cuda.current_stream(kv.device))
+    with torch.cuda.stream(stream):
+        dst.copy_(kv[l0:l1].index_select(2, idx.to(kv.device)), non_blocking=True)
+    stream.synchronize()  # the record is published after this: its bytes must be there
 
 
 def gather(kv: torch.Tensor, block_ids: torch.Tensor, chunk) -> torch.Tensor:
@@ -86,11 +104,22 @@ def payload_tensor(rec: KVRecord, kv: torch.Tensor) -> torch.Tensor:
 
 
 def install_kv(rec: KVRecord, kv: torch.Tensor, dst_block_ids) -> None:
-    """Copy the record into kv[l0:l1, :, dst_block_ids[b0:b0+nb]] (the receiver's own blocks)."""
+    """Copy the record into kv[l0:l1, :, dst_block_ids[b0:b0+nb]] (the receiver's own blocks).
+
+    On CUDA the copy runs on the side stream (by DMA from a pinned ring) and this returns once
+    it is done, so the record may be released and any step launched later reads the blocks."""
     src = payload_tensor(rec, kv)
     ids = torch.as_tensor(dst_block_ids, dtype=torch.long)
     idx = ids[rec.block_start:rec.block_start + rec.num_blocks]
     if idx.numel() != rec.num_blocks:
         raise ValueError(f"KV record for {rec.req_id} covers blocks {rec.block_start}.."
                          f"{rec.block_start + rec.num_blocks} but only {ids.numel()} are given")
-    kv[rec.layer_start:rec.layer_end].index_copy_(2, idx.to(kv.device), src.to(kv.device))
+    dst = kv[rec.layer_start:rec.layer_end]
+    if kv.device.type == "cpu":
+        dst.index_copy_(2, idx, src)
+        return
+    stream = copy_stream(kv.device)
+    with torch.cuda.stream(stream):
+        dst.index_copy_(2, idx.to(kv.device, non_blocking=True),
+                        src.to(kv.device, non_blocking=src.is_pinned()))
+    stream.synchronize()

@@ -49,8 +49,9 @@ class Incoming(NamedTuple):
 class KVReceiver:
     def __init__(self, endpoint: str, max_topk: int = header.DEFAULT_MAX_TOPK,
                  ctx: zmq.Context | None = None, liveness_interval: float = 0.5,
-                 max_batch: int = 256):
+                 max_batch: int = 256, pin_rings: bool = False):
         self.max_topk = max_topk
+        self.pin_rings = pin_rings  # page-lock attached rings for CUDA copies (shm_ipc.pinned)
         self.liveness_interval = liveness_interval
         self.max_batch = max_batch
         self.socket = (ctx or zmq.Context.instance()).socket(zmq.ROUTER)
@@ -127,6 +128,8 @@ class KVReceiver:
             self._drop_ring(peer)
             try:
                 self.rings[peer] = Ring.attach(str(msg.get("segment", "")))
+                if self.pin_rings:
+                    self.rings[peer].seg.pin()
             except SegmentError as e:
                 log.error("cannot attach ring for %r: %s", peer, e)
                 remove_if_stale(str(msg.get("segment", "")))  # its creator died before we attached

@@ -78,6 +78,7 @@ class Segment:
         finally:
             os.close(fd)
         self.buf = memoryview(self._mmap)
+        self._pinned: int | None = None  # the address registered with CUDA; 0: not pinnable
         self.header = np.frombuffer(self._mmap, dtype=SEGMENT_HEADER, count=1)[0]
         self.closed = False
 
@@ -115,7 +116,7 @@ class Segment:
             fd = os.open(path, os.O_RDWR)
         except FileNotFoundError:
             raise SegmentError(f"segment {name!r} does not exist (is the peer on this host?)")
-        except OSError as e:  # a directory, no permission, ...
+        except KeyError as e:
             raise SegmentError(f"segment {name!r} cannot be opened: {e.strerror}") from None
         st = os.fstat(fd)
         if st.st_uid != os.getuid() or st.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
@@ -152,11 +153,23 @@ class Segment:
     def creator_alive(self) -> bool:
         return is_alive(int(self.header["creator_pid"]), int(self.header["creator_start"]))
 
+    def pin(self) -> bool:
+        """Page-lock the mapping for CUDA copies (`shm_ipc.pinned`), once; True if pinned."""
+        if self._pinned is None:
+            from .pinned import register
+
+            self._pinned = register(self._mmap) or 0
+        return bool(self._pinned)
+
     def close(self) -> None:
         """Unmap; the creator also removes the name. Views still held keep the memory mapped."""
         if self.closed:
             return
         self.closed = True
+        if self._pinned:
+            from .pinned import unregister
+
+            unregister(self._pinned)
         if self.owner:
             cleanup.unregister(self.path)
             try:

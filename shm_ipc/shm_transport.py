@@ -4,7 +4,7 @@ P creates one ring per (P instance, D endpoint), announces it with a `shm_attach
 message, then for each record writes the ring and rings the doorbell ([b"", u64 position]) on the
 DEALER. Control messages carry the ring position at send time, so D delivers every record
 published before a control message ahead of it. KV is gathered straight from the cache into
-ring memory. If D answers `shm_refused` (e.g. no shared /dev/shm), the next call raises;
+ring memory; from a GPU cache, by DMA into the ring's page-locked mapping. If D answers `shm_refused` (e.g. no shared /dev/shm), the next call raises;
 choosing the ZMQ transport instead is the caller's (mode "zmq").
 """
 
@@ -71,6 +71,8 @@ class ShmTransport(Transport):
         self._check()
         l0, l1, b0, b1 = chunk
         nbytes = (l1 - l0) * (b1 - b0) * 2 * kv[0, 0, 0].numel() * kv.element_size()
+        if kv.is_cuda:
+            self.ring.seg.pin()  # the GPU copies straight into the ring (shm_ipc.pinned)
         view = self.ring.reserve(_KV_WORD, KV_DATA_OFFSET + nbytes, self.timeout)
         view[:KV_DATA_OFFSET] = meta
         gather_into(kv, ids, chunk, view[KV_DATA_OFFSET:])

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Every GPU check and figure of the project in one call of the device machine:
-#   kernels vs their torch twins, MTP engine parity, CUDA graphs vs eager, overlap on/off (parity of 64 requests, sync
+#   kernels vs their torch twins, MTP engine parity, GPU tests (graphs, KV fast path, P+D on
+#   CUDA), KV transfer, decode/prefill vs floors and HF, CUDA graphs vs eager, overlap on/off (parity of 64 requests, sync
 #   check, throughput and step gap), MTP on/off. Logs go to $OUT (or ./out) and one table each
 #   to stdout.
 #     bash benchmarks/gpu/run_all.sh
@@ -20,7 +21,12 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import torch, cupy; print('torch', torch.__version__, 'cupy', cupy.__version__)"
 TAIL=8 step kernels python3 benchmarks/gpu/check_kernels.py
 TAIL=12 step mtp_engine python3 benchmarks/gpu/check_mtp_engine.py
-TAIL=4 step pytest python3 -m pytest -q -p no:cacheprovider tests/pd/test_cuda_graph.py tests/kernels
+TAIL=4 step pytest python3 -m pytest -q -p no:cacheprovider tests/pd/test_cuda_graph.py tests/kernels \
+    tests/shm_ipc/test_kv.py
+TAIL=4 step pd_path env PD_TEST_DEVICE=cuda python3 -m pytest -q -p no:cacheprovider \
+    tests/e2e/test_pd_path.py -k equals_single_process
+TAIL=6 step kv python3 benchmarks/gpu/bench_kv.py
+TAIL=14 step decode python3 benchmarks/gpu/bench_decode.py
 TAIL=8 step graphs python3 benchmarks/gpu/check_graphs.py
 TAIL=9 step overlap_tiny python3 benchmarks/bench_overlap.py --device cuda --parity 64 --check-sync
 TAIL=6 step overlap_small python3 benchmarks/bench_overlap.py --device cuda --synthetic small

@@ -2,15 +2,23 @@
 
 `cluster(...)` starts decode and prefill nodes (`python -m pd decode|prefill`) on free ports and
 stops them at the end of the test module; every test gets a fresh `NodeClient` as the router
-stand-in.
+stand-in. `PD_TEST_DEVICE=cuda` runs the nodes (and `DEVICE_KWARGS` the references) on the GPU in
+float32, for `benchmarks/gpu/run_all.sh`.
 """
 
 from __future__ import annotations
+
+import os
 
 import pytest
 
 from pd.client import NodeClient
 from pd.procs import start_node
+
+
+DEVICE = os.environ.get("PD_TEST_DEVICE", "cpu")
+DEVICE_ARGS = ["--device", DEVICE, "--dtype", "float32"] if DEVICE != "cpu" else []
+DEVICE_KWARGS = {"device": DEVICE, "dtype": "float32"} if DEVICE != "cpu" else {}
 
 
 class Cluster:
@@ -21,7 +29,7 @@ class Cluster:
 
     def decode(self, *extra: str, model: str | None = None):
         node = start_node("decode", ["--model", model or self.model_dir, "--port", "0", "--kv-port", "0",
-                                     "--num-blocks", "256", *extra], log_dir=str(self.tmp_path))
+                                     "--num-blocks", "256", *DEVICE_ARGS, *extra], log_dir=str(self.tmp_path))
         node.addr = f"tcp://127.0.0.1:{node.info['port']}"
         node.kv_addr = node.info["kv_addr"]
         self.nodes.append(node)
@@ -29,7 +37,8 @@ class Cluster:
 
     def prefill(self, *extra: str, model: str | None = None):
         node = start_node("prefill", ["--model", model or self.model_dir, "--port", "0",
-                                      "--num-blocks", "256", *extra], log_dir=str(self.tmp_path))
+                                      "--num-blocks", "256", *DEVICE_ARGS, *extra],
+                           log_dir=str(self.tmp_path))
         node.addr = f"tcp://127.0.0.1:{node.info['port']}"
         self.nodes.append(node)
         return node

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from pd.llm import LLM
+from tests.e2e.conftest import DEVICE_KWARGS
 from pd.sampling_params import SamplingParams
 
 
@@ -24,7 +25,7 @@ def mixed_prompts(n: int, seed: int = 0) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def reference(tiny_model_dir):
-    return LLM(tiny_model_dir, num_blocks=512)
+    return LLM(tiny_model_dir, num_blocks=512, **DEVICE_KWARGS)
 
 
 def wait_idle(client, node, timeout: float = 10.0) -> dict:

@@ -72,3 +72,36 @@ def test_install_refuses_mismatched_geometry_and_dtype():
     out = torch.zeros_like(kv)
     install_kv(rec, out, [3, 0])
     assert torch.equal(out[:, :, [3, 0]], kv[:, :, [1, 2]])
+
+
+def test_pin_without_cuda_is_refused_quietly(seg_name):
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA: test_cuda_fast_path covers it")
+    with Ring.create(seg_name, 1 << 16) as ring:
+        assert ring.seg.pin() is False
+        assert ring.seg.pin() is False  # once decided, not retried
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the KV fast path needs a CUDA device")
+def test_cuda_fast_path_through_pinned_rings(seg_name):
+    """GPU cache -> page-locked ring -> GPU cache, non-contiguous blocks, every chunk intact."""
+    src = torch.randn(4, 2, 40, 16, 2, 64, device="cuda").to(torch.bfloat16)
+    dst = torch.zeros_like(src)
+    src_ids, dst_ids = [31, 2, 17, 4, 39, 8, 23], [0, 5, 1, 30, 3, 12, 19]
+    chunks = plan_chunks(4, 7, unit_bytes(src), 3 * unit_bytes(src))
+    with Ring.create(seg_name, 1 << 20) as prod, Ring.attach(seg_name) as cons:
+        assert prod.seg.pin() and cons.seg.pin()
+        for chunk in chunks:
+            l0, l1, b0, b1 = chunk
+            nbytes = (l1 - l0) * (b1 - b0) * unit_bytes(src)
+            view = prod.reserve(header.pack(Flag.KV), KV_DATA_OFFSET + nbytes)
+            view[:KV_DATA_OFFSET] = kv_meta("req", l0, l1, b0, b1 - b0, "bfloat16")
+            gather_into(src, torch.tensor(src_ids), chunk, view[KV_DATA_OFFSET:])
+            prod.commit()
+            word, body = cons.next_record()
+            rec = decode(word, body)
+            assert torch.frombuffer(rec.payload, dtype=torch.uint8).is_pinned()
+            install_kv(rec, dst, dst_ids)
+            cons.release()
+    assert torch.equal(dst[:, :, dst_ids], src[:, :, src_ids])
+    assert not dst[:, :, [b for b in range(40) if b not in dst_ids]].any()
