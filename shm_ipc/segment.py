@@ -116,7 +116,7 @@ class Segment:
             fd = os.open(path, os.O_RDWR)
         except FileNotFoundError:
             raise SegmentError(f"segment {name!r} does not exist (is the peer on this host?)")
-        except KeyError as e:
+        except OSError as e:  # a directory, no permission, ...
             raise SegmentError(f"segment {name!r} cannot be opened: {e.strerror}") from None
         st = os.fstat(fd)
         if st.st_uid != os.getuid() or st.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
