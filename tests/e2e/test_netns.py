@@ -186,9 +186,11 @@ def test_link_cut_mid_transfer_fails_or_completes_and_frees_kv(netns, nodes, cli
     ids: dict[str, list[int]] = {}
     cut_at = restored_at = None
     at_cut: dict = {}
-    next_submit = time.monotonic()
+    start = next_submit = time.monotonic()
     while restored_at is None:
         now = time.monotonic()
+        if cut_at is None and now - start > 20:
+            pytest.fail("no hand-off was ever in flight to cut")
         if len(ids) < len(prompts) - 1 and now >= next_submit:
             p = prompts[1 + len(ids)]
             ids[client.submit(prefill.addr, decode.kv_addr, p, params)] = p
