@@ -3,8 +3,9 @@ and decode tokens.
 
 Each call writes the step's K/V into the paged cache through the slot mapping, gathers every
 sequence's keys through its block table into a padded batch, and runs one masked
-`scaled_dot_product_attention` over it. Fast CUDA kernels are a separate concern; this module
-is their reference.
+`scaled_dot_product_attention` over it. On CUDA, decode steps (one query per sequence) run
+`kernels.paged_decode` instead, a Triton kernel that reads the blocks in place (`PD_ATTENTION=torch`
+keeps the torch path); this module's torch path is the reference for both devices.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kernels.paged_decode import can_use_kernel, paged_decode
 from pd.context import get_context
 
 
@@ -32,6 +34,9 @@ def paged_attention(
     ctx = get_context()
     num_seqs, max_q, max_kv = ctx.num_seqs, ctx.max_q_len, ctx.max_kv_len
     num_tokens, num_heads, head_dim = q.shape
+    if ctx.is_decode and q.is_cuda and can_use_kernel(q, k_cache):
+        return paged_decode(q, k_cache, v_cache, ctx.block_tables, ctx.context_lens, scale,
+                            use_kernel=True)
     # [B, max_blocks, block_size, H_kv, D] -> [B, max_blocks * block_size, H_kv, D] -> first max_kv
     keys = k_cache[ctx.block_tables].flatten(1, 2)[:, :max_kv]
     values = v_cache[ctx.block_tables].flatten(1, 2)[:, :max_kv]

@@ -26,6 +26,7 @@ TAIL=4 step pytest python3 -m pytest -q -p no:cacheprovider tests/pd/test_cuda_g
 TAIL=4 step pd_path env PD_TEST_DEVICE=cuda python3 -m pytest -q -p no:cacheprovider \
     tests/e2e/test_pd_path.py -k equals_single_process
 TAIL=6 step kv python3 benchmarks/gpu/bench_kv.py
+TAIL=8 step attention python3 benchmarks/gpu/bench_attention.py
 TAIL=14 step decode python3 benchmarks/gpu/bench_decode.py
 TAIL=8 step graphs python3 benchmarks/gpu/check_graphs.py
 TAIL=9 step overlap_tiny python3 benchmarks/bench_overlap.py --device cuda --parity 64 --check-sync

@@ -1,0 +1,72 @@
+"""On a CUDA machine: decode attention over the paged cache, the Triton kernel
+(`kernels.paged_decode`) against the engine's torch path (gather + SDPA, `PD_ATTENTION=torch`),
+for one layer of a Llama-3.2-1B shape (32 query heads, 8 KV heads, head dim 64, bf16, 16-token
+blocks), with achieved GB/s (KV bytes read / time) beside the device-to-device copy bandwidth.
+Each path is captured in a CUDA graph and its replays are timed, as the engine runs it (the host
+launch cost of either path stays out of the figure).
+
+    python benchmarks/gpu/bench_attention.py
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_decode import timed  # noqa: E402
+
+from pd.attention import paged_attention  # noqa: E402
+from pd.context import build_context, forward_context  # noqa: E402
+
+KV_HEADS, GROUP, HEAD_DIM, BLOCK = 8, 4, 64, 16
+
+
+def main() -> None:
+    src = torch.randn(1 << 28, device="cuda")
+    dst = torch.empty_like(src)
+    copy_bw = 2 * src.numel() * 4 / timed(lambda: dst.copy_(src), 20)
+    del src, dst
+    print(f"{torch.cuda.get_device_name()}: copy {copy_bw / 1e9:.0f} GB/s (read + write)")
+    print(f"{'batch':>5} {'context':>7} | {'triton us':>9} {'GB/s':>6} | {'torch us':>9} {'GB/s':>6} | speedup")
+    for batch, ctx_len in ((1, 1024), (1, 8192), (8, 1024), (64, 512), (64, 2048), (256, 1024)):
+        per_seq = -(-ctx_len // BLOCK)
+        num_blocks = batch * per_seq + 1
+        gen = torch.Generator(device="cuda").manual_seed(batch)
+        shape = (num_blocks, BLOCK, KV_HEADS, HEAD_DIM)
+        k = torch.randn(shape, generator=gen, device="cuda").to(torch.bfloat16)
+        v = torch.randn(shape, generator=gen, device="cuda").to(torch.bfloat16)
+        q = torch.randn(batch, KV_HEADS * GROUP, HEAD_DIM, generator=gen, device="cuda").to(torch.bfloat16)
+        perm = torch.randperm(num_blocks - 1, device="cpu") + 1
+        tables = [perm[b * per_seq:(b + 1) * per_seq].tolist() for b in range(batch)]
+        lens = [ctx_len] * batch
+        slots = [t[-1] * BLOCK + (ctx_len - 1) % BLOCK for t in tables]
+        ctx = build_context([1] * batch, lens, tables, slots, torch.device("cuda"))
+        kv_bytes = batch * ctx_len * 2 * KV_HEADS * HEAD_DIM * 2
+
+        def run():
+            with forward_context(ctx):
+                return paged_attention(q, k, v, HEAD_DIM ** -0.5)
+
+        times = {}
+        for mode in ("triton", "torch"):
+            os.environ["PD_ATTENTION"] = mode
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                run()  # warm-up: compilation, allocator
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                run()
+            times[mode] = timed(graph.replay, 50)
+        os.environ.pop("PD_ATTENTION")
+        print(f"{batch:>5} {ctx_len:>7} | {times['triton'] * 1e6:>9.1f} {kv_bytes / times['triton'] / 1e9:>6.0f} | "
+              f"{times['torch'] * 1e6:>9.1f} {kv_bytes / times['torch'] / 1e9:>6.0f} | "
+              f"{times['torch'] / times['triton']:>6.1f}x")
+
+
+if __name__ == "__main__":
+    main()

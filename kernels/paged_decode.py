@@ -1,0 +1,147 @@
+"""`paged_decode`: attention of one query token per sequence over its paged KV cache, as a
+Triton kernel split along the sequence, with a torch twin.
+
+Per sequence b with `context_lens[b]` = n cached tokens whose blocks are `block_tables[b]`:
+out[b, h] = softmax(q[b, h] . K[b, :n, h // G]^T * scale) V[b, :n, h // G], G query heads per KV
+head. The kernel runs one program per (sequence, KV head, split of `SPLIT_BLOCKS` blocks); each
+program walks its blocks through the block table with an online softmax for the G query heads
+of its KV head and writes an unnormalized partial (accumulator, running max, running sum); the
+partials are then merged with a log-sum-exp in torch. Splitting the sequence keeps the GPU busy
+for long contexts at small batch. Everything is on the current stream and capturable in a CUDA
+graph (shapes depend only on the batch and the block-table width). Writing the step's own K/V
+into the cache before the call is `pd.attention`'s job.
+
+`triton` is imported on first use only; CPU machines run the twin.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+SPLIT_BLOCKS = 16  # cache blocks per program
+
+
+@functools.cache
+def _kernel():
+    import triton  # noqa: PLC0415 (deferred: CPU machines have no triton)
+    import triton.language as tl
+
+    @triton.jit
+    def decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, acc_ptr, m_ptr, l_ptr, scale,
+                      stride_qb, stride_qh, stride_kn, stride_kt, stride_kh, stride_bt,
+                      stride_ab, stride_ah, stride_as, stride_mb, stride_mh,
+                      G: tl.constexpr, GP: tl.constexpr, BLOCK: tl.constexpr, D: tl.constexpr,
+                      SPLIT: tl.constexpr, IEEE: tl.constexpr):
+        b, h, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        n = tl.load(lens_ptr + b)
+        rows = tl.arange(0, GP)
+        cols = tl.arange(0, D)
+        toks = tl.arange(0, BLOCK)
+        row_ok = rows < G
+        q = tl.load(q_ptr + b * stride_qb + (h * G + rows)[:, None] * stride_qh + cols[None, :],
+                    mask=row_ok[:, None], other=0.0)
+        m_i = tl.full([GP], float("-inf"), tl.float32)
+        l_i = tl.zeros([GP], tl.float32)
+        acc = tl.zeros([GP, D], tl.float32)
+        first = s * SPLIT
+        last = tl.minimum(first + SPLIT, tl.cdiv(n, BLOCK))
+        for blk in range(first, last):
+            phys = tl.load(bt_ptr + b * stride_bt + blk).to(tl.int64)
+            offs = phys * stride_kn + toks[:, None] * stride_kt + h * stride_kh + cols[None, :]
+            k = tl.load(k_ptr + offs)  # [BLOCK, D]
+            v = tl.load(v_ptr + offs)
+            if IEEE:
+                scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
+            else:
+                scores = tl.dot(q, tl.trans(k)) * scale  # [GP, BLOCK]
+            scores = tl.where((blk * BLOCK + toks)[None, :] < n, scores, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(scores, 1))
+            p = tl.exp(scores - m_new[:, None])
+            alpha = tl.exp(m_i - m_new)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            if IEEE:
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+            else:
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            m_i = m_new
+        heads = h * G + rows
+        tl.store(acc_ptr + b * stride_ab + heads[:, None] * stride_ah + s * stride_as + cols[None, :],
+                 acc, mask=row_ok[:, None])
+        tl.store(m_ptr + b * stride_mb + heads * stride_mh + s, m_i, mask=row_ok)
+        tl.store(l_ptr + b * stride_mb + heads * stride_mh + s, l_i, mask=row_ok)
+
+    return decode_kernel
+
+
+def can_use_kernel(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    """CUDA, triton importable, a block size and head dim `tl.dot` takes, unless
+    `PD_ATTENTION=torch` asks for the torch path."""
+    if not q.is_cuda or os.environ.get("PD_ATTENTION", "triton") == "torch":
+        return False
+    block, head_dim = k_cache.shape[1], k_cache.shape[3]
+    if block < 16 or block & (block - 1) or head_dim < 16 or head_dim & (head_dim - 1):
+        return False
+    try:
+        _kernel()
+    except Exception:  # ImportError, or a triton that cannot compile here
+        return False
+    return True
+
+
+def paged_decode_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """The torch twin, in float32: q [B, Hq, D], caches [blocks, block_size, Hkv, D],
+    block_tables [B, W] int, context_lens [B] int -> [B, Hq, D] in q's dtype."""
+    num_seqs, num_heads, _ = q.shape
+    group = num_heads // k_cache.shape[2]
+    keys = k_cache[block_tables.long()].flatten(1, 2).float()  # [B, W * block_size, Hkv, D]
+    values = v_cache[block_tables.long()].flatten(1, 2).float()
+    keys = keys.repeat_interleave(group, dim=2)  # [B, T, Hq, D]
+    values = values.repeat_interleave(group, dim=2)
+    scores = torch.einsum("bhd,bthd->bht", q.float(), keys) * scale
+    valid = torch.arange(keys.shape[1], device=q.device)[None, :] < context_lens[:, None]
+    scores = scores.masked_fill(~valid[:, None, :], float("-inf"))
+    return torch.einsum("bht,bthd->bhd", scores.softmax(-1), values).to(q.dtype)
+
+
+def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
+                 use_kernel: bool | None = None) -> torch.Tensor:
+    """Decode attention (see the module docstring); the kernel on CUDA, else the twin.
+    Every sequence must have context_lens >= 1 and block_tables wide enough for it."""
+    if use_kernel is None:
+        use_kernel = can_use_kernel(q, k_cache)
+    if not use_kernel:
+        return paged_decode_ref(q, k_cache, v_cache, block_tables, context_lens, scale)
+    num_seqs, num_heads, head_dim = q.shape
+    num_blocks, block, kv_heads, kd = k_cache.shape
+    if kd != head_dim or v_cache.shape != k_cache.shape or num_heads % kv_heads:
+        raise ValueError(f"q {tuple(q.shape)} does not fit caches {tuple(k_cache.shape)} / "
+                         f"{tuple(v_cache.shape)}")
+    if q.dtype != k_cache.dtype or v_cache.dtype != k_cache.dtype:
+        raise ValueError(f"dtypes differ: q {q.dtype}, k {k_cache.dtype}, v {v_cache.dtype}")
+    if block_tables.shape[0] != num_seqs or context_lens.shape != (num_seqs,):
+        raise ValueError(f"block_tables {tuple(block_tables.shape)} / context_lens "
+                         f"{tuple(context_lens.shape)} do not match {num_seqs} sequences")
+    if q.stride(2) != 1 or k_cache.stride(3) != 1 or v_cache.stride() != k_cache.stride():
+        raise ValueError("q and the caches need a contiguous last dimension and equal cache strides")
+    block_tables = block_tables.contiguous()
+    group = num_heads // kv_heads
+    splits = max(1, -(-block_tables.shape[1] // SPLIT_BLOCKS))
+    acc = torch.empty(num_seqs, num_heads, splits, head_dim, dtype=torch.float32, device=q.device)
+    m = torch.empty(num_seqs, num_heads, splits, dtype=torch.float32, device=q.device)
+    s = torch.empty_like(m)
+    _kernel()[(num_seqs, kv_heads, splits)](
+        q, k_cache, v_cache, block_tables, context_lens, acc, m, s, scale,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        block_tables.stride(0), acc.stride(0), acc.stride(1), acc.stride(2), m.stride(0), m.stride(1),
+        G=group, GP=max(16, 1 << (group - 1).bit_length()), BLOCK=block, D=head_dim,
+        SPLIT=SPLIT_BLOCKS, IEEE=q.dtype == torch.float32)
+    # merge the splits: splits past a sequence's end hold m = -inf and l = 0
+    top = m.max(dim=2, keepdim=True).values  # [B, Hq, 1], finite: every sequence has a token
+    w = torch.exp(m - top)  # [B, Hq, S]
+    out = (acc * w[..., None]).sum(2) / (s * w).sum(2)[..., None]
+    return out.to(q.dtype)

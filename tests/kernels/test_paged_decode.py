@@ -1,0 +1,69 @@
+"""`kernels.paged_decode`: the torch twin against the engine's reference attention (`pd.attention`,
+masked SDPA over gathered blocks) on CPU, and the Triton kernel against the twin on fresh random
+inputs on a CUDA machine (skipped without one; `benchmarks/gpu/run_all.sh` runs it there)."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from kernels.paged_decode import can_use_kernel, paged_decode, paged_decode_ref
+from pd.attention import paged_attention
+from pd.context import build_context, forward_context
+
+
+def case(seed: int, num_seqs: int, kv_heads: int, group: int, head_dim: int, block: int,
+         max_len: int, dtype: torch.dtype, device: str):
+    """Random q, caches and per-sequence block tables of distinct shuffled blocks."""
+    rng = random.Random(seed)
+    gen = torch.Generator().manual_seed(seed)
+    lens = [rng.randrange(1, max_len + 1) for _ in range(num_seqs)]
+    need = [-(-n // block) for n in lens]
+    num_blocks = sum(need) + 3
+    ids = list(range(num_blocks))
+    rng.shuffle(ids)
+    tables, at = [], 0
+    for k in need:
+        tables.append(ids[at:at + k])
+        at += k
+    shape = (num_blocks, block, kv_heads, head_dim)
+    k_cache = torch.randn(shape, generator=gen).to(device, dtype)
+    v_cache = torch.randn(shape, generator=gen).to(device, dtype)
+    q = torch.randn(num_seqs, kv_heads * group, head_dim, generator=gen).to(device, dtype)
+    return q, k_cache, v_cache, tables, lens
+
+
+def padded(tables: list[list[int]], device: str, width: int | None = None) -> torch.Tensor:
+    width = width or max(map(len, tables))
+    return torch.tensor([t + [0] * (width - len(t)) for t in tables], device=device)
+
+
+@pytest.mark.parametrize("seed,group,head_dim", [(0, 1, 32), (1, 4, 64), (2, 8, 16)])
+def test_twin_equals_engine_reference_on_cpu(seed, group, head_dim):
+    q, k_cache, v_cache, tables, lens = case(seed, 6, 2, group, head_dim, 16, 90, torch.float32, "cpu")
+    scale = head_dim ** -0.5
+    slots = [tables[b][(n - 1) // 16] * 16 + (n - 1) % 16 for b, n in enumerate(lens)]
+    ctx = build_context([1] * len(lens), lens, tables, slots, torch.device("cpu"))
+    with forward_context(ctx):
+        want = paged_attention(q, k_cache, v_cache, scale)
+    got = paged_decode(q, k_cache, v_cache, padded(tables, "cpu", width=9), torch.tensor(lens), scale)
+    assert not can_use_kernel(q, k_cache)  # CPU: the twin ran
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the Triton kernel needs a CUDA device")
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("num_seqs,kv_heads,group,head_dim,max_len", [
+    (1, 8, 4, 64, 4000), (3, 2, 1, 32, 50), (64, 8, 4, 64, 700), (17, 4, 8, 128, 300), (200, 2, 2, 16, 40)])
+def test_kernel_equals_twin(dtype, tol, num_seqs, kv_heads, group, head_dim, max_len):
+    q, k_cache, v_cache, tables, lens = case(num_seqs + head_dim, num_seqs, kv_heads, group, head_dim,
+                                             16, max_len, dtype, "cuda")
+    bt = padded(tables, "cuda", width=max(map(len, tables)) + 5)  # wider than needed, as in graphs
+    lens_t = torch.tensor(lens, device="cuda")
+    assert can_use_kernel(q, k_cache)
+    got = paged_decode(q, k_cache, v_cache, bt, lens_t, head_dim ** -0.5, use_kernel=True)
+    want = paged_decode_ref(q, k_cache, v_cache, bt, lens_t, head_dim ** -0.5)
+    assert torch.isfinite(got).all()
+    err = (got.float() - want.float()).norm() / want.float().norm()
+    assert err < tol, f"relative error {err:.2e}"
