@@ -38,7 +38,7 @@ MESSAGES_REFUSED = Counter(
     "pd_messages_refused", "Control messages refused by a node (malformed, unknown, too large)",
     ["role", "node", "socket"])
 TICK_S = 0.05  # how often timeouts are checked, and the longest idle sleep
-ROUTER_GONE_S = 2.0  # a router's event endpoint disconnected this long: its requests end
+ROUTER_GONE_S = 1.0  # a router's event endpoint disconnected this long: its requests end
 
 
 def bind_socket(ctx: zmq.Context, kind: int, host: str, port: int) -> tuple[zmq.Socket, int]:
