@@ -102,7 +102,7 @@ class FaultCluster:
         self.url = f"http://127.0.0.1:{self.router_port}"
         self.nodes: dict[str, NodeProcess] = {}
         self.router: subprocess.Popen | None = None
-        self.pids: set[int] = set()  # every process this cluster started
+        self.num_routers = 0  # started so far
 
     # -- processes -------------------------------------------------------------------------------
     def node_id(self, name: str) -> str:
@@ -111,27 +111,29 @@ class FaultCluster:
     def start_node(self, name: str, *extra: str) -> NodeProcess:
         p = self.ports[name]
         role = "decode" if name.startswith("d") else "prefill"
-        args = ["--model", self.model_dir, "--node-id", self.node_id(name), "--port", str(p["port"]),
-                "--metrics-port", str(p["metrics"]), *self.role_args[role], *extra]
+        args = ["--model", self.model_dir, "--node-id", self.node_id(name),
+                "--port", str(p["port"]), "--metrics-port", str(p["metrics"]),
+                *self.role_args[role], *extra]
         if role == "decode":
             args += ["--kv-port", str(p["kv"])]
         node = start_node(role, args, log_dir=self.log_dir)
         self.nodes[name] = node
-        self.pids.add(node.pid)
         return node
 
+    def addresses(self, kind: str) -> list[str]:
+        """Control addresses of the prefill ("p") or decode ("d") nodes."""
+        return [f"127.0.0.1:{p['port']}" for n, p in self.ports.items() if n.startswith(kind)]
+
     def start_router(self, heartbeat_timeout: float = 3.0) -> None:
-        addrs = lambda kind: [f"127.0.0.1:{p['port']}" for n, p in self.ports.items()  # noqa: E731
-                              if n.startswith(kind)]
-        log = open(os.path.join(self.log_dir, f"router-{len(self.pids)}.log"), "w")
+        self.num_routers += 1
+        log = open(os.path.join(self.log_dir, f"router-{self.num_routers}.log"), "w")
         self.router = subprocess.Popen(
             [sys.executable, "-m", "pd", "router", "--model", self.model_dir,
-             "--port", str(self.router_port), "--prefill", *addrs("p"), "--decode", *addrs("d"),
-             "--heartbeat-interval", "0.2", "--heartbeat-timeout", str(heartbeat_timeout),
-             "--log-level", "info"], stdout=log, stderr=subprocess.STDOUT,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+             "--port", str(self.router_port), "--prefill", *self.addresses("p"),
+             "--decode", *self.addresses("d"), "--heartbeat-interval", "0.2",
+             "--heartbeat-timeout", str(heartbeat_timeout), "--log-level", "info"],
+            stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
         log.close()
-        self.pids.add(self.router.pid)
 
     def start(self, **extra: tuple[str, ...]) -> None:
         """Every node (`extra`: more flags for some, by name) and the router, side by side."""
@@ -179,7 +181,8 @@ class FaultCluster:
 
     def metric(self, name: str, metric: str, **labels: str) -> float:
         """The sum of a node's `metric` samples that carry `labels`."""
-        text = httpx.get(f"http://127.0.0.1:{self.ports[name]['metrics']}/metrics", timeout=2.0).text
+        url = f"http://127.0.0.1:{self.ports[name]['metrics']}/metrics"
+        text = httpx.get(url, timeout=2.0).text
         want = [f'{k}="{v}"' for k, v in labels.items()]
         return sum(float(v) for lab, v in re.findall(rf"^{metric}{{([^}}]*)}} (\S+)$", text, re.M)
                    if all(w in lab.split(",") for w in want))
@@ -193,9 +196,9 @@ class FaultCluster:
         deadline = time.monotonic() + timeout
         while True:
             stats = {n: self.health(n)[1] for n in names}
-            if all(s["free_blocks"] == s["total_blocks"] and s["running"] == 0 for s in stats.values()):
-                return stats
-            if time.monotonic() > deadline:
+            idle = all(s["free_blocks"] == s["total_blocks"] and s["running"] == 0
+                       for s in stats.values())
+            if idle or time.monotonic() > deadline:
                 return stats
             time.sleep(0.1)
 

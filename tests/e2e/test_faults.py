@@ -106,6 +106,20 @@ def survivors_idle(c: FaultCluster, names) -> str:
     return f"{'/'.join(names)} idle, 0 stale segments"
 
 
+def draining_or_gone(c: FaultCluster, name: str, timeout: float = 5.0) -> bool:
+    """Until the node's /health says 503 draining (or it is gone, drained already)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            status, health = c.health(name)
+        except httpx.TransportError:
+            return True
+        if status == 503 and health["status"] == "draining":
+            return True
+        time.sleep(0.01)
+    return False
+
+
 def routed_again(c: FaultCluster, name: str, metric: str) -> int:
     """Send requests until the restarted node did work; returns how many it took."""
     c.wait_routable()
@@ -194,11 +208,7 @@ def test_sigterm_decode_mid_stream_drains(cluster, table):
     wait_tokens(ss, 2)
     victim = c.nodes["d0"]
     victim.proc.send_signal(signal.SIGTERM)
-    try:
-        status, health = c.health("d0")
-        assert status == 503 and health["status"] == "draining", (status, health)
-    except httpx.TransportError:
-        pass  # already drained and gone
+    assert draining_or_gone(c, "d0")
     new = streams(c, [f"v = {i}" for i in range(4)], 16)
     ss += new
     counts = finish(ss)
