@@ -45,7 +45,7 @@ class ShmTransport(Transport):
         except BaseException:
             self.socket.close(linger=0)
             raise
-        self.socket.send_multipart([control.encode({
+        self._send([control.encode({
             "type": control.SHM_ATTACH, "version": 1, "segment": self.ring.name,
             "capacity": self.ring.capacity, "pid": os.getpid()}), encode_pos(0)])
 
@@ -65,7 +65,7 @@ class ShmTransport(Transport):
     def _send_small(self, word: int, body: bytes) -> None:
         self._check()
         pos = self.ring.publish(word, body, timeout=self.timeout)
-        self.socket.send_multipart([b"", encode_pos(pos)])
+        self._send([b"", encode_pos(pos)])
 
     def _send_kv_chunk(self, meta: bytes, kv: torch.Tensor, ids: torch.Tensor, chunk) -> None:
         self._check()
@@ -77,16 +77,19 @@ class ShmTransport(Transport):
         view[:KV_DATA_OFFSET] = meta
         gather_into(kv, ids, chunk, view[KV_DATA_OFFSET:])
         pos = self.ring.commit()
-        self.socket.send_multipart([b"", encode_pos(pos)])
+        self._send([b"", encode_pos(pos)])
 
     def send_control(self, msg: dict) -> None:
         self._check()
-        self.socket.send_multipart([control.encode(msg), encode_pos(self.ring.write_pos)])
+        self._send([control.encode(msg), encode_pos(self.ring.write_pos)])
 
     def close(self) -> None:
         """Tell D the ring ends after what was sent, then remove it."""
         if not self.socket.closed:
-            self.socket.send_multipart([control.encode({"type": control.SHM_DETACH, "version": 1}),
-                                        encode_pos(self.ring.write_pos)])
+            try:
+                self._send([control.encode({"type": control.SHM_DETACH, "version": 1}),
+                            encode_pos(self.ring.write_pos)])
+            except TransportError:
+                pass  # D is not reading: it finds the ring's creator gone instead
         self.ring.close()
         super().close()

@@ -9,7 +9,9 @@ and records in the order they were sent. Frames from P, told apart by the first 
     data      [u32 header word, meta, raw buffers...]          (ZMQ transport)
     doorbell  [b"", u64 ring position]                         (shm transport)
 
-D answers on the same connection with control messages only. `make_transport` picks shm when
+D answers on the same connection with control messages only. No send blocks: past `send_hwm`
+messages queued unsent (D gone or not reading, a link down a long while) a send raises
+`TransportError`, and the caller fails what it was sending. `make_transport` picks shm when
 the endpoint's host is this host (mode "auto"), or what `mode`/PD_KV_TRANSPORT says. The
 receiving side is `receiver.py`; what the control messages say is the node services' business.
 """
@@ -41,7 +43,7 @@ class Transport(abc.ABC):
     """P's end of one (P, D) connection. Not thread-safe: one owner thread."""
 
     mode: str
-    send_hwm = 1000  # messages queued unsent on the socket (ZMQ's SNDHWM)
+    send_hwm = 100_000  # messages queued unsent (ZMQ's SNDHWM): deep, so bursts never reach it
 
     def __init__(self, endpoint: str, instance_id: str, max_record_bytes: int = DEFAULT_MAX_RECORD,
                  ctx: zmq.Context | None = None):
@@ -54,6 +56,16 @@ class Transport(abc.ABC):
         self.socket.setsockopt(zmq.SNDHWM, self.send_hwm)
         security.secure_client(self.socket)
         self.socket.connect(endpoint)
+
+    def _send(self, frames: list, copy: bool = True) -> None:
+        """Send one multipart message without blocking; a full queue raises TransportError."""
+        # NOTE: a blocking send would stall P's whole loop (no timeouts, no pongs, no drain) for
+        # as long as D is unreachable; the high-water mark is checked on the first frame only.
+        try:
+            self.socket.send_multipart(frames, zmq.NOBLOCK, copy=copy)
+        except zmq.Again:
+            raise TransportError(f"decode node at {self.endpoint} is not taking messages: "
+                                 f"{self.send_hwm} queued unsent") from None
 
     # ---- records ------------------------------------------------------------------------------
     def send_record(self, rec: Record) -> None:
