@@ -35,6 +35,7 @@ import statistics
 import sys
 import threading
 import time
+import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -43,6 +44,7 @@ import aiohttp
 PROMPTS = ["def fibonacci(n):", "import os\n", "class Stack:", "for i in range(10):",
            "def main():\n    ", "# read a file line by line\n", "x = [", "while True:\n"]
 _WAITING = re.compile(r"^pd_num_requests_waiting(?:\{[^}]*\})? (\S+)$", re.M)
+_STEP = re.compile(r'^pd_step_duration_seconds_(bucket|count)\{([^}]*)\} (\S+)$', re.M)
 
 
 # -- RSS ----------------------------------------------------------------------------------------
@@ -216,7 +218,8 @@ async def overload(url: str, model: str, prompts: list[str], want: dict[str, str
 
         async def one(i: int) -> None:
             prompt = prompts[i % len(prompts)]
-            tally.add(await stream_completion(session, url, model, prompt, max_tokens), want[prompt])
+            reply = await stream_completion(session, url, model, prompt, max_tokens)
+            tally.add(reply, want[prompt])
 
         scraper = asyncio.create_task(scrape())
         t0 = time.perf_counter()
@@ -246,6 +249,30 @@ def process_names(launch) -> dict[str, int]:
     return pids
 
 
+def slow_steps(launch) -> dict[str, tuple[int, int, int]]:
+    """Per node, from its /metrics: (steps, steps over 1 s, steps over 2.5 s). A step longer
+    than the router's heartbeat timeout (3 s under pd launch) gets the node marked down."""
+    out = {}
+    for line in launch.lines:
+        found = re.match(r"node (\S+) pid \d+ .* metrics (\S+)", line)
+        if not found:
+            continue
+        try:
+            with urllib.request.urlopen(f"http://{found.group(2)}/metrics", timeout=5) as resp:
+                text = resp.read().decode()
+        except OSError:
+            continue
+        le, count = {}, 0
+        for kind, labels, value in _STEP.findall(text):
+            if kind == "count":
+                count += int(float(value))
+            else:
+                bound = re.search(r'le="([^"]+)"', labels).group(1)
+                le[bound] = le.get(bound, 0) + int(float(value))
+        out[found.group(1)] = (count, count - le.get("1.0", count), count - le.get("2.5", count))
+    return out
+
+
 def run(args: argparse.Namespace) -> dict:
     from pd.config import default_model_dir
     from pd.procs import Launch
@@ -272,12 +299,15 @@ def run(args: argparse.Namespace) -> dict:
                                      args.request_timeout))
         last = sampler.sample("after overload")
         sampler.stop()
+        steps = slow_steps(launch)
         alive = {n: launch.proc.poll() is None if n == "router" else rss_kib(p) is not None
                  for n, p in pids.items()}
     finally:
         launch.stop()
     warm = next((s for s in sampler.samples if s.label == "warm-up end"), first)
+    warnings = [ln.rstrip() for ln in launch.lines if " WARNING " in ln or " ERROR " in ln]
     return {"model": Path(model).name, "pids": pids, "alive": alive, "soak": soaked,
+            "steps": steps, "warnings": warnings,
             "overload": over, "after": after, "samples": sampler.samples, "first": first,
             "warm": warm, "end": end, "last": last, "want": want}
 
@@ -357,6 +387,13 @@ def print_report(report: dict, args: argparse.Namespace) -> None:
           f"answered 429 (median {med:.1f} ms), other {sum(o.errors.values())}; router waiting "
           f"gauge peak {o.max_waiting:.0f} (bound {args.max_queue}); {o.seconds:.1f} s; "
           f"request after it: {'ok' if report['after'].correct == 1 else 'FAILED'}")
+    print("\nengine steps (whole run): " + ", ".join(
+        f"{name} {n} steps, {over1} over 1 s, {over25} over 2.5 s"
+        for name, (n, over1, over25) in report["steps"].items()))
+    warnings = report["warnings"]
+    print(f"pd launch logged {len(warnings)} warning(s)/error(s)"
+          + "".join(f"\n  {w[:160]}" for w in warnings[:8])
+          + (f"\n  ... {len(warnings) - 8} more" if len(warnings) > 8 else ""))
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -364,9 +401,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help="model directory (default: the embedded model)")
     p.add_argument("--requests", type=int, default=2000, help="soak requests (default: 2000)")
-    p.add_argument("--concurrency", type=int, default=256, help="soak requests in flight (default: 256)")
-    p.add_argument("--max-tokens", type=int, default=32, help="per request, greedy (default: 32)")
-    p.add_argument("--num-prompts", type=int, default=len(PROMPTS), choices=range(1, len(PROMPTS) + 1),
+    p.add_argument("--concurrency", type=int, default=256,
+                   help="soak requests in flight (default: 256)")
+    p.add_argument("--max-tokens", type=int, default=32,
+                   help="per request, greedy (default: 32)")
+    p.add_argument("--num-prompts", type=int, default=len(PROMPTS),
+                   choices=range(1, len(PROMPTS) + 1),
                    metavar="N", help=f"distinct prompts (default: {len(PROMPTS)})")
     p.add_argument("--max-running", type=int, default=256,
                    help="router --max-running (default: 256)")
