@@ -38,6 +38,7 @@ from router.protocol import ApiRequest, parse_chat, parse_completion
 from router.responses import Accumulator, ResponseFormat, usage
 
 log = logging.getLogger(__name__)
+CLIENT_GONE = web.RequestKey("pd_client_gone", bool)  # left while its answer was written
 _SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                 "X-Accel-Buffering": "no"}
 
@@ -104,7 +105,7 @@ class RouterServer:
                                            f"Bearer {self.config.api_key}".encode()):
                     raise unauthorized()
             resp = await handler(request)
-            status = resp.status
+            status = 499 if request.get(CLIENT_GONE) else resp.status
             return resp
         except APIError as e:
             status = e.status
@@ -254,25 +255,30 @@ class RouterServer:
                       fmt: ResponseFormat, choices: list[Choice], num_prompt_tokens: int,
                       timer: RequestTimer) -> web.StreamResponse:
         resp = web.StreamResponse(headers=_SSE_HEADERS)
-        await resp.prepare(request)
         out = [_sse(fmt.role_chunk(c.index)) for c in choices] if fmt.chat else []
         d = first
-        while d is not None:
-            timer.observe(d)
-            if d.text or d.finish_reason or d.logprobs:
-                out.append(_sse(fmt.chunk(d)))
-            if d.error:
-                out.append(_sse(_generation_failed(d).body()))
+        try:
+            await resp.prepare(request)
+            while d is not None:
+                timer.observe(d)
+                if d.text or d.finish_reason or d.logprobs:
+                    out.append(_sse(fmt.chunk(d)))
+                if d.error:
+                    out.append(_sse(_generation_failed(d).body()))
+                await resp.write(b"".join(out))
+                out.clear()
+                d = await anext(gen, None)
+            timer.done()
+            if fmt.include_usage:
+                u = usage(num_prompt_tokens, sum(c.num_generated for c in choices))
+                out.append(_sse(fmt.usage_chunk(u)))
+            out.append(b"data: [DONE]\n\n")
             await resp.write(b"".join(out))
-            out.clear()
-            d = await anext(gen, None)
-        timer.done()
-        if fmt.include_usage:
-            u = usage(num_prompt_tokens, sum(c.num_generated for c in choices))
-            out.append(_sse(fmt.usage_chunk(u)))
-        out.append(b"data: [DONE]\n\n")
-        await resp.write(b"".join(out))
-        await resp.write_eof()
+            await resp.write_eof()
+        except ConnectionResetError:
+            # NOTE: the client left before the handler was cancelled for it; same ending.
+            request[CLIENT_GONE] = True
+            await gen.close("client_disconnect")
         return resp
 
     async def _collect(self, gen: Generation, first: Delta, fmt: ResponseFormat,

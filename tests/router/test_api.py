@@ -228,3 +228,37 @@ def test_disconnect_closes_backend_stream(tokenizer, make_server):
     assert backend.closed_early[1] == backend.requests[1].req_id
     metrics = httpx.get(s.url + "/metrics").text
     assert sample(metrics, "pd_request_aborts_total", reason="client_disconnect") == 2.0
+
+
+def test_client_gone_between_two_writes_ends_like_a_disconnect(tokenizer, make_server,
+                                                               monkeypatch, caplog):
+    """The client can leave while a chunk is written, before its handler is cancelled: the
+    write raises, and the request must end as a disconnect (aborted, 499), with no error."""
+    from aiohttp import web
+    from aiohttp.client_exceptions import ClientConnectionResetError
+
+    backend = ScriptedBackend(lambda req: [5] * 50, tokenizer.eos_token_id, delay=0.005)
+    s = make_server(backend)
+    writes, write = 0, web.StreamResponse.write
+
+    async def write_then_reset(self, data):
+        nonlocal writes
+        writes += 1
+        if writes == 3:
+            raise ClientConnectionResetError("Cannot write to closing transport")
+        return await write(self, data)
+
+    monkeypatch.setattr(web.StreamResponse, "write", write_then_reset)
+    body = {"model": MODEL, "prompt": "x", "max_tokens": 50, "stream": True}
+    with caplog.at_level("ERROR"):
+        with httpx.stream("POST", s.url + "/v1/completions", json=body) as r:
+            lines = list(r.iter_lines())
+        deadline = time.monotonic() + 5
+        while not backend.closed_early and time.monotonic() < deadline:
+            time.sleep(0.02)
+    assert len([x for x in lines if x.startswith("data: {")]) == 2 and "data: [DONE]" not in lines
+    assert backend.closed_early == [backend.requests[0].req_id]
+    metrics = httpx.get(s.url + "/metrics").text
+    assert sample(metrics, "pd_http_requests_total", status="499") == 1.0
+    assert sample(metrics, "pd_request_aborts_total", reason="client_disconnect") == 1.0
+    assert not [r for r in caplog.records if r.levelname == "ERROR"]
