@@ -27,7 +27,8 @@ from typing import ClassVar
 import msgpack
 
 MAX_MESSAGE_BYTES = 16 * 2**20
-_ENDPOINT = re.compile(r"tcp://(?:[A-Za-z0-9_.-]+|\[[0-9A-Fa-f:.]+\]|\*):([0-9]{1,5})|ipc://[^\0]{1,200}")
+_ENDPOINT = re.compile(
+    r"tcp://(?:[A-Za-z0-9_.-]+|\[[0-9A-Fa-f:.]+\]|\*):([0-9]{1,5})|ipc://[^\0]{1,200}")
 _ENDPOINT_FIELDS = ("reply_to", "decode_addr", "kv_addr")
 
 

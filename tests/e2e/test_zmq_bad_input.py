@@ -130,8 +130,8 @@ def nodes(cluster):
 @pytest.fixture(scope="module")
 def router(nodes, tiny_model_dir):
     prefill, decode = nodes
-    backend = ZmqBackend([prefill.addr.removeprefix("tcp://")], [decode.addr.removeprefix("tcp://")],
-                         max_model_len=256)
+    backend = ZmqBackend([prefill.addr.removeprefix("tcp://")],
+                         [decode.addr.removeprefix("tcp://")], max_model_len=256)
     server = RouterThread(backend, Tokenizer.from_dir(tiny_model_dir))
     deadline = time.monotonic() + 30
     while httpx.get(server.url + "/health").status_code != 200:

@@ -59,8 +59,9 @@ def test_schema_and_validation_refuse_alike(field, value):
 
 
 def test_chat_bounds():
+    parts = [{"type": "text", "text": "a"}]
     ok = {"model": MODEL, "messages": [{"role": "assistant", "content": None},
-                                       {"role": "user", "content": [{"type": "text", "text": "a"}]}],
+                                       {"role": "user", "content": parts}],
           "max_completion_tokens": 1, "logprobs": True, "top_logprobs": 20,
           "response_format": {"type": "text"}, "tools": [], "tool_choice": "none"}
     validator("ChatRequest").validate(ok)
@@ -77,7 +78,8 @@ def test_served_at_openapi_json(tokenizer, make_server):
     doc = r.json()
     assert doc["openapi"].startswith("3.1")
     assert set(doc["paths"]) >= {"/v1/completions", "/v1/chat/completions", "/v1/models", "/health"}
-    assert doc["components"]["schemas"]["CompletionRequest"]["properties"]["model"]["enum"] == [MODEL]
+    model = doc["components"]["schemas"]["CompletionRequest"]["properties"]["model"]
+    assert model["enum"] == [MODEL]
 
 
 def test_whole_floats_are_integers_as_json_schema_says():
