@@ -8,6 +8,8 @@ engine flags go to every node; --transport/--queue-timeout/--handoff-timeout to 
 --kv-timeout to decode nodes. Every node serves /metrics and /health on a free port of its own,
 printed on its `node ...` line (`metrics HOST:PORT`); the router's are at the router's URL.
 On the way out every node gets SIGTERM at once and --drain-timeout to end what it still runs.
+The router takes a node out when its connection drops, or when it leaves pings unanswered for
+--heartbeat-timeout (longer on CPU, where one prefill step can take seconds).
 """
 
 from __future__ import annotations
@@ -48,6 +50,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="decode nodes: seconds a request may wait for blocks and its KV")
     g.add_argument("--drain-timeout", type=float, default=30.0,
                    help="nodes: seconds a SIGTERM leaves them to finish their requests")
+    g.add_argument("--heartbeat-timeout", type=float, default=None,
+                   help="router: seconds a node may leave a heartbeat unanswered before it is "
+                        "taken out and its requests end (default: 3 on CUDA, 10 on CPU, where one "
+                        "prefill step of a large batch takes seconds and no ping is answered "
+                        "during a step)")
     g.add_argument("--ready-timeout", type=float, default=120.0,
                    help="seconds to wait for every node to come up")
     add_router_arguments(p.add_argument_group("router"), with_nodes=False)
@@ -118,7 +125,9 @@ def run_router(args: argparse.Namespace, prefill: list[str], decode: list[str], 
     from router.main import server_config, start
     from router.server import RouterServer
 
-    args.heartbeat_interval, args.heartbeat_timeout = 0.5, 3.0
+    args.heartbeat_interval = 0.5
+    if args.heartbeat_timeout is None:
+        args.heartbeat_timeout = 10.0 if args.device == "cpu" else 3.0
     backend = make_backend(args, prefill, decode)
     server = RouterServer(backend, Tokenizer.from_dir(args.model), server_config(args))
 

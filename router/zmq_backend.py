@@ -108,7 +108,22 @@ class ZmqBackend(Backend):
             sock.connect(f"tcp://{addr}")
             self.sockets[addr] = sock
             self.tasks.append(asyncio.create_task(self._read_pongs(addr, sock)))
+            self.tasks.append(asyncio.create_task(self._watch(addr, sock)))
         return sock
+
+    async def _watch(self, addr: str, sock: zmq.asyncio.Socket) -> None:
+        """A node whose connection drops (its process died or closed) is down at once, not a
+        heartbeat timeout later; once it answers a ping again it is back."""
+        monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        try:
+            while True:
+                await monitor.recv_multipart()
+                node = self.registry.get(addr)
+                if node is not None and node.healthy:
+                    self.registry.mark_down(addr, "its connection dropped")
+                    self._node_down(node)
+        finally:
+            monitor.close()
 
     def _send(self, addr: str, msg) -> None:
         try:

@@ -1,6 +1,7 @@
 """The ZMQ backend's heartbeats against a fake node (a ROUTER answering pings in a thread): a
 stall of the router's own loop longer than the heartbeat timeout does not mark a live node
-down, and a node that stops answering is still marked down."""
+down, a node that stops answering is still marked down, and a node whose process closes its
+socket is down at once, long before the heartbeat timeout."""
 
 from __future__ import annotations
 
@@ -20,10 +21,14 @@ INTERVAL, TIMEOUT = 0.1, 0.5
 class FakeNode:
     """Answers every Ping with a prefill node's Pong until `silence` is set."""
 
-    def __init__(self) -> None:
+    def __init__(self, port: int = 0) -> None:
         self.sock = zmq.Context.instance().socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
-        self.port = self.sock.bind_to_random_port("tcp://127.0.0.1")
+        if port:
+            self.sock.bind(f"tcp://127.0.0.1:{port}")
+            self.port = port
+        else:
+            self.port = self.sock.bind_to_random_port("tcp://127.0.0.1")
         self.silence, self.stop = threading.Event(), threading.Event()
         self.thread = threading.Thread(target=self.run, daemon=True)
         self.thread.start()
@@ -69,7 +74,7 @@ def test_own_stall_is_not_a_dead_node_but_silence_is():
             assert await wait_for(healthy, 5)
             time.sleep(3 * TIMEOUT)  # the router's loop stalls; the node stays up meanwhile
             await asyncio.sleep(3 * INTERVAL)
-            assert healthy() and downs == [], "a stall of the router's own loop marked a live node down"
+            assert healthy() and downs == [], "the router's own stall marked a live node down"
             node.silence.set()
             assert await wait_for(lambda: not healthy(), 3 * TIMEOUT + 1)
             assert downs and "no heartbeat" in downs[0]
@@ -80,3 +85,27 @@ def test_own_stall_is_not_a_dead_node_but_silence_is():
         asyncio.run(run())
     finally:
         node.close()
+
+
+def test_dropped_connection_is_down_at_once_and_back_with_a_heartbeat():
+    node = FakeNode()
+    addr = f"127.0.0.1:{node.port}"
+
+    async def run() -> None:
+        backend = ZmqBackend([addr], [], max_model_len=64, heartbeat_interval=INTERVAL,
+                             heartbeat_timeout=60.0)
+        await backend.start()
+        try:
+            healthy = lambda: [n.address for n in backend.registry.healthy(Role.PREFILL)] == [addr]
+            assert await wait_for(healthy, 5)
+            node.close()  # the node's process is gone: its end of the connection closes
+            assert await wait_for(lambda: not healthy(), 5)
+            again = FakeNode(port=node.port)  # restarted on the same port
+            try:
+                assert await wait_for(healthy, 5)
+            finally:
+                again.close()
+        finally:
+            await backend.close()
+
+    asyncio.run(run())
