@@ -3,7 +3,8 @@
 One DEALER per node carries PrefillRequest / Abort / Ping out and Pong back; one PULL socket
 (the `reply_to` every request names) takes the TokenStream messages of every request. A ping
 every `heartbeat_interval` feeds the registry (health and load); a node silent for
-`heartbeat_timeout` is marked down, and its in-flight requests end: those still waiting for
+`heartbeat_timeout` (the router's own stalls not counted), or whose connection drops, is marked
+down, and its in-flight requests end: those still waiting for
 their first token are retried once on another prefill and decode node, the others get an error
 event (never a silent truncation); a request that ends in an error is aborted on both its nodes,
 so the survivor frees its blocks at once. A node that reports draining takes no new requests.
