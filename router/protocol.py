@@ -1,5 +1,7 @@
 """OpenAI request validation for `/v1/completions` and `/v1/chat/completions`.
 
+`decode_body(raw)` turns the request's bytes into JSON (400 for what is not JSON, nested past
+Python's recursion limit, or holds a string that is not Unicode: a lone surrogate escape).
 `parse_completion(body)` and `parse_chat(body)` turn a decoded JSON body into an `ApiRequest`
 or raise `APIError` (400) naming the bad parameter. Types are checked strictly (a bool is not
 an int, a string is not a number; a whole float such as 2.0 is the integer 2, as JSON Schema
@@ -12,6 +14,7 @@ model-name check are left to the handlers, which know the tokenizer and the back
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field
 
@@ -55,6 +58,37 @@ class ApiRequest:
         seed = None if self.seed is None else self.seed + index
         return SamplingParams(max_tokens=max_tokens, seed=seed, logprobs=self.logprobs,
                               stop_token_ids=tuple(self.stop_token_ids), **self.sampling)
+
+
+def decode_body(raw: bytes):
+    try:
+        body = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise bad_param("", f"the request body is not valid JSON: {e}", "invalid_json")
+    except RecursionError:
+        raise bad_param("", "the request body is nested too deeply", "invalid_json")
+    if b"\\u" in raw and not _is_unicode(body):
+        raise bad_param("", "the request body has a string that is not valid Unicode (a lone "
+                            "surrogate escape)", "invalid_json")
+    return body
+
+
+def _is_unicode(body) -> bool:
+    """Every string (and key) in `body` encodes to UTF-8; walked without recursion."""
+    todo = [body]
+    while todo:
+        v = todo.pop()
+        if isinstance(v, dict):
+            todo += v.keys()
+            todo += v.values()
+        elif isinstance(v, list):
+            todo += v
+        elif isinstance(v, str):
+            try:
+                v.encode()
+            except UnicodeEncodeError:
+                return False
+    return True
 
 
 def _is_int(v) -> bool:

@@ -34,7 +34,7 @@ from router.errors import (APIError, bad_param, model_not_found, overloaded, ser
 from router.generation import Generation
 from router.metrics import CONTENT_TYPE_LATEST, RequestTimer, RouterMetrics
 from router.openapi import openapi_document
-from router.protocol import ApiRequest, parse_chat, parse_completion
+from router.protocol import ApiRequest, decode_body, parse_chat, parse_completion
 from router.responses import Accumulator, ResponseFormat, usage
 
 log = logging.getLogger(__name__)
@@ -146,10 +146,7 @@ class RouterServer:
         return await self._generate(request, parse_chat)
 
     async def _body(self, request: web.Request) -> dict:
-        try:
-            return json.loads(await request.read())
-        except (ValueError, UnicodeDecodeError) as e:
-            raise bad_param("", f"the request body is not valid JSON: {e}", "invalid_json")
+        return decode_body(await request.read())
 
     def _prompts(self, req: ApiRequest) -> list[list[int]]:
         tok = self.tokenizer

@@ -91,12 +91,23 @@ def test_bad_input(server, backend, path, body, status, param):
     assert ok.status_code == 200 and ok.json()["choices"][0]["text"]
 
 
-@pytest.mark.parametrize("raw", [b"{not json", b"", b'{"model": "tiny", "prompt": "x"', b"\xff\xfe"])
+@pytest.mark.parametrize("raw", [
+    b"{not json", b"", b'{"model": "tiny", "prompt": "x"', b"\xff\xfe",
+    b"[" * 100_000, b'{"model": "tiny", "prompt": ' + b"[" * 50_000 + b"]" * 50_000 + b"}",
+    b'{"model": "tiny", "prompt": "\\ud800"}',
+    b'{"model": "tiny", "prompt": "x", "stop": "a\\udfff"}',
+    b'{"model": "tiny", "messages": [{"role": "user", "content": "\\udc00"}]}',
+    b'{"model": "tiny", "prompt": "x", "\\ud800": 1}'])
 def test_malformed_json(server, raw):
     r = _post(server, "/v1/completions", raw, raw=True)
     assert r.status_code == 400
     assert r.json()["error"]["code"] == "invalid_json"
     assert _post(server, "/v1/completions", {**CMPL, "max_tokens": 2}).status_code == 200
+
+
+def test_surrogate_pair_escapes_are_unicode(server):
+    raw = b'{"model": "tiny", "prompt": "\\ud83d\\ude00 hi", "max_tokens": 2}'
+    assert _post(server, "/v1/completions", raw, raw=True).status_code == 200
 
 
 def test_unknown_route_is_openai_shaped(server):
