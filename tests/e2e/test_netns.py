@@ -13,7 +13,6 @@ right to make namespaces (root); skipped otherwise.
 
 from __future__ import annotations
 
-import os
 import random
 import shutil
 import subprocess
@@ -48,7 +47,8 @@ class Netns:
     def __init__(self) -> None:
         tag = uuid.uuid4().hex[:6]
         self.a, self.b = f"pd{tag}A", f"pd{tag}B"
-        self.pd_a, self.pd_b, self.root_a, self.root_b = (f"pd{tag}{s}" for s in ("pa", "pb", "ra", "rb"))
+        self.pd_a, self.pd_b = f"pd{tag}pa", f"pd{tag}pb"  # the P-D veth pair's ends
+        self.root_a, self.root_b = f"pd{tag}ra", f"pd{tag}rb"  # this namespace's ends
         used = ip("-o", "addr").stdout
         while True:
             x, y = random.randrange(100, 250), random.randrange(0, 250, 3)
@@ -72,7 +72,8 @@ class Netns:
         ip("link", "add", self.root_b, "type", "veth", "peer", "name", "r0", "netns", self.b)
         for ns, dev, addr in ((self.a, self.pd_a, self.a_pd), (self.b, self.pd_b, self.b_pd),
                               (self.a, "r0", self.a_router), (self.b, "r0", self.b_router),
-                              (None, self.root_a, self.router_a), (None, self.root_b, self.router_b)):
+                              (None, self.root_a, self.router_a),
+                              (None, self.root_b, self.router_b)):
             where = ("-n", ns) if ns else ()
             ip(*where, "addr", "add", f"{addr}/24", "dev", dev)
             ip(*where, "link", "set", dev, "up")
@@ -171,7 +172,8 @@ def wait_timed(client: NodeClient, req_ids: list[str], bound: float) -> list:
     return [client.results[r] for r in req_ids]
 
 
-def test_link_cut_mid_transfer_fails_or_completes_and_frees_kv(netns, nodes, client, tiny_model_dir):
+def test_link_cut_mid_transfer_fails_or_completes_and_frees_kv(netns, nodes, client,
+                                                                tiny_model_dir):
     prefill, decode = nodes
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
     prompts = long_prompts(40, seed=7)
