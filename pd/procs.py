@@ -20,6 +20,23 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent():
+    """A preexec_fn (Linux): the child gets SIGTERM when the process that started it dies, so a
+    launcher killed with SIGKILL leaves no node behind. Elsewhere, None (no such guarantee)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    import ctypes
+
+    prctl = ctypes.CDLL(None, use_errno=True).prctl  # NOTE: resolved here, not in the child
+
+    def preexec() -> None:
+        prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+    return preexec
+
 
 @dataclass
 class NodeProcess:
@@ -65,7 +82,8 @@ def start_node(role: str, args: list[str], timeout: float = 60.0, env: dict | No
     log_file = os.fdopen(fd, "w")
     proc = subprocess.Popen(
         [*(prefix or []), sys.executable, "-m", "pd", role, *args], stdout=subprocess.PIPE,
-        stderr=log_file, env={**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1"}, text=True)
+        stderr=log_file, env={**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1"}, text=True,
+        preexec_fn=_die_with_parent())
     log_file.close()
     node = NodeProcess(role, proc, {}, log_path)
     found = threading.Event()
@@ -126,7 +144,9 @@ class Launch:
                 self.stop()
                 raise RuntimeError("pd launch did not come up:\n" + "".join(self.lines[-40:]))
 
-    def stop(self, timeout: float = 20.0) -> int:
+    def stop(self, timeout: float = 60.0) -> int:
+        """Ctrl-C, as a user stops it (the nodes drain); past `timeout`, SIGKILL for it and for
+        every node it started."""
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGINT)
             try:
@@ -134,6 +154,11 @@ class Launch:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+                for node in self.nodes.values():
+                    try:
+                        os.kill(node["pid"], signal.SIGKILL)
+                    except (ProcessLookupError, PermissionError):
+                        pass
         return self.proc.returncode
 
     def output(self) -> str:
