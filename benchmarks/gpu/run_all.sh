@@ -4,7 +4,7 @@
 #   CUDA), KV transfer, decode/prefill vs floors and HF, CUDA graphs vs eager, overlap on/off (parity of 64 requests, sync
 #   check, throughput and step gap), MTP on/off. Logs go to $OUT (or ./out) and one table each
 #   to stdout.
-#     bash benchmarks/gpu/run_all.sh
+#     bash benchmarks/gpu/run_all.sh [1|2]      (1: checks, KV, attention, decode; 2: the rest)
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-out}
@@ -19,6 +19,8 @@ step() {  # step NAME CMD...: run one part, keep its log, remember a failure
 }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import torch, cupy; print('torch', torch.__version__, 'cupy', cupy.__version__)"
+PART=${1:-all}
+if [[ $PART != 2 ]]; then
 TAIL=8 step kernels python3 benchmarks/gpu/check_kernels.py
 TAIL=12 step mtp_engine python3 benchmarks/gpu/check_mtp_engine.py
 TAIL=4 step pytest python3 -m pytest -q -p no:cacheprovider tests/pd/test_cuda_graph.py tests/kernels \
@@ -28,10 +30,13 @@ TAIL=4 step pd_path env PD_TEST_DEVICE=cuda python3 -m pytest -q -p no:cacheprov
 TAIL=6 step kv python3 benchmarks/gpu/bench_kv.py
 TAIL=8 step attention python3 benchmarks/gpu/bench_attention.py
 TAIL=14 step decode python3 benchmarks/gpu/bench_decode.py
+fi
+if [[ $PART != 1 ]]; then
 TAIL=8 step graphs python3 benchmarks/gpu/check_graphs.py
 TAIL=9 step overlap_tiny python3 benchmarks/bench_overlap.py --device cuda --parity 64 --check-sync
 TAIL=6 step overlap_small python3 benchmarks/bench_overlap.py --device cuda --synthetic small
 TAIL=6 step overlap_small_eager python3 benchmarks/bench_overlap.py --device cuda --synthetic small --enforce-eager
 TAIL=32 step mtp python3 benchmarks/bench_mtp.py --device cuda
 TAIL=32 step mtp_eager python3 benchmarks/bench_mtp.py --device cuda --enforce-eager
+fi
 exit $status
