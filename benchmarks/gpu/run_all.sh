@@ -23,6 +23,7 @@ PART=${1:-all}
 if [[ $PART != 2 ]]; then
 TAIL=8 step kernels python3 benchmarks/gpu/check_kernels.py
 TAIL=12 step mtp_engine python3 benchmarks/gpu/check_mtp_engine.py
+TAIL=8 step mtp_engine_torch_attention env PD_ATTENTION=torch python3 benchmarks/gpu/check_mtp_engine.py
 TAIL=4 step pytest python3 -m pytest -q -p no:cacheprovider tests/pd/test_cuda_graph.py tests/kernels \
     tests/shm_ipc/test_kv.py
 TAIL=4 step pd_path env PD_TEST_DEVICE=cuda python3 -m pytest -q -p no:cacheprovider \
