@@ -95,11 +95,11 @@ def main(args: argparse.Namespace) -> int:
             nodes.append(start_node("decode", [*common, "--port", "0", "--kv-port", "0",
                                                "--node-id", f"decode-{i}",
                                                *node_args(args, DECODE_FLAGS)],
-                                    timeout=args.ready_timeout))
+                                    timeout=args.ready_timeout, die_with_parent=True))
         for i in range(args.num_prefill):
             nodes.append(start_node("prefill", [*common, "--port", "0", "--node-id", f"prefill-{i}",
                                                 *node_args(args, PREFILL_FLAGS)],
-                                    timeout=args.ready_timeout))
+                                    timeout=args.ready_timeout, die_with_parent=True))
         for n in nodes:
             print(f"node {n.info['node_id']} pid {n.pid} control 127.0.0.1:{n.info['port']}"
                   f"{' kv ' + n.info['kv_addr'] if 'kv_addr' in n.info else ''}"

@@ -25,7 +25,10 @@ _PR_SET_PDEATHSIG = 1
 
 def _die_with_parent():
     """A preexec_fn (Linux): the child gets SIGTERM when the process that started it dies, so a
-    launcher killed with SIGKILL leaves no node behind. Elsewhere, None (no such guarantee)."""
+    launcher killed with SIGKILL leaves no node behind. Elsewhere, None (no such guarantee).
+
+    NOTE: the kernel sends it when the starting *thread* ends, so only a process's main thread
+    may ask for it (`pd launch` does; the tests that start nodes from worker threads do not)."""
     if not sys.platform.startswith("linux"):
         return None
     import ctypes
@@ -74,16 +77,18 @@ class NodeProcess:
 
 
 def start_node(role: str, args: list[str], timeout: float = 60.0, env: dict | None = None,
-               log_dir: str | None = None, prefix: list[str] | None = None) -> NodeProcess:
+               log_dir: str | None = None, prefix: list[str] | None = None,
+               die_with_parent: bool = False) -> NodeProcess:
     """Run `python -m pd ROLE ARGS...` and wait for its PD_READY line. `prefix` runs it under
-    a command that execs it (`ip netns exec NAME`), so the pid stays the node's."""
+    a command that execs it (`ip netns exec NAME`), so the pid stays the node's.
+    `die_with_parent` (from a main thread only): the node gets SIGTERM when this process dies."""
     log_dir = log_dir or tempfile.gettempdir()
     fd, log_path = tempfile.mkstemp(prefix=f"pd-{role}-", suffix=".log", dir=log_dir)
     log_file = os.fdopen(fd, "w")
     proc = subprocess.Popen(
         [*(prefix or []), sys.executable, "-m", "pd", role, *args], stdout=subprocess.PIPE,
         stderr=log_file, env={**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1"}, text=True,
-        preexec_fn=_die_with_parent())
+        preexec_fn=_die_with_parent() if die_with_parent else None)
     log_file.close()
     node = NodeProcess(role, proc, {}, log_path)
     found = threading.Event()

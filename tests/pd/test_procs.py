@@ -1,6 +1,6 @@
-"""`pd.procs`: a node started by a process that is then killed with SIGKILL does not outlive it
-(the node gets SIGTERM from the kernel, drains and exits), so a crashed `pd launch` leaves no
-node behind."""
+"""`pd.procs`: a node started with `die_with_parent` by a process that is then killed with
+SIGKILL does not outlive it (the node gets SIGTERM from the kernel, drains and exits), so a
+crashed `pd launch` leaves no node behind."""
 from __future__ import annotations
 
 import os
@@ -27,7 +27,7 @@ def test_node_exits_when_its_starter_is_killed(tiny_model_dir):
         import time
         from pd.procs import start_node
         node = start_node("decode", ["--model", {str(tiny_model_dir)!r}, "--port", "0",
-                                     "--kv-port", "0", "--num-blocks", "64"])
+                                     "--kv-port", "0", "--num-blocks", "64"], die_with_parent=True)
         print(node.pid, flush=True)
         time.sleep(120)
         """)], stdout=subprocess.PIPE, text=True)
