@@ -108,9 +108,7 @@ def parity(engine_of, num: int, seed: int = 0) -> None:
         engine.allocator.check_integrity()
         outputs[overlap] = [r.output_token_ids for r in reqs]
     engine = engine_of()
-    refs = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
-    while engine.has_unfinished():
-        engine.step()
+    refs = engine.generate(prompts, params)
     same_ref = sum(r.output_token_ids == o for r, o in zip(refs, outputs[True]))
     print(f"parity: {num} requests, overlap == no-overlap: {outputs[True] == outputs[False]}; "
           f"equal to the single-process engine: {same_ref}/{num}")

@@ -80,6 +80,18 @@ class Engine:
         self.requests[req_id] = req
         return req
 
+    def generate(self, prompts: list[list[int]], params: list[SamplingParams]) -> list[Req]:
+        """Add one request per prompt and step until the engine is idle; returns the requests,
+        finished, in order. Every prompt is validated before any request starts."""
+        if len(params) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling parameter sets")
+        for ids in prompts:
+            self.validate_prompt(ids)
+        reqs = [self.add_request(ids, sp) for ids, sp in zip(prompts, params)]
+        while self.has_unfinished():
+            self.step()
+        return reqs
+
     def abort(self, req_id: str) -> None:
         req = self.requests.pop(req_id, None)
         if req is not None:

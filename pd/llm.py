@@ -66,15 +66,7 @@ class LLM:
             params = SamplingParams()
         if isinstance(params, SamplingParams):
             params = [params] * len(prompts)
-        if len(params) != len(prompts):
-            raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling parameter sets")
-        engine = self.engine
-        encoded = [self.encode(p) for p in prompts]
-        for ids in encoded:  # refuse the whole call before any request starts
-            engine.validate_prompt(ids)
-        reqs = [engine.add_request(ids, sp) for ids, sp in zip(encoded, params)]
-        while engine.has_unfinished():
-            engine.step()
+        reqs = self.engine.generate([self.encode(p) for p in prompts], params)
         return [self._output(r) for r in reqs]
 
     def _output(self, req: Req) -> RequestOutput:

@@ -26,20 +26,13 @@ SMALL = dict(hidden_size=1024, intermediate_size=2816, num_layers=12, num_heads=
              vocab_size=32000, max_position_embeddings=2048)
 
 
-def generate(engine: Engine, prompts, params) -> list[list[int]]:
-    reqs = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
-    while engine.has_unfinished():
-        engine.step()
-    return [r.output_token_ids for r in reqs]
-
-
 def run(model: str, dtype: str, eager: bool, prompts, params) -> tuple[list[list[int]], float, int]:
     engine = Engine(EngineConfig(model=model, device="cuda", dtype=dtype, enforce_eager=eager,
                                  num_blocks=4096))
-    generate(engine, prompts[:4], params[:4])  # warm-up (and first captures)
+    engine.generate(prompts[:4], params[:4])  # warm-up (and first captures)
     torch.cuda.synchronize()
     t0 = time.perf_counter()
-    outs = generate(engine, prompts, params)
+    outs = [r.output_token_ids for r in engine.generate(prompts, params)]
     torch.cuda.synchronize()
     dt = time.perf_counter() - t0
     graphs = engine.runner.graphs

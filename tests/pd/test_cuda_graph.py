@@ -14,13 +14,6 @@ from pd.engine_args import engine_config
 from pd.sampling_params import SamplingParams
 
 
-def generate(engine: Engine, prompts, params) -> list[list[int]]:
-    reqs = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
-    while engine.has_unfinished():
-        engine.step()
-    return [r.output_token_ids for r in reqs]
-
-
 def test_cpu_runner_builds_no_graphs_and_flag_reaches_config(tiny_model_dir):
     engine = Engine(EngineConfig(model=str(tiny_model_dir), num_blocks=64))
     assert engine.runner.graphs is None and engine.runner.kv_cache.dummy_block is None
@@ -44,7 +37,7 @@ def test_graphs_equal_eager_float32(tiny_model_dir):
     for eager in (True, False):
         engine = Engine(EngineConfig(model=str(tiny_model_dir), device="cuda", dtype="float32",
                                      num_blocks=512, max_num_seqs=24, enforce_eager=eager))
-        outs[eager] = generate(engine, prompts, params)
+        outs[eager] = [r.output_token_ids for r in engine.generate(prompts, params)]
         engine.allocator.check_integrity()
         if not eager:
             assert engine.runner.graphs.graphs, "no decode step ran as a graph"
