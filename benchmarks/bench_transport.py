@@ -90,6 +90,15 @@ def _go_socket():
     return go, f"tcp://127.0.0.1:{port}"
 
 
+def attach_when_created(name: str) -> Ring:
+    """The consumer end of a ring that a producer process is about to create."""
+    while True:
+        try:
+            return Ring.attach(name)
+        except Exception:
+            time.sleep(0.01)
+
+
 def bench_ring(size: int, count: int) -> float:
     ctx = mp.get_context("spawn")
     waiter = DoorbellWaiter(_ipc_endpoint())
@@ -97,12 +106,7 @@ def bench_ring(size: int, count: int) -> float:
     name = f"pd_shm_bench_{os.getpid()}"
     proc = ctx.Process(target=ring_producer, args=(name, waiter.endpoint, go_ep, size, count))
     proc.start()
-    ring = None
-    while ring is None:
-        try:
-            ring = Ring.attach(name)
-        except Exception:
-            time.sleep(0.01)
+    ring = attach_when_created(name)
     dst = np.empty(size, dtype=np.uint8)
     got = 0
     t0 = time.perf_counter()

@@ -16,7 +16,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_decode import timed  # noqa: E402
+from bench_decode import copy_bandwidth, timed  # noqa: E402
 
 from pd.attention import paged_attention  # noqa: E402
 from pd.context import build_context, forward_context  # noqa: E402
@@ -25,10 +25,8 @@ KV_HEADS, GROUP, HEAD_DIM, BLOCK = 8, 4, 64, 16
 
 
 def main() -> None:
-    src = torch.randn(1 << 28, device="cuda")
-    dst = torch.empty_like(src)
-    copy_bw = 2 * src.numel() * 4 / timed(lambda: dst.copy_(src), 20)
-    del src, dst
+    copy_bw = copy_bandwidth()
+    torch.cuda.empty_cache()
     print(f"{torch.cuda.get_device_name()}: copy {copy_bw / 1e9:.0f} GB/s (read + write)")
     print(f"{'batch':>5} {'context':>7} | {'triton us':>9} {'GB/s':>6} | {'torch us':>9} {'GB/s':>6} | speedup")
     for batch, ctx_len in ((1, 1024), (1, 8192), (8, 1024), (64, 512), (64, 2048), (256, 1024)):

@@ -52,14 +52,19 @@ def timed(fn, repeat: int = 5) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def ceilings() -> tuple[float, float]:
+def copy_bandwidth() -> float:
+    """Bytes/s of a 1 GiB device-to-device copy, counting bytes read and written."""
     src = torch.randn(1 << 28, device="cuda")  # 1 GiB of float32
     dst = torch.empty_like(src)
-    copy_bw = 2 * src.numel() * 4 / timed(lambda: dst.copy_(src), 20)
+    return 2 * src.numel() * 4 / timed(lambda: dst.copy_(src), 20)
+
+
+def ceilings() -> tuple[float, float]:
+    copy_bw = copy_bandwidth()
     a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     rate = 2 * 8192**3 / timed(lambda: a @ b, 20)
-    del src, dst, a, b
+    del a, b
     torch.cuda.empty_cache()
     return copy_bw, rate
 
@@ -88,9 +93,7 @@ def prefill_seconds(engine: Engine, prompt_len: int) -> float:
     params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
 
     def run():
-        engine.add_request(torch.randint(3, 32000, (prompt_len,), generator=gen).tolist(), params)
-        while engine.has_unfinished():
-            engine.step()
+        engine.generate([torch.randint(3, 32000, (prompt_len,), generator=gen).tolist()], [params])
 
     return timed(run, 3)
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import multiprocessing as mp
 import os
+import sys
 import tempfile
 import time
 
@@ -31,6 +32,9 @@ from shm_ipc.kv import dtype_name, gather_into, install_kv, plan_chunks, unit_by
 from shm_ipc.records import KV_DATA_OFFSET
 from shm_ipc.ring import Ring
 from shm_ipc.transport import DEFAULT_MAX_RECORD
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench_transport import attach_when_created  # noqa: E402
 
 LAYERS, HEADS, HEAD_DIM, BLOCK = 16, 8, 64, 16
 RING_BYTES = 256 << 20
@@ -81,12 +85,7 @@ def transfer(per_req: int, requests: int, pin: bool) -> tuple[float, bool]:
     proc = ctx.Process(target=producer, args=(name, waiter.endpoint, go_ep, num_blocks, per_req,
                                               requests, pin))
     proc.start()
-    ring = None
-    while ring is None:
-        try:
-            ring = Ring.attach(name)
-        except Exception:
-            time.sleep(0.01)
+    ring = attach_when_created(name)
     if pin:
         ring.seg.pin()
     kv = cache(num_blocks, seed=None)
