@@ -9,6 +9,7 @@ float32, for `benchmarks/gpu/run_all.sh`.
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 
@@ -19,6 +20,17 @@ from pd.procs import start_node
 DEVICE = os.environ.get("PD_TEST_DEVICE", "cpu")
 DEVICE_ARGS = ["--device", DEVICE, "--dtype", "float32"] if DEVICE != "cpu" else []
 DEVICE_KWARGS = {"device": DEVICE, "dtype": "float32"} if DEVICE != "cpu" else {}
+
+
+def wait_idle(client: NodeClient, node, timeout: float = 10.0) -> dict:
+    """Ping the node (`node.addr`) until every KV block is free again, or `timeout` passes;
+    returns its last load."""
+    deadline = time.monotonic() + timeout
+    while True:
+        stats = client.ping(node.addr).stats
+        if stats["free_blocks"] == stats["total_blocks"] or time.monotonic() > deadline:
+            return stats
+        time.sleep(0.05)
 
 
 class Cluster:

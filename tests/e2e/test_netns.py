@@ -26,6 +26,7 @@ from pd.client import NodeClient
 from pd.llm import LLM
 from pd.procs import start_node
 from pd.sampling_params import SamplingParams
+from tests.e2e.conftest import wait_idle
 
 HANDOFF_TIMEOUT = 3.0  # prefill node: first token -> KV acknowledged
 KV_TIMEOUT = 3.0       # decode node: request announced -> KV complete
@@ -148,15 +149,6 @@ def long_prompts(n: int, seed: int) -> list[list[int]]:
     return [[rng.randrange(3, 512) for _ in range(rng.randrange(300, 480))] for _ in range(n)]
 
 
-def wait_idle(client: NodeClient, node, timeout: float = 15.0) -> dict:
-    deadline = time.monotonic() + timeout
-    while True:
-        stats = client.ping(node.addr).stats
-        if stats["free_blocks"] == stats["total_blocks"] or time.monotonic() > deadline:
-            return stats
-        time.sleep(0.1)
-
-
 def wait_timed(client: NodeClient, req_ids: list[str], bound: float) -> list:
     """Wait for every request, each within `bound` seconds of its sending: no hang."""
     pending = set(req_ids)
@@ -220,7 +212,7 @@ def test_link_cut_mid_transfer_fails_or_completes_and_frees_kv(netns, nodes, cli
             assert r.token_ids == want[tuple(ids[r.req_id])] and r.finish_reason == "length"
 
     for node in (prefill, decode):
-        stats = wait_idle(client, node)
+        stats = wait_idle(client, node, timeout=15.0)
         assert stats["free_blocks"] == stats["total_blocks"], (node.role, stats)
         assert stats["running"] == 0 and stats["queue_len"] == 0
     assert client.ping(prefill.addr).stats["handing_off"] == 0

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from pd.llm import LLM
-from tests.e2e.conftest import DEVICE_KWARGS
 from pd.sampling_params import SamplingParams
+from tests.e2e.conftest import DEVICE_KWARGS, wait_idle
 
 
 def mixed_prompts(n: int, seed: int = 0) -> list[list[int]]:
@@ -26,16 +26,6 @@ def mixed_prompts(n: int, seed: int = 0) -> list[list[int]]:
 @pytest.fixture(scope="module")
 def reference(tiny_model_dir):
     return LLM(tiny_model_dir, num_blocks=512, **DEVICE_KWARGS)
-
-
-def wait_idle(client, node, timeout: float = 10.0) -> dict:
-    """Poll the node's load until every block is free again."""
-    deadline = time.monotonic() + timeout
-    while True:
-        stats = client.ping(node.addr).stats
-        if stats["free_blocks"] == stats["total_blocks"] or time.monotonic() > deadline:
-            return stats
-        time.sleep(0.05)
 
 
 @pytest.mark.parametrize("transport", ["shm", "zmq"])
