@@ -29,7 +29,7 @@ from .errors import SegmentError
 from .metrics import refuse
 from .records import RecordError
 from .ring import Ring
-from .segment import remove_if_stale
+from .segment import remove_if_stale, sweep_stale
 from .transport import DEFAULT_MAX_RECORD
 
 log = logging.getLogger("shm_ipc")
@@ -167,8 +167,10 @@ class KVReceiver:
             if not ring.seg.creator_alive():
                 self._drain(peer, None, out)  # its process is dead: nothing more will be written
                 self._drop_ring(peer)
-                remove_if_stale(ring.name)  # a killed creator cannot remove it itself
                 out.append(Incoming(peer, PeerGone(f"prefill process of ring {ring.name!r} died")))
+        # NOTE: a killed creator cannot remove its rings, and one killed before its attach reached
+        # us left a ring we never saw: every dead creator's ring goes here.
+        sweep_stale()
 
     def _drop_ring(self, peer: bytes) -> None:
         ring = self.rings.pop(peer, None)

@@ -209,6 +209,16 @@ def remove_if_stale(name: str) -> bool:
     return True
 
 
+def sweep_stale() -> int:
+    """`remove_if_stale` on every segment with our prefix: also those whose creator died before
+    any consumer attached them, which no consumer would ever close. Returns how many went."""
+    try:
+        names = os.listdir(SHM_DIR)
+    except OSError:
+        return 0
+    return sum(remove_if_stale(name) for name in names if name.startswith(PREFIX))
+
+
 def _check_name(name: str) -> None:
     if not _NAME_RE.match(name):
         raise SegmentError(f"bad segment name {name!r}: use 1-200 of [A-Za-z0-9_.-]")

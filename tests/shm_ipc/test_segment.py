@@ -12,6 +12,7 @@ import pytest
 
 from shm_ipc.errors import SegmentError
 from shm_ipc.ring import RING_KIND, RING_LAYOUT_VERSION, Ring
+from shm_ipc.receiver import KVReceiver
 from shm_ipc.segment import SHM_DIR, Segment, remove_if_stale, segment_name
 
 from conftest import spawn_peer
@@ -71,6 +72,28 @@ def test_consumer_removes_only_a_dead_creators_segment(seg_name):
     assert not os.path.exists(os.path.join(SHM_DIR, seg_name))
     assert not remove_if_stale(seg_name)
     assert not remove_if_stale("../../etc/passwd") and not remove_if_stale("not_ours")
+
+
+def test_receiver_sweeps_a_dead_producers_ring_it_never_attached(seg_name):
+    """A producer killed before its attach message reached the consumer: the consumer's
+    liveness check still removes the ring, and leaves a live producer's alone."""
+    live, dead = spawn_peer("hold", seg_name + "_live"), spawn_peer("hold", seg_name)
+    try:
+        assert live.stdout.readline().strip() == "READY"
+        assert dead.stdout.readline().strip() == "READY"
+        dead.kill()
+        dead.wait()
+        rx = KVReceiver("tcp://127.0.0.1:*", liveness_interval=0.05)
+        try:
+            rx.recv(timeout=0.2)
+        finally:
+            rx.close()
+        assert not os.path.exists(os.path.join(SHM_DIR, seg_name))
+        assert os.path.exists(os.path.join(SHM_DIR, seg_name + "_live"))
+    finally:
+        live.kill()
+        live.wait()
+        remove_if_stale(seg_name + "_live")
 
 
 def test_a_process_handling_sigterm_keeps_its_segments_until_it_exits(seg_name):
