@@ -140,7 +140,7 @@ def row(case: str, ss: list[Stream], counts: dict, retried: float, after: str) -
 def test_kill9_decode_mid_stream(cluster, table):
     c = cluster
     retries = c.router_metric("pd_router_backend_retries_total")
-    ss = streams(c, [f"x = {i}" for i in range(6)], 150)
+    ss = streams(c, [f"x = {i}" for i in range(6)], 400)  # long enough to outlast the poll
     wait_tokens(ss, 2)
     c.nodes["d0"].kill()
     counts = finish(ss)

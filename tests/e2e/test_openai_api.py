@@ -147,18 +147,30 @@ def test_killing_a_decode_node_fails_only_its_requests(tiny_model_dir, reference
         name = tiny_model_dir.name
         victim = launch.nodes["decode-0"]["pid"]
 
+        chunks = [0] * 16  # text chunks each stream has received so far
+
         def one(i: int):
             try:
-                stream = api.completions.create(model=name, prompt=f"x = {i}", max_tokens=300,
+                stream = api.completions.create(model=name, prompt=f"x = {i}", max_tokens=480,
                                                 temperature=0, stream=True,
                                                 extra_body={"ignore_eos": True})
-                return "".join(c.choices[0].text for c in stream if c.choices), None
+                text = []
+                for c in stream:
+                    if c.choices:
+                        text.append(c.choices[0].text)
+                        chunks[i] += 1
+                return "".join(text), None
             except openai.APIError as e:
                 return None, e
 
         with cf.ThreadPoolExecutor(16) as pool:
             futures = [pool.submit(one, i) for i in range(16)]
-            time.sleep(2.0)
+            # Kill once every stream is under way, not after a fixed sleep: on a fast machine
+            # all of them could finish before a timer fires.
+            deadline = time.monotonic() + 60
+            while min(chunks) < 3 and time.monotonic() < deadline:
+                time.sleep(0.005)
+            assert min(chunks) >= 3, f"streams not all under way: {chunks}"
             os.kill(victim, 9)
             results = [f.result(timeout=120) for f in futures]
         failed = [e for _, e in results if e is not None]
