@@ -4,16 +4,12 @@ from __future__ import annotations
 
 import itertools
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 
 from shm_ipc.segment import MAGIC, PREFIX, SEGMENT_HEADER, SHM_DIR, is_alive
 
-PEER = str(Path(__file__).with_name("peer.py"))
 _counter = itertools.count()
 
 
@@ -47,9 +43,3 @@ def no_segment_left_behind():
 @pytest.fixture
 def seg_name() -> str:
     return f"{PREFIX}test_{os.getpid()}_{next(_counter)}"
-
-
-def spawn_peer(*args) -> subprocess.Popen:
-    """Start tests/shm_ipc/peer.py in a fresh interpreter (a real second process)."""
-    return subprocess.Popen([sys.executable, PEER, *map(str, args)], stdout=subprocess.PIPE,
-                            text=True)

@@ -13,8 +13,7 @@ from shm_ipc.errors import PeerGoneError
 from shm_ipc.ring import Ring
 from shm_ipc.segment import SHM_DIR
 
-from conftest import spawn_peer
-from peer import REC
+from shm_peer import REC, spawn_peer
 
 
 def _consume_until_gone(ring: Ring, waiter: DoorbellWaiter, timeout: float, seqs: list) -> None:

@@ -13,8 +13,7 @@ from shm_ipc.doorbell import DoorbellWaiter
 from shm_ipc.errors import RingFullError
 from shm_ipc.ring import ALIGN, Ring, record_size
 
-from conftest import spawn_peer
-from peer import REC, pool_bytes, record
+from shm_peer import REC, pool_bytes, record, spawn_peer
 
 
 @pytest.fixture

@@ -15,7 +15,7 @@ from shm_ipc.ring import RING_KIND, RING_LAYOUT_VERSION, Ring
 from shm_ipc.receiver import KVReceiver
 from shm_ipc.segment import SHM_DIR, Segment, remove_if_stale, segment_name
 
-from conftest import spawn_peer
+from shm_peer import spawn_peer
 
 
 def test_created_owner_only_and_removed_on_close(seg_name):

@@ -1,9 +1,12 @@
 """A second process for the shm_ipc tests: a ring producer or a prefill-side transport.
 
-    peer.py stream NAME DOORBELL COUNT CAPACITY SEED   COUNT checksummed records, then exit
-    peer.py midwrite NAME DOORBELL                     a few records, then stop inside a write
-    peer.py tx ENDPOINT INSTANCE COUNT                 COUNT FIRST_TOKEN records over ShmTransport
-    peer.py hold NAME                                  create a segment and wait for a signal
+Tests start it with `spawn_peer(...)` (imported from here, not from a conftest, whose module
+name other test directories share):
+
+    shm_peer.py stream NAME DOORBELL COUNT CAPACITY SEED   COUNT checksummed records, then exit
+    shm_peer.py midwrite NAME DOORBELL                     a few records, then stop inside a write
+    shm_peer.py tx ENDPOINT INSTANCE COUNT                 COUNT FIRST_TOKEN records over ShmTransport
+    shm_peer.py hold NAME                                  create a segment and wait for a signal
 
 Each prints READY (and at the end a summary) on stdout for the test to read.
 """
@@ -13,6 +16,7 @@ from __future__ import annotations
 import random
 import signal
 import struct
+import subprocess
 import sys
 import time
 import zlib
@@ -23,7 +27,13 @@ from shm_ipc import header
 from shm_ipc.doorbell import Doorbell
 from shm_ipc.ring import Ring
 
-REC = struct.Struct("<QI")  # sequence number, crc32 of the rest
+REC = struct.Struct("<QI")
+
+
+def spawn_peer(*args) -> subprocess.Popen:
+    """Start this file in a fresh interpreter (a real second process)."""
+    return subprocess.Popen([sys.executable, __file__, *map(str, args)], stdout=subprocess.PIPE,
+                            text=True)  # sequence number, crc32 of the rest
 
 
 def record(seq: int, rng: random.Random, pool: bytes) -> tuple[int, bytes]:
