@@ -4,10 +4,12 @@ and FIRST_TOKEN latency (publish -> the decode side has the decoded record).
 Each throughput figure moves `size`-byte messages from a producer process to this process,
 which copies every payload into its own buffer (as installing KV does); memcpy is one copy of
 the same bytes in this process, read from a pool as large as the ring (not from one cached
-buffer). Latency is measured one record at a time with the receiver
-asleep in its poll, using CLOCK_MONOTONIC (the same clock in both processes).
+buffer); each path runs --repeat times per size, interleaved, and the table shows medians (the
+host's memory bandwidth drifts). Latency is measured one record at a time with the receiver
+asleep in its poll, using CLOCK_MONOTONIC (the same clock in both processes); on shm the
+receiver is woken by its wake pipe (`shm_ipc.doorbell.WakePipe`) ahead of the ZMQ doorbell.
 
-    .venv/bin/python benchmarks/bench_transport.py [--sizes 64K,1M,64M] [--latency-n 2000]
+    .venv/bin/python benchmarks/bench_transport.py [--sizes 64K,1M,64M] [--repeat 3] [--latency-n 2000]
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ import zmq
 
 from shm_ipc import header
 from shm_ipc.doorbell import Doorbell, DoorbellWaiter
-from shm_ipc.ring import Ring
+from shm_ipc.ring import DATA_OFFSET, Ring
 
 
 def parse_size(s: str) -> int:
@@ -40,8 +42,19 @@ def fmt_size(n: int) -> str:
 
 
 # ---- producers (child processes) ----------------------------------------------------------------
+def touch_pages(ring: Ring, write: bool) -> None:
+    """Fault in this process's mapping of the whole ring before the clock starts, as a node's
+    long-lived ring is after its first laps (the memcpy pool is warm the same way)."""
+    pages = np.frombuffer(ring.seg.buf, dtype=np.uint8)[DATA_OFFSET::4096]  # data region only
+    if write:
+        pages[:] = 0
+    else:
+        int(pages.sum())
+
+
 def ring_producer(name: str, bell_ep: str, go_ep: str, size: int, count: int) -> None:
     ring = Ring.create(name, max(64 << 20, 4 * size))
+    touch_pages(ring, write=True)
     src = np.random.default_rng(0).integers(0, 256, size, dtype=np.uint8)
     bell = Doorbell(bell_ep)
     go = zmq.Context.instance().socket(zmq.PULL)
@@ -107,7 +120,9 @@ def bench_ring(size: int, count: int) -> float:
     proc = ctx.Process(target=ring_producer, args=(name, waiter.endpoint, go_ep, size, count))
     proc.start()
     ring = attach_when_created(name)
+    touch_pages(ring, write=False)
     dst = np.empty(size, dtype=np.uint8)
+    dst[:] = 0
     got = 0
     t0 = time.perf_counter()
     go.send(b"go")
@@ -139,6 +154,7 @@ def bench_zmq(scheme: str, size: int, count: int) -> float:
     proc.start()
     time.sleep(0.3)  # let it connect; the clock starts at "go"
     dst = np.empty(size, dtype=np.uint8)
+    dst[:] = 0
     t0 = time.perf_counter()
     go.send(b"go")
     for _ in range(count):
@@ -216,18 +232,24 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sizes", default="64K,256K,1M,4M,16M,64M")
     ap.add_argument("--bytes-per-size", default="512M", help="data moved per size and path")
+    ap.add_argument("--repeat", type=int, default=3,
+                    help="runs of each path per size, interleaved; the table shows medians")
     ap.add_argument("--latency-n", type=int, default=2000)
     ap.add_argument("--topk", type=int, default=20)
     args = ap.parse_args()
     total = parse_size(args.bytes_per_size)
+    print(f"medians of {args.repeat} interleaved runs")
     print(f"{'size':>8} {'memcpy':>9} {'ring':>9} {'zmq ipc':>9} {'zmq tcp':>9} "
           f"{'ring/memcpy':>12} {'ring/tcp':>9}   (GB/s)")
     for size in map(parse_size, args.sizes.split(",")):
         count = max(8, total // size)
-        mc = bench_memcpy(size, count)
-        ring = bench_ring(size, count)
-        ipc = bench_zmq("ipc", size, count)
-        tcp = bench_zmq("tcp", size, count)
+        runs: dict[str, list[float]] = {"memcpy": [], "ring": [], "ipc": [], "tcp": []}
+        for _ in range(args.repeat):  # interleaved, so a slow spell of the host hits every path
+            runs["memcpy"].append(bench_memcpy(size, count))
+            runs["ring"].append(bench_ring(size, count))
+            runs["ipc"].append(bench_zmq("ipc", size, count))
+            runs["tcp"].append(bench_zmq("tcp", size, count))
+        mc, ring, ipc, tcp = (statistics.median(runs[k]) for k in ("memcpy", "ring", "ipc", "tcp"))
         print(f"{fmt_size(size):>8} {mc / 1e9:9.2f} {ring / 1e9:9.2f} {ipc / 1e9:9.2f} "
               f"{tcp / 1e9:9.2f} {ring / mc:11.0%} {ring / tcp:8.1f}x", flush=True)
     print(f"\nFIRST_TOKEN latency, publish -> decoded on the receiver, top-k {args.topk}, "

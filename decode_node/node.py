@@ -73,6 +73,8 @@ class DecodeNode(NodeService):
                                    pin_rings=engine.runner.device.type == "cuda")
         self.kv_addr = self.receiver.endpoint
         self.register(self.receiver.socket, self.on_kv_socket)
+        if self.receiver.wake_fd is not None:
+            self.register(self.receiver.wake_fd, self.on_kv_socket)  # the ring's fast wake
         self.geometry = engine.geometry(mtp_enabled=engine.spec is not None)
         self.peers: dict[bytes, str] = {}  # paired prefill nodes: identity -> node id
         self.incoming: dict[str, Incoming] = {}

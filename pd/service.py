@@ -194,7 +194,8 @@ class NodeService:
         pass
 
     # -- machinery -----------------------------------------------------------------------------
-    def register(self, sock: zmq.Socket, handler: Callable[[], None]) -> None:
+    def register(self, sock: zmq.Socket | int, handler: Callable[[], None]) -> None:
+        """Call `handler` when `sock` (a ZMQ socket or a file descriptor) is readable."""
         self.poller.register(sock, zmq.POLLIN)
         self.handlers[sock] = handler
 

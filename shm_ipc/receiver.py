@@ -9,7 +9,11 @@ Malformed records and control messages are counted (`metrics.py`), logged and dr
 A ring producer whose process dies is reported as `PeerGone` once its published records are
 delivered, and its segment is removed; a peer on the ZMQ transport that dies is left to the
 node's own health checks.
-Waiting is a ZMQ poll: no spinning. Use `socket`/`fileno()` to poll with other sockets.
+Waiting is a ZMQ poll: no spinning. Use `socket` and `wake_fd` to poll with other sockets.
+Beside the ZMQ doorbells, producers write (ring id, position) to this receiver's wake pipe
+(`doorbell.WakePipe`, named in `shm_attached`); a ring is read on such a wake only when every
+control message its producer sent (`Ring.controls_sent`) has arrived, so records never pass a
+control message sent before them.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ import zmq
 from pd import security
 
 from . import control, header, records
-from .doorbell import decode_pos
+from .doorbell import WakePipe, decode_pos
 from .errors import SegmentError
 from .metrics import refuse
 from .records import RecordError
@@ -49,7 +53,7 @@ class Incoming(NamedTuple):
 class KVReceiver:
     def __init__(self, endpoint: str, max_topk: int = header.DEFAULT_MAX_TOPK,
                  ctx: zmq.Context | None = None, liveness_interval: float = 0.5,
-                 max_batch: int = 256, pin_rings: bool = False):
+                 max_batch: int = 256, pin_rings: bool = False, fast_wake: bool = True):
         self.max_topk = max_topk
         self.pin_rings = pin_rings  # page-lock attached rings for CUDA copies (shm_ipc.pinned)
         self.liveness_interval = liveness_interval
@@ -64,6 +68,19 @@ class KVReceiver:
         self.endpoint = self.socket.getsockopt_string(zmq.LAST_ENDPOINT)
         self.rings: dict[bytes, Ring] = {}
         self._next_check = 0.0
+        self.wake = WakePipe() if fast_wake else None
+        self._poller = zmq.Poller()
+        self._poller.register(self.socket, zmq.POLLIN)
+        if self.wake is not None:
+            self._poller.register(self.wake.fileno(), zmq.POLLIN)
+        self._ring_ids: dict[int, bytes] = {}  # the id each attached ring's producer wakes with
+        self._next_ring_id = 1
+        self._controls_seen: dict[bytes, int] = {}  # per ring peer, counted as Ring.controls_sent
+
+    @property
+    def wake_fd(self) -> int | None:
+        """The wake pipe's descriptor, for a poller beside `socket` (None: no wake pipe)."""
+        return None if self.wake is None else self.wake.fileno()
 
     def fileno(self) -> int:
         return self.socket.getsockopt(zmq.FD)
@@ -84,13 +101,16 @@ class KVReceiver:
         while True:
             wait = self.liveness_interval if deadline is None else \
                 min(self.liveness_interval, max(0.0, deadline - time.monotonic()))
-            if self.socket.poll(int(wait * 1000), zmq.POLLIN):
+            ready = dict(self._poller.poll(int(wait * 1000)))
+            if self.socket in ready:
                 for _ in range(self.max_batch):
                     try:
                         frames = self.socket.recv_multipart(zmq.NOBLOCK, copy=False)
                     except zmq.Again:
                         break
                     self._dispatch(frames, out)
+            if self.wake is not None and self.wake.fileno() in ready:
+                self._on_wake(out)
             if time.monotonic() >= self._next_check:
                 self._check_rings(out)
             if out or (deadline is not None and time.monotonic() >= deadline):
@@ -113,6 +133,8 @@ class KVReceiver:
                 msg = control.decode(first)
                 if len(frames) == 3:
                     self._drain(peer, decode_pos(frames[2].buffer), out)
+                    if peer in self._controls_seen:
+                        self._controls_seen[peer] += 1
                 self._on_control(peer, msg, out)
             else:
                 raise RecordError("frames", f"message of {len(frames) - 1} frames, first "
@@ -136,7 +158,13 @@ class KVReceiver:
                 self.send_control(peer, {"type": control.SHM_REFUSED, "version": 1,
                                          "reason": str(e)})
             else:
-                self.send_control(peer, {"type": control.SHM_ATTACHED, "version": 1})
+                ring_id, self._next_ring_id = self._next_ring_id, self._next_ring_id + 1
+                self._ring_ids[ring_id] = peer
+                self._controls_seen[peer] = 1  # the attach itself
+                reply = {"type": control.SHM_ATTACHED, "version": 1}
+                if self.wake is not None:
+                    reply |= {"wake": self.wake.path, "ring_id": ring_id}
+                self.send_control(peer, reply)
         elif kind == control.SHM_DETACH:
             self._drop_ring(peer)
             out.append(Incoming(peer, PeerGone("the prefill node closed its ring")))
@@ -161,6 +189,15 @@ class KVReceiver:
             except RecordError as e:
                 refuse(e.reason, f"ring {ring.name!r}: {e}")
 
+    def _on_wake(self, out: list[Incoming]) -> None:
+        for ring_id, pos in self.wake.drain().items():
+            peer = self._ring_ids.get(ring_id)
+            ring = self.rings.get(peer)
+            # NOTE: a control message sent before the record may still be on the ZMQ connection;
+            # then the record waits for its ZMQ doorbell, which comes after that message.
+            if ring is not None and ring.controls_sent == self._controls_seen.get(peer):
+                self._drain(peer, pos, out)
+
     def _check_rings(self, out: list[Incoming]) -> None:
         self._next_check = time.monotonic() + self.liveness_interval
         for peer, ring in list(self.rings.items()):
@@ -174,6 +211,9 @@ class KVReceiver:
 
     def _drop_ring(self, peer: bytes) -> None:
         ring = self.rings.pop(peer, None)
+        self._controls_seen.pop(peer, None)
+        for ring_id in [i for i, p in self._ring_ids.items() if p == peer]:
+            del self._ring_ids[ring_id]
         if ring is not None:
             ring.close()
 
@@ -181,6 +221,8 @@ class KVReceiver:
         for peer in list(self.rings):
             self._drop_ring(peer)
         self.socket.close()
+        if self.wake is not None:
+            self.wake.close()
 
     def __enter__(self):
         return self

@@ -4,7 +4,7 @@ Layout after the segment header (`segment.py`), defined once in `RING_CONTROL`; 
 written by one process only, and the two positions sit on separate 128-byte lines:
 
     64   capacity, data_offset          creator (producer), once
-    128  write_pos, producer_closed     producer
+    128  write_pos, producer_closed, controls_sent      producer
     256  read_pos, consumer_pid, consumer_start, consumer_closed   consumer
     4096 data region (capacity bytes, a multiple of ALIGN)
 
@@ -15,7 +15,10 @@ a timeout) for the consumer to release space and never overwrites unreleased byt
 
 The ring moves bytes only: decoding a record (`records.py`) and waking the consumer
 (`doorbell.py`, or the transport's ZMQ connection) are left to others. A consumer that reads only
-up to a position it was told over a socket inherits that socket's memory ordering.
+up to a position it was told over a socket (or a pipe) inherits its memory ordering.
+`controls_sent` counts the control messages the producer sent beside the ring (the transport
+bumps it before each send), so a consumer woken by a pipe can tell whether every control message
+sent before a record has reached it.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from .metrics import refuse
 from .segment import Segment, is_alive, process_start
 
 RING_KIND = 1
-RING_LAYOUT_VERSION = 1
+RING_LAYOUT_VERSION = 2
 ALIGN = 64
 RECORD_HEADER = 8  # uint32 word + uint32 payload length
 DATA_OFFSET = 4096
@@ -38,16 +41,16 @@ MAX_PAYLOAD = 0xFFFFFFFF
 
 RING_CONTROL = np.dtype({
     "names": ["capacity", "data_offset",  # producer, once at creation
-              "write_pos", "producer_closed",  # producer
+              "write_pos", "producer_closed", "controls_sent",  # producer
               "read_pos", "consumer_pid", "consumer_start", "consumer_closed"],  # consumer
-    "formats": ["<u8"] * 8,
-    "offsets": [64, 72, 128, 136, 256, 264, 272, 280],
+    "formats": ["<u8"] * 9,
+    "offsets": [64, 72, 128, 136, 144, 256, 264, 272, 280],
     "itemsize": DATA_OFFSET,
 })
 _I = {name: off // 8 for name, (_, off) in RING_CONTROL.fields.items()}
 CAPACITY, WRITE_POS, PRODUCER_CLOSED = _I["capacity"], _I["write_pos"], _I["producer_closed"]
 READ_POS, CONSUMER_PID, CONSUMER_START = _I["read_pos"], _I["consumer_pid"], _I["consumer_start"]
-CONSUMER_CLOSED = _I["consumer_closed"]
+CONSUMER_CLOSED, CONTROLS_SENT = _I["consumer_closed"], _I["controls_sent"]
 
 
 def record_size(payload_len: int) -> int:
@@ -130,6 +133,10 @@ class Ring:
             at += v.nbytes
         return self.commit()
 
+    def note_control(self) -> None:
+        """Count one control message about to be sent beside the ring (before sending it)."""
+        self._ctl[CONTROLS_SENT] += 1
+
     def _wait_space(self, end: int, timeout: float) -> None:
         self.num_waits += 1
         deadline = time.monotonic() + timeout
@@ -164,6 +171,10 @@ class Ring:
     @property
     def write_pos(self) -> int:
         return self._ctl[WRITE_POS]
+
+    @property
+    def controls_sent(self) -> int:
+        return self._ctl[CONTROLS_SENT]
 
     @property
     def read_pos(self) -> int:

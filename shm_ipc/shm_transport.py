@@ -6,6 +6,11 @@ DEALER. Control messages carry the ring position at send time, so D delivers eve
 published before a control message ahead of it. KV is gathered straight from the cache into
 ring memory; from a GPU cache, by DMA into the ring's page-locked mapping. If D answers `shm_refused` (e.g. no shared /dev/shm), the next call raises;
 choosing the ZMQ transport instead is the caller's (mode "zmq").
+
+When D's `shm_attached` names its wake pipe (`doorbell.WakePipe`), each record also writes
+(ring id, position) there before the ZMQ doorbell, which wakes D sooner; every control message
+is counted in the ring (`Ring.note_control`) before it is sent, so D reads by the pipe only when
+no control message is still on its way.
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ import torch
 import zmq
 
 from . import control
-from .doorbell import encode_pos
+from .doorbell import WakeWriter, encode_pos
 from .errors import TransportError
 from .header import Flag, pack
 from .kv import gather_into
@@ -40,11 +45,13 @@ class ShmTransport(Transport):
         self.timeout = timeout
         self.refused: str | None = None
         self.attached = False
+        self.waker: WakeWriter | None = None
         try:
             self.ring = Ring.create(segment_name(instance_id, endpoint), ring_bytes)
         except BaseException:
             self.socket.close(linger=0)
             raise
+        self.ring.note_control()
         self._send([control.encode({
             "type": control.SHM_ATTACH, "version": 1, "segment": self.ring.name,
             "capacity": self.ring.capacity, "pid": os.getpid()}), encode_pos(0)])
@@ -59,13 +66,15 @@ class ShmTransport(Transport):
     def _on_internal(self, msg: dict) -> None:
         if msg["type"] == control.SHM_ATTACHED:
             self.attached = True
+            wake, ring_id = msg.get("wake"), msg.get("ring_id")
+            if isinstance(wake, str) and isinstance(ring_id, int) and 0 <= ring_id <= 0xFFFFFFFF:
+                self.waker = WakeWriter.open(wake, ring_id)
         elif msg["type"] == control.SHM_REFUSED:
             self.refused = str(msg.get("reason", "no reason given"))
 
     def _send_small(self, word: int, body: bytes) -> None:
         self._check()
-        pos = self.ring.publish(word, body, timeout=self.timeout)
-        self._send([b"", encode_pos(pos)])
+        self._ring_bell(self.ring.publish(word, body, timeout=self.timeout))
 
     def _send_kv_chunk(self, meta: bytes, kv: torch.Tensor, ids: torch.Tensor, chunk) -> None:
         self._check()
@@ -76,20 +85,28 @@ class ShmTransport(Transport):
         view = self.ring.reserve(_KV_WORD, KV_DATA_OFFSET + nbytes, self.timeout)
         view[:KV_DATA_OFFSET] = meta
         gather_into(kv, ids, chunk, view[KV_DATA_OFFSET:])
-        pos = self.ring.commit()
+        self._ring_bell(self.ring.commit())
+
+    def _ring_bell(self, pos: int) -> None:
+        if self.waker is not None:
+            self.waker.wake(pos)
         self._send([b"", encode_pos(pos)])
 
     def send_control(self, msg: dict) -> None:
         self._check()
+        self.ring.note_control()
         self._send([control.encode(msg), encode_pos(self.ring.write_pos)])
 
     def close(self) -> None:
         """Tell D the ring ends after what was sent, then remove it."""
         if not self.socket.closed:
             try:
+                self.ring.note_control()
                 self._send([control.encode({"type": control.SHM_DETACH, "version": 1}),
                             encode_pos(self.ring.write_pos)])
             except TransportError:
                 pass  # D is not reading: it finds the ring's creator gone instead
+        if self.waker is not None:
+            self.waker.close()
         self.ring.close()
         super().close()

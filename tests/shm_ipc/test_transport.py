@@ -14,7 +14,7 @@ import torch
 import zmq
 
 from shm_ipc import control, header, records
-from shm_ipc.doorbell import encode_pos
+from shm_ipc.doorbell import WakePipe, WakeWriter, encode_pos
 from shm_ipc.errors import TransportError
 from shm_ipc.header import Flag
 from shm_ipc.kv import install_kv
@@ -24,7 +24,7 @@ from shm_ipc.records import AbortRecord, FirstTokenRecord, KVRecord, TokensRecor
 from shm_ipc.segment import SHM_DIR, segment_name
 from shm_ipc.transport import Transport, choose_mode, is_local, make_transport
 
-from conftest import spawn_peer
+from shm_peer import spawn_peer
 
 
 @pytest.fixture
@@ -261,3 +261,65 @@ def test_send_to_a_peer_taking_nothing_raises_instead_of_blocking(monkeypatch, m
     assert not t.is_alive(), "a send blocked"
     assert raised and "not taking messages" in str(raised[0])
     tx.close()  # does not block either
+
+
+def _woken_transport(rx: KVReceiver, name: str):
+    """A shm transport whose ring `rx` attached and which opened `rx`'s wake pipe."""
+    tx = _attached_ring(rx, name)
+    deadline = time.monotonic() + 10
+    while tx.waker is None:
+        assert time.monotonic() < deadline, "the transport never opened the wake pipe"
+        tx.recv_control(timeout=0.05)
+    return tx
+
+
+def test_wake_pipe_delivers_a_record_without_its_zmq_doorbell(rx):
+    rec = FirstTokenRecord("w", 3, -0.5, 1, [(3, -0.5)])
+    tx = _woken_transport(rx, "p-wake")
+    try:
+        word, body = records.encode(rec)
+        tx.waker.wake(tx.ring.publish(word, body))  # no ZMQ doorbell: the pipe alone
+        assert [i.item for i in rx.recv(timeout=5)] == [rec]
+    finally:
+        tx.close()
+
+
+def test_wake_pipe_never_lets_a_record_pass_a_control_message_sent_before_it(rx):
+    rec = FirstTokenRecord("w", 3, -0.5, 1, [(3, -0.5)])
+    msg = {"type": "hello", "version": 1}
+    tx = _woken_transport(rx, "p-wake-order")
+    try:
+        # The control message is counted and "on its way" (not yet sent) when the record is
+        # published and the pipe rung: the receiver must hold the record back.
+        before = tx.ring.write_pos
+        tx.ring.note_control()
+        word, body = records.encode(rec)
+        pos = tx.ring.publish(word, body)
+        tx.waker.wake(pos)
+        assert rx.recv(timeout=0.3) == []
+        tx.socket.send_multipart([control.encode(msg), encode_pos(before)])  # the late message
+        tx.socket.send_multipart([b"", encode_pos(pos)])  # and the record's ZMQ doorbell
+        assert _collect(rx, 2) == [msg, rec]
+        tx.send_record(rec)  # counts agree again: the pipe path reads at once
+        word, body = records.encode(rec)
+        tx.waker.wake(tx.ring.publish(word, body))
+        assert [i.item for i in rx.recv(timeout=5)] == [rec, rec]
+    finally:
+        tx.close()
+
+
+def test_wake_writer_refuses_what_is_not_a_fifo_and_outlives_its_reader(tmp_path):
+    plain = tmp_path / "plain"
+    plain.write_bytes(b"")
+    assert WakeWriter.open(str(plain), 1) is None  # never writes into a regular file
+    assert WakeWriter.open(str(tmp_path / "missing"), 1) is None
+    pipe = WakePipe()
+    writer = WakeWriter.open(pipe.path, 7)
+    for pos in (64, 192, 128):
+        writer.wake(pos)
+    assert pipe.drain() == {7: 192}
+    assert pipe.drain() == {}
+    pipe.close()
+    assert not os.path.exists(pipe.dir)
+    writer.wake(256)  # the reader is gone: no error, no signal
+    writer.close()
