@@ -4,7 +4,8 @@
 #   CUDA), KV transfer, decode/prefill vs floors and HF, CUDA graphs vs eager, overlap on/off (parity of 64 requests, sync
 #   check, throughput and step gap), MTP on/off. Logs go to $OUT (or ./out) and one table each
 #   to stdout.
-#     bash benchmarks/gpu/run_all.sh [1|2]      (1: checks, KV, attention, decode; 2: the rest)
+#     bash benchmarks/gpu/run_all.sh [1|2|3]    (1: checks, KV, attention, decode; 2: graphs,
+#                                                 overlap, MTP; 3: the two-GPU mixed load)
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-out}
@@ -20,7 +21,7 @@ step() {  # step NAME CMD...: run one part, keep its log, remember a failure
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import torch, cupy; print('torch', torch.__version__, 'cupy', cupy.__version__)"
 PART=${1:-all}
-if [[ $PART != 2 ]]; then
+if [[ $PART == all || $PART == 1 ]]; then
 TAIL=8 step kernels python3 benchmarks/gpu/check_kernels.py
 TAIL=12 step mtp_engine python3 benchmarks/gpu/check_mtp_engine.py
 TAIL=8 step mtp_engine_torch_attention env PD_ATTENTION=torch python3 benchmarks/gpu/check_mtp_engine.py
@@ -32,12 +33,15 @@ TAIL=6 step kv python3 benchmarks/gpu/bench_kv.py
 TAIL=8 step attention python3 benchmarks/gpu/bench_attention.py
 TAIL=14 step decode python3 benchmarks/gpu/bench_decode.py
 fi
-if [[ $PART != 1 ]]; then
+if [[ $PART == all || $PART == 2 ]]; then
 TAIL=8 step graphs python3 benchmarks/gpu/check_graphs.py
 TAIL=9 step overlap_tiny python3 benchmarks/bench_overlap.py --device cuda --parity 64 --check-sync
 TAIL=6 step overlap_small python3 benchmarks/bench_overlap.py --device cuda --synthetic small
 TAIL=6 step overlap_small_eager python3 benchmarks/bench_overlap.py --device cuda --synthetic small --enforce-eager
 TAIL=32 step mtp python3 benchmarks/bench_mtp.py --device cuda
 TAIL=32 step mtp_eager python3 benchmarks/bench_mtp.py --device cuda --enforce-eager
+fi
+if [[ $PART == 3 ]]; then  # needs two GPUs: P on cuda:0, D on cuda:1
+TAIL=8 step mixed python3 benchmarks/gpu/bench_mixed.py
 fi
 exit $status

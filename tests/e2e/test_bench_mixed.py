@@ -1,0 +1,27 @@
+"""`benchmarks/gpu/bench_mixed.py` (the two-GPU mixed-load run) on the CPU with a tiny model:
+both setups run the streams alone and with arriving prompts, and print their ITL rows. Only that
+the script works is checked here; its figures come from a GPU host."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu" / "bench_mixed.py"
+
+
+def test_mixed_load_benchmark_runs_both_setups_on_cpu():
+    out = subprocess.run(
+        [sys.executable, str(SCRIPT), "--tiny", "--prefill-device", "cpu", "--decode-device", "cpu",
+         "--streams", "2", "--stream-prompt", "16", "--stream-tokens", "200", "--prompt-len", "256",
+         "--long-tokens", "4", "--interval", "0.1", "--warmup", "0.05", "--max-long", "8"],
+        capture_output=True, text=True, timeout=240)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = {line.split("|")[0].strip(): line.split("|") for line in out.stdout.splitlines()
+            if line.strip().startswith(("PD |", "colocated |"))}
+    assert set(rows) == {"PD", "colocated"}, out.stdout
+    for cells in rows.values():
+        alone, mixed = map(float, cells[1].split()), map(float, cells[2].split())
+        assert all(v > 0 for v in [*alone, *mixed]), cells
+        assert int(cells[3]) > 0, cells  # prompts did arrive while the streams decoded
