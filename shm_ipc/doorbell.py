@@ -86,13 +86,41 @@ class DoorbellWaiter:
         self.sock.close()
 
 
+_PIPE_PREFIX = "pd-wake-"
+
+
+def _sweep_dead_pipes() -> None:
+    """Remove the wake pipes of processes that died without closing them (kill -9)."""
+    root = tempfile.gettempdir()
+    for name in os.listdir(root):
+        if not name.startswith(_PIPE_PREFIX):
+            continue
+        try:
+            pid = int(name[len(_PIPE_PREFIX):].split("-", 1)[0])
+            os.kill(pid, 0)
+            continue  # alive (or not ours to signal): kept
+        except ProcessLookupError:
+            pass
+        except (ValueError, PermissionError):
+            continue
+        path = os.path.join(root, name)
+        try:
+            for entry in os.listdir(path):
+                os.unlink(os.path.join(path, entry))
+            os.rmdir(path)
+        except OSError:
+            pass
+
+
 class WakePipe:
     """Consumer side of the fast wake: a FIFO in a private directory, read without blocking.
 
     `fileno()` goes in the consumer's poller; `drain()` returns {ring id: highest position}."""
 
     def __init__(self):
-        self.dir = tempfile.mkdtemp(prefix="pd-wake-")  # mode 0700: only this user's processes
+        _sweep_dead_pipes()
+        # mode 0700: only this user's processes
+        self.dir = tempfile.mkdtemp(prefix=f"{_PIPE_PREFIX}{os.getpid()}-")
         self.path = os.path.join(self.dir, "wake")
         os.mkfifo(self.path, 0o600)
         self.fd = os.open(self.path, os.O_RDONLY | os.O_NONBLOCK)

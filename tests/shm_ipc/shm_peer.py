@@ -7,6 +7,7 @@ name other test directories share):
     shm_peer.py midwrite NAME DOORBELL                     a few records, then stop inside a write
     shm_peer.py tx ENDPOINT INSTANCE COUNT                 COUNT FIRST_TOKEN records over ShmTransport
     shm_peer.py hold NAME                                  create a segment and wait for a signal
+    shm_peer.py wakepipe                                   make a wake pipe, print its path, wait
 
 Each prints READY (and at the end a summary) on stdout for the test to read.
 """
@@ -103,3 +104,7 @@ if __name__ == "__main__":
         tx(args[0], args[1], int(args[2]))
     elif cmd == "hold":
         hold(args[0])
+    elif cmd == "wakepipe":
+        from shm_ipc.doorbell import WakePipe
+        print("PIPE", WakePipe().path, flush=True)
+        signal.pause()

@@ -323,3 +323,14 @@ def test_wake_writer_refuses_what_is_not_a_fifo_and_outlives_its_reader(tmp_path
     assert not os.path.exists(pipe.dir)
     writer.wake(256)  # the reader is gone: no error, no signal
     writer.close()
+
+
+def test_a_dead_processs_wake_pipe_is_swept_by_the_next_one():
+    child = spawn_peer("wakepipe")
+    path = child.stdout.readline().split()[1]
+    assert os.path.exists(path)
+    child.kill()  # SIGKILL: it cannot remove its pipe
+    child.wait()
+    child.stdout.close()
+    WakePipe().close()
+    assert not os.path.exists(os.path.dirname(path))
