@@ -8,6 +8,7 @@ buffer); each path runs --repeat times per size, interleaved, and the table show
 host's memory bandwidth drifts). Latency is measured one record at a time with the receiver
 asleep in its poll, using CLOCK_MONOTONIC (the same clock in both processes); on shm the
 receiver is woken by its wake pipe (`shm_ipc.doorbell.WakePipe`) ahead of the ZMQ doorbell.
+The wake alone (a FIFO write, a ZMQ message) is timed the same way: the floor under each path.
 
     .venv/bin/python benchmarks/bench_transport.py [--sizes 64K,1M,64M] [--repeat 3] [--latency-n 2000]
 """
@@ -228,6 +229,66 @@ def bench_latency(mode: str, n: int, topk: int) -> tuple[float, float, float]:
     return statistics.median(lat), lat[int(len(lat) * 0.99) - 1], idle_cpu
 
 
+# ---- the wake alone ------------------------------------------------------------------------------
+def wake_receiver(kind: str, where: str, n: int, out: str) -> None:
+    """Sleep in a zmq.Poller (as the decode node does) until woken n times; save the wake times."""
+    poller = zmq.Poller()
+    if kind == "pipe":
+        fd = os.open(where, os.O_RDONLY | os.O_NONBLOCK)
+        poller.register(fd, zmq.POLLIN)
+        read = lambda: os.read(fd, 64)  # noqa: E731
+    else:
+        sock = zmq.Context.instance().socket(zmq.PULL)
+        sock.connect(where)
+        poller.register(sock, zmq.POLLIN)
+        read = lambda: sock.recv(zmq.NOBLOCK)  # noqa: E731
+    times = []
+    while len(times) < n:
+        if poller.poll(30_000):
+            read()
+            times.append(time.perf_counter())
+    np.save(out, np.array(times))
+
+
+def bench_wake(kind: str, n: int) -> tuple[float, float]:
+    """One-way latency (p50, p99 us) of waking a sleeping process: a FIFO write, or a ZMQ tcp
+    message; the floor under FIRST_TOKEN latency on each path."""
+    tmp = tempfile.mkdtemp(prefix="pd-bench-wake-")
+    _ipc_dir.append(tmp)
+    if kind == "pipe":
+        where = os.path.join(tmp, "fifo")
+        os.mkfifo(where, 0o600)
+    else:
+        sock = zmq.Context.instance().socket(zmq.PUSH)
+        where = f"tcp://127.0.0.1:{sock.bind_to_random_port('tcp://127.0.0.1')}"
+    out = os.path.join(tmp, "times.npy")
+    proc = mp.get_context("spawn").Process(target=wake_receiver, args=(kind, where, n, out))
+    proc.start()
+    if kind == "pipe":
+        while True:
+            try:
+                fd = os.open(where, os.O_WRONLY | os.O_NONBLOCK)
+                break
+            except OSError:  # ENXIO until the receiver opened its end
+                time.sleep(0.01)
+        send = lambda: os.write(fd, b"w")  # noqa: E731
+    else:
+        send = lambda: sock.send(b"w")  # noqa: E731
+    time.sleep(0.5)  # the receiver connected and asleep
+    sent = []
+    for _ in range(n):
+        time.sleep(0.0005)
+        sent.append(time.perf_counter())
+        send()
+    proc.join()
+    if kind == "pipe":
+        os.close(fd)
+    else:
+        sock.close()
+    lat = np.sort((np.load(out) - np.array(sent)) * 1e6)
+    return float(np.median(lat)), float(lat[int(len(lat) * 0.99) - 1])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sizes", default="64K,256K,1M,4M,16M,64M")
@@ -258,6 +319,10 @@ def main() -> None:
         p50, p99, idle = bench_latency(mode, args.latency_n, args.topk)
         extra = f"   idle receiver CPU {idle:.1%} of a core" if idle is not None else ""
         print(f"  {mode:>3}: p50 {p50:7.1f} us   p99 {p99:7.1f} us{extra}", flush=True)
+    print("the wake alone (a process asleep in a zmq.Poller, one-way):")
+    for kind, name in (("pipe", "pipe"), ("zmq", "zmq tcp")):
+        p50, p99 = bench_wake(kind, args.latency_n)
+        print(f"  {name:>7}: p50 {p50:7.1f} us   p99 {p99:7.1f} us", flush=True)
 
 
 if __name__ == "__main__":

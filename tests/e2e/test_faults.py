@@ -102,6 +102,11 @@ def survivors_idle(c: FaultCluster, names) -> str:
     busy = {n: (s["free_blocks"], s["total_blocks"]) for n, s in stats.items()
             if s["free_blocks"] != s["total_blocks"] or s["running"]}
     assert not busy, f"blocks still held (free, total): {busy}"
+    # A decode node checks its ring producers' lives every 0.5 s (its liveness interval) and
+    # removes a dead one's ring then: the survivors may be idle before that check came.
+    deadline = time.monotonic() + 5.0
+    while c.stale_segments() and time.monotonic() < deadline:
+        time.sleep(0.05)
     assert not c.stale_segments(), c.stale_segments()
     return f"{'/'.join(names)} idle, 0 stale segments"
 
