@@ -22,7 +22,7 @@ import logging
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Protocol, Sequence
+from typing import Callable, Protocol, Sequence
 
 from aiohttp import web
 
@@ -226,6 +226,17 @@ class RouterServer:
         gen = Generation(self.backend, choices, greqs, on_retry=m.retries.inc,
                          on_abort=lambda r: m.aborts.labels(r).inc())
         num_prompt_tokens = sum(len(p) for p in prompts)
+        released = False
+
+        def release() -> None:
+            # NOTE: called once the nodes are done with the request, before the final [DONE]
+            # write: a client that sends its next request on reading [DONE] finds the slot free.
+            nonlocal released
+            if not released:
+                released = True
+                m.running.dec()
+                self.admission.release()
+
         try:
             gen.start()
             try:
@@ -238,19 +249,18 @@ class RouterServer:
             timer = RequestTimer(self.metrics, t_arrival)
             if req.stream:
                 return await self._stream(request, gen, first, fmt, choices, num_prompt_tokens,
-                                          timer)
+                                          timer, release)
             return await self._collect(gen, first, fmt, choices, num_prompt_tokens, timer)
         except (asyncio.CancelledError, ConnectionResetError):
             await gen.close("client_disconnect")
             raise
         finally:
             await gen.close("error")
-            m.running.dec()
-            self.admission.release()
+            release()
 
     async def _stream(self, request: web.Request, gen: Generation, first: Delta,
                       fmt: ResponseFormat, choices: list[Choice], num_prompt_tokens: int,
-                      timer: RequestTimer) -> web.StreamResponse:
+                      timer: RequestTimer, release: Callable[[], None]) -> web.StreamResponse:
         resp = web.StreamResponse(headers=_SSE_HEADERS)
         out = [_sse(fmt.role_chunk(c.index)) for c in choices] if fmt.chat else []
         d = first
@@ -265,6 +275,7 @@ class RouterServer:
                 await resp.write(b"".join(out))
                 out.clear()
                 d = await anext(gen, None)
+            release()
             timer.done()
             if fmt.include_usage:
                 u = usage(num_prompt_tokens, sum(c.num_generated for c in choices))

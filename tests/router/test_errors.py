@@ -9,6 +9,7 @@ import time
 import httpx
 import openai
 import pytest
+from aiohttp import web
 
 from router.backend import TokenEvent
 from tests.router.conftest import MODEL, ScriptedBackend, echo_script
@@ -156,6 +157,32 @@ def test_429_when_queue_full(tokenizer, make_server):
         t.join(10)
     assert [x.status_code for x in results] == [200, 200]
     assert _post(s, "/v1/completions", body).status_code == 200
+
+
+def test_a_stream_frees_its_slot_before_its_done_line(tokenizer, make_server, monkeypatch):
+    """At the limit (one running, no queue), a client that sends its next request the moment it
+    reads [DONE] is never refused: the slot is free before [DONE] is written. The end of each
+    response is held back 0.3 s (as a slow connection's last flush can be), so a slot released
+    only when the handler returns would still be taken."""
+    write_eof = web.StreamResponse.write_eof
+
+    async def slow_write_eof(self, *args, **kwargs):
+        await asyncio.sleep(0.3)
+        return await write_eof(self, *args, **kwargs)
+
+    monkeypatch.setattr(web.StreamResponse, "write_eof", slow_write_eof)
+    backend = ScriptedBackend(lambda req: [7] * 8, tokenizer.eos_token_id)
+    s = make_server(backend, max_running=1, max_queue=0)
+    body = {**CMPL, "max_tokens": 8, "stream": True}
+    with httpx.Client(timeout=10) as http:
+        for _ in range(3):
+            with http.stream("POST", s.url + "/v1/completions", json=body) as r:
+                assert r.status_code == 200
+                for line in r.iter_lines():
+                    if line == "data: [DONE]":
+                        assert s.server.admission.num_running == 0
+                        nxt = http.post(s.url + "/v1/completions", json={**CMPL, "max_tokens": 2})
+                        assert nxt.status_code == 200, nxt.text
 
 
 def test_error_mid_stream_is_an_error_event(tokenizer, make_server):
