@@ -23,7 +23,7 @@ def load_soak():
 def test_short_soak_all_correct_and_overload_answers_429(tiny_model_dir):
     soak = load_soak()
     args = soak.parse_args(["--model", str(tiny_model_dir), "--requests", "200",
-                            "--concurrency", "32", "--max-tokens", "16", "--max-running", "48",
+                            "--concurrency", "48", "--max-tokens", "16", "--max-running", "48",
                             "--max-queue", "32", "--overload", "200", "--sample-interval", "1",
                             "--request-timeout", "60", "--launch-args", "--num-blocks 512"])
     report = soak.run(args)
