@@ -113,6 +113,17 @@ def attach_when_created(name: str) -> Ring:
             time.sleep(0.01)
 
 
+def read_rung(ring: Ring, waiter: DoorbellWaiter, handle, total: int, timeout: float) -> None:
+    """Read records up to each rung position, releasing as it goes, until `handle(word,
+    payload)` (which returns what one record counts for) has counted `total`."""
+    got = 0
+    while got < total:
+        pos = waiter.wait(timeout=timeout)
+        while (rec := ring.next_record(pos)) is not None:
+            got += handle(*rec)
+        ring.release()
+
+
 def bench_ring(size: int, count: int) -> float:
     ctx = mp.get_context("spawn")
     waiter = DoorbellWaiter(_ipc_endpoint())
@@ -124,15 +135,14 @@ def bench_ring(size: int, count: int) -> float:
     touch_pages(ring, write=False)
     dst = np.empty(size, dtype=np.uint8)
     dst[:] = 0
-    got = 0
+
+    def copy_out(word: int, payload) -> int:
+        np.copyto(dst, np.frombuffer(payload, dtype=np.uint8))
+        return 1
+
     t0 = time.perf_counter()
     go.send(b"go")
-    while got < count:
-        pos = waiter.wait(timeout=30)
-        while (rec := ring.next_record(pos)) is not None:
-            np.copyto(dst, np.frombuffer(rec[1], dtype=np.uint8))
-            got += 1
-        ring.release()
+    read_rung(ring, waiter, copy_out, count, timeout=30)
     dt = time.perf_counter() - t0
     proc.join()
     ring.close()

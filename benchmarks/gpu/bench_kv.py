@@ -34,7 +34,7 @@ from shm_ipc.ring import Ring
 from shm_ipc.transport import DEFAULT_MAX_RECORD
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench_transport import attach_when_created  # noqa: E402
+from bench_transport import attach_when_created, read_rung  # noqa: E402
 
 LAYERS, HEADS, HEAD_DIM, BLOCK = 16, 8, 64, 16
 RING_BYTES = 256 << 20
@@ -91,16 +91,16 @@ def transfer(per_req: int, requests: int, pin: bool) -> tuple[float, bool]:
     kv = cache(num_blocks, seed=None)
     dst = {f"r{r}": (torch.arange(r * per_req, (r + 1) * per_req) + per_req) % num_blocks
            for r in range(requests)}
-    got, total = 0, requests * per_req * LAYERS * unit_bytes(kv)
+    total = requests * per_req * LAYERS * unit_bytes(kv)
+
+    def install(word: int, payload) -> int:
+        kv_rec = records.decode(word, payload)
+        install_kv(kv_rec, kv, dst[kv_rec.req_id])
+        return kv_rec.payload.nbytes
+
     t0 = time.perf_counter()
     go.send(b"go")
-    while got < total:
-        pos = waiter.wait(timeout=60)
-        while (rec := ring.next_record(pos)) is not None:
-            kv_rec = records.decode(rec[0], rec[1])
-            install_kv(kv_rec, kv, dst[kv_rec.req_id])
-            got += kv_rec.payload.nbytes
-        ring.release()
+    read_rung(ring, waiter, install, total, timeout=60)
     dt = time.perf_counter() - t0
     proc.join()
     ring.close()

@@ -38,7 +38,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_decode import LLAMA_1B  # noqa: E402
 
 from pd.client import NodeClient  # noqa: E402
-from pd.config import EngineConfig  # noqa: E402
+from pd.config import EngineConfig, ModelConfig  # noqa: E402
 from pd.engine import Engine  # noqa: E402
 from pd.procs import start_node  # noqa: E402
 from pd.sampling_params import SamplingParams  # noqa: E402
@@ -152,7 +152,7 @@ def main() -> None:
     blocks = (args.streams * (args.stream_prompt + args.stream_tokens) + 8 * ctx) // 16 + 64
     common = ["--model", model, "--dtype", dtype, "--num-blocks", str(blocks),
               "--max-num-batched-tokens", str(args.max_num_batched_tokens)]
-    vocab = vocab_size(model)
+    vocab = ModelConfig.from_dir(model).vocab_size
     print(f"model {model}; {args.streams} streams of {args.stream_tokens} tokens; mixed: "
           f"{args.prompt_len}-token prompts every {args.interval}s")
     results = {}
@@ -188,12 +188,6 @@ def main() -> None:
     print(f"{'':>10} | {'p50':>7} {'p99':>7} | {'p50':>7} {'p99':>7} {'max':>8} |       |")
     for name, (alone, mixed, sent) in results.items():
         print(row(name, alone, mixed, sent))
-
-
-def vocab_size(model: str) -> int:
-    import json
-    with open(os.path.join(model, "config.json")) as f:
-        return int(json.load(f)["vocab_size"])
 
 
 if __name__ == "__main__":
