@@ -45,9 +45,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from pd.config import ModelConfigError
+
     args = build_parser().parse_args(argv)
     setup_logging(getattr(args, "log_level", "warning"))
-    return args._module.main(args) or 0
+    try:
+        return args._module.main(args) or 0
+    except ModelConfigError as e:
+        # a checkpoint pd would compute wrongly: one line, and nothing serves it
+        print(f"pd {args.command}: error: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -30,7 +30,8 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-batched-tokens", type=int, default=2048,
                    help="token budget of one step; longer prompts are prefilled in chunks (default: 2048)")
     g.add_argument("--max-model-len", type=int, default=None,
-                   help="context length limit (default: the model's max_position_embeddings)")
+                   help="context length limit (default: the model's context, max_position_embeddings "
+                        "stretched by a linear, dynamic or yarn RoPE factor)")
     g.add_argument("--num-speculative-tokens", type=int, default=0, choices=range(0, 5),
                    metavar="K", help="MTP draft tokens verified per step, 0..4 (default: 0 = off; "
                                      "needs a checkpoint with an MTP layer)")

@@ -26,10 +26,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--repeat", type=int, default=1,
                    help="run each prompt this many times in one batch (for throughput figures)")
     g.add_argument("--max-tokens", type=int, default=32, help="tokens to generate per prompt")
-    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default: 0)")
-    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling threshold")
-    g.add_argument("--top-k", type=int, default=0, help="top-k sampling (0 = off)")
-    g.add_argument("--min-p", type=float, default=0.0, help="min-p sampling threshold")
+    g.add_argument("--temperature", type=float, default=None,
+                   help="0 = greedy (default: the generation config's, else 0)")
+    g.add_argument("--top-p", type=float, default=None,
+                   help="nucleus sampling threshold (default: the generation config's, else 1)")
+    g.add_argument("--top-k", type=int, default=None,
+                   help="top-k sampling, 0 = off (default: the generation config's, else 0)")
+    g.add_argument("--min-p", type=float, default=None,
+                   help="min-p sampling threshold (default: the generation config's, else 0)")
+    g.add_argument("--generation-config", default="auto", metavar="auto|vllm|DIR",
+                   help="where omitted sampling flags come from: 'auto' the model's "
+                        "generation_config.json, 'vllm' none, or DIR/generation_config.json "
+                        "(default: auto)")
     g.add_argument("--top-logprobs", type=int, default=None,
                    help="return the sampled token's logprob and this many top logprobs (0..20)")
     g.add_argument("--seed", type=int, default=None, help="per-request sampling seed")
@@ -41,12 +49,17 @@ def main(args: argparse.Namespace) -> int:
     from pd.llm import LLM
     from pd.sampling_params import SamplingParams
 
+    from pd.engine_args import model_dir
+    from pd.sampling_params import generation_defaults
+
     try:
-        params = SamplingParams(
-            max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-            top_k=args.top_k, min_p=args.min_p, seed=args.seed, logprobs=args.top_logprobs,
-            ignore_eos=args.ignore_eos,
-        )
+        # NOTE: pd generate is greedy unless the generation config or a flag says otherwise
+        sampling = {"temperature": 0.0, **generation_defaults(model_dir(args), args.generation_config)}
+        given = {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k,
+                 "min_p": args.min_p}
+        sampling.update({k: v for k, v in given.items() if v is not None})
+        params = SamplingParams(max_tokens=args.max_tokens, seed=args.seed,
+                                logprobs=args.top_logprobs, ignore_eos=args.ignore_eos, **sampling)
         if args.prompt_ids:
             try:
                 prompts = [[int(t) for t in s.split(",") if t.strip()] for s in args.prompt_ids]

@@ -75,8 +75,14 @@ def main(args: argparse.Namespace) -> int:
     from pd.procs import start_node
     from pd.security import configure_from_args
 
+    from pd.config import ModelConfig
+    from pd.sampling_params import generation_defaults
+
     keys = configure_from_args(args)
     args.model = model_dir(args)
+    # a checkpoint pd would compute wrongly starts nothing (pd.cli prints the one line)
+    ModelConfig.from_dir(args.model)
+    generation_defaults(args.model, args.generation_config)
     common = ["--model", args.model, "--metrics-port", "0", *node_args(args, ENGINE_FLAGS),
               *node_args(args, NODE_FLAGS)]
     if keys is not None:

@@ -10,9 +10,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pd.config import EngineConfig, default_model_dir
+from pd.detokenizer import detokenize
 from pd.engine import Engine
 from pd.request import Req
-from pd.sampling_params import SamplingParams
+from pd.sampling_params import SamplingParams, generation_defaults
 from pd.tokenizer import Tokenizer
 
 
@@ -45,10 +46,14 @@ Prompt = str | list[int]
 
 
 class LLM:
+    """`generation_config` ("auto", "vllm" or a directory, as the router's flag) gives the
+    sampling defaults `generate` uses when it is given no parameters."""
+
     def __init__(self, model: str | Path | None = None, num_speculative_tokens: int = 0,
-                 **engine_kwargs) -> None:
+                 generation_config: str = "auto", **engine_kwargs) -> None:
         model = Path(model) if model is not None else default_model_dir()
         self.tokenizer = Tokenizer.from_dir(model)
+        self.sampling_defaults = generation_defaults(model, generation_config)
         self.engine = Engine(EngineConfig(model=str(model), **engine_kwargs),
                              eos_token_ids=tuple(self.tokenizer.eos_token_ids),
                              num_speculative_tokens=num_speculative_tokens)
@@ -63,11 +68,15 @@ class LLM:
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         if params is None:
-            params = SamplingParams()
+            params = self.default_sampling_params()
         if isinstance(params, SamplingParams):
             params = [params] * len(prompts)
         reqs = self.engine.generate([self.encode(p) for p in prompts], params)
         return [self._output(r) for r in reqs]
+
+    def default_sampling_params(self, **overrides) -> SamplingParams:
+        """SamplingParams with the checkpoint's generation-config defaults, then `overrides`."""
+        return SamplingParams(**{**self.sampling_defaults, **overrides})
 
     def _output(self, req: Req) -> RequestOutput:
         asked = req.params.logprobs is not None
@@ -75,7 +84,7 @@ class LLM:
             req_id=req.req_id,
             prompt_token_ids=req.prompt_token_ids,
             token_ids=req.output_token_ids,
-            text=self.tokenizer.decode(req.output_token_ids),
+            text=detokenize(self.tokenizer, req.prompt_token_ids, req.output_token_ids),
             finish_reason=req.finish_reason.value,
             logprobs=req.output_logprobs if asked else None,
             ranks=req.output_ranks if asked else None,

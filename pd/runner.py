@@ -71,8 +71,8 @@ class ModelRunner:
         self.dtype = cfg.torch_dtype
         self.model = load_model(cfg.model, self.dtype, self.device)
         self.model_config = mc = self.model.config
-        self.max_model_len = min(cfg.max_model_len or mc.max_position_embeddings,
-                                 mc.max_position_embeddings)
+        self.max_model_len = min(cfg.max_model_len or mc.max_context_len,
+                                 mc.max_context_len)
         num_blocks = num_blocks_for(mc, cfg, self.dtype)
         use_graphs = self.device.type == "cuda" and not cfg.enforce_eager
         self.kv_cache = KVCache(mc, num_blocks, cfg.block_size, self.dtype, self.device,

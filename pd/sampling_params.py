@@ -8,9 +8,16 @@ stop conditions.
 
 from __future__ import annotations
 
+import json
 from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+
+from pd.config import ModelConfigError
 
 MAX_TOP_LOGPROBS = 20
+# generation_config.json fields a request inherits when it omits them (vLLM's set)
+GENERATION_DEFAULT_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+GENERATION_CONFIG_MODES = ("auto", "vllm")
 
 
 @dataclass(frozen=True)
@@ -96,3 +103,29 @@ class SamplingParams:
         if unknown:
             raise ValueError(f"unknown sampling parameter(s): {', '.join(sorted(unknown))}")
         return cls(**d)
+
+
+def generation_defaults(model_dir: str | Path, mode: str = "auto") -> dict:
+    """Sampling defaults for requests that omit them, as vLLM's `--generation-config`: "auto"
+    reads the model directory's generation_config.json, "vllm" uses none (temperature 1, no
+    top-p/top-k/min-p, no repetition penalty), any other value is a directory whose
+    generation_config.json is read. A value the checkpoint sets wrongly is a ModelConfigError naming it.
+    """
+    if mode == "vllm":
+        return {}
+    directory = Path(model_dir) if mode == "auto" else Path(mode)
+    if mode != "auto" and not directory.is_dir():
+        raise ModelConfigError(f"--generation-config {mode!r} is neither auto, vllm nor a directory")
+    file = directory / "generation_config.json"
+    if not file.is_file():
+        return {}
+    try:
+        gen = json.loads(file.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ModelConfigError(f"{file} is not valid JSON: {e}") from None
+    defaults = {k: gen[k] for k in GENERATION_DEFAULT_FIELDS if gen.get(k) is not None}
+    try:
+        SamplingParams(**defaults)
+    except (ValueError, TypeError) as e:
+        raise ModelConfigError(f"{file}: {e}") from None
+    return defaults

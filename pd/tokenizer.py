@@ -2,7 +2,8 @@
 
 `Tokenizer.from_dir` reads `tokenizer.json` (the `tokenizers` library does the encoding and
 decoding), `tokenizer_config.json` (special tokens, the chat template) and
-`generation_config.json` (end-of-sequence ids). `apply_chat_template` renders the template
+`generation_config.json` (end-of-sequence ids; config.json's when it has none, as
+transformers does). `apply_chat_template` renders the template
 with Hugging Face's Jinja semantics: a sandboxed environment with `trim_blocks` and
 `lstrip_blocks`, the `loopcontrols` extension, a no-op `{% generation %}` block,
 `raise_exception`, `strftime_now`, `tojson`, and the special tokens as variables.
@@ -121,7 +122,8 @@ class Tokenizer:
     """Encoding, decoding and chat templating for one model directory."""
 
     def __init__(self, tokenizer: _HFTokenizer, config: dict, generation_config: dict,
-                 directory: Path):
+                 directory: Path, model_config: dict | None = None):
+        model_config = model_config or {}
         self._tok = tokenizer
         self.directory = directory
         self.bos_token = _token_content(config.get("bos_token"))
@@ -141,6 +143,9 @@ class Tokenizer:
         self.eos_token_id = self._special_id("eos_token", self.eos_token)
         self.pad_token_id = self._special_id("pad_token", self.pad_token)
         gen_eos = generation_config.get("eos_token_id")
+        if gen_eos is None:
+            # as transformers: without generation_config.json, config.json's eos_token_id
+            gen_eos = model_config.get("eos_token_id")
         gen_eos = [] if gen_eos is None else [gen_eos] if isinstance(gen_eos, int) else gen_eos
         if not all(isinstance(i, int) for i in gen_eos):
             raise TokenizerError(f"generation_config.json eos_token_id must be an int or a list "
@@ -171,7 +176,8 @@ class Tokenizer:
             raise TokenizerError(f"cannot load {tok_file}: {e}") from e
         config = _read_json(directory / "tokenizer_config.json", required=True)
         generation_config = _read_json(directory / "generation_config.json", required=False)
-        return cls(tokenizer, config, generation_config, directory)
+        model_config = _read_json(directory / "config.json", required=False)
+        return cls(tokenizer, config, generation_config, directory, model_config)
 
     def _special_id(self, name: str, token: str | None) -> int | None:
         if token is None:
@@ -203,10 +209,12 @@ class Tokenizer:
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
+        """Text of `ids`. An id past the tokenizer's vocabulary (a model's vocabulary padded
+        beyond it, e.g. 152064 rows for 151665 tokens) decodes as empty text, as vLLM does."""
         ids = list(ids)
-        bad = [i for i in ids if not 0 <= i < self.vocab_size]
-        if bad:
-            raise ValueError(f"token ids out of range [0, {self.vocab_size}): {bad[:8]}")
+        if any(i < 0 for i in ids):
+            raise ValueError(f"negative token ids: {[i for i in ids if i < 0][:8]}")
+        ids = [i for i in ids if i < self.vocab_size]
         text = self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
         if self.clean_up_tokenization_spaces:
             for old, new in _CLEANUPS:

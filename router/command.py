@@ -27,7 +27,7 @@ def make_backend(args: argparse.Namespace, prefill: list[str], decode: list[str]
     from pd.config import ModelConfig
     from router.zmq_backend import ZmqBackend
 
-    context = ModelConfig.from_dir(args.model).max_position_embeddings
+    context = ModelConfig.from_dir(args.model).max_context_len
     return ZmqBackend(prefill, decode, policy=args.policy,
                       max_model_len=min(args.max_model_len or context, context),
                       heartbeat_interval=args.heartbeat_interval,

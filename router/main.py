@@ -64,16 +64,27 @@ def add_router_arguments(p, with_nodes: bool = True) -> None:
     p.add_argument("--api-key", default=os.environ.get("PD_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on /v1/* (default: $PD_API_KEY; "
                         "none: open)")
+    p.add_argument("--generation-config", default="auto", metavar="auto|vllm|DIR",
+                   help="sampling defaults for requests that omit temperature, top_p, top_k, "
+                        "min_p or repetition_penalty: 'auto' takes them from the model's "
+                        "generation_config.json, 'vllm' uses none (temperature 1), a directory "
+                        "reads its generation_config.json (default: %(default)s)")
     p.add_argument("--log-requests", action="store_true",
                    help="log each request's id, prompt length and sampling parameters")
     security.add_arguments(p)
 
 
 def server_config(args: argparse.Namespace) -> ServerConfig:
+    from pd.sampling_params import generation_defaults
+
     name = args.served_model_name or Path(args.model).resolve().name
+    defaults = generation_defaults(args.model, args.generation_config)
+    if defaults:
+        logging.getLogger("router").info("sampling defaults from the generation config: %s",
+                                         defaults)
     return ServerConfig(served_model_name=name, max_running=args.max_running,
                         max_queue=args.max_queue, api_key=args.api_key,
-                        log_requests=args.log_requests)
+                        log_requests=args.log_requests, sampling_defaults=defaults)
 
 
 async def start(server: RouterServer, host: str, port: int) -> web.AppRunner:

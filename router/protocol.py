@@ -53,11 +53,14 @@ class ApiRequest:
     def num_choices(self) -> int:
         return max(1, len(self.prompts)) * self.n
 
-    def sampling_params(self, max_tokens: int, index: int) -> SamplingParams:
-        """Parameters for choice `index`; each choice gets its own seed when one is given."""
+    def sampling_params(self, max_tokens: int, index: int,
+                        defaults: dict | None = None) -> SamplingParams:
+        """Parameters for choice `index`; each choice gets its own seed when one is given.
+        `defaults` (the checkpoint's generation config) fill the fields the request omits."""
         seed = None if self.seed is None else self.seed + index
         return SamplingParams(max_tokens=max_tokens, seed=seed, logprobs=self.logprobs,
-                              stop_token_ids=tuple(self.stop_token_ids), **self.sampling)
+                              stop_token_ids=tuple(self.stop_token_ids),
+                              **{**(defaults or {}), **self.sampling})
 
 
 def decode_body(raw: bytes):

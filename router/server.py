@@ -21,7 +21,7 @@ import json
 import logging
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Protocol, Sequence
 
 from aiohttp import web
@@ -60,6 +60,7 @@ class ServerConfig:
     max_queue: int = 1024
     api_key: str | None = None
     log_requests: bool = False
+    sampling_defaults: dict = field(default_factory=dict)  # from generation_config.json
 
 
 def _dumps(obj) -> bytes:
@@ -196,7 +197,7 @@ class RouterServer:
             for s in range(req.n):
                 index = p * req.n + s
                 try:
-                    params = req.sampling_params(max_tokens, s)
+                    params = req.sampling_params(max_tokens, s, self.config.sampling_defaults)
                 except ValueError as e:
                     raise bad_param("", str(e))
                 choices.append(Choice(index, self.tokenizer, ids, req.stop,

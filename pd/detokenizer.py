@@ -7,7 +7,9 @@ offsets into the id list do the work (as vLLM does): `prefix` marks the ids deco
 context, `read` the ids whose text has already been emitted. A few prompt ids seed the context
 so that tokenizers which drop a leading space on a lone token decode the first output right.
 
-The tokenizer (anything with `decode(ids) -> str`) and stop strings are left to others.
+The router streams with it and `pd.LLM` decodes whole outputs with it (`detokenize`), so both
+produce the same text. The tokenizer (anything with `decode(ids) -> str`) and stop strings are
+left to others.
 """
 
 from __future__ import annotations
@@ -57,3 +59,9 @@ class IncrementalDetokenizer:
 def token_text(tokenizer: Decoder, token_id: int) -> str:
     """One token's own text, as shown in logprobs (U+FFFD where it is part of a character)."""
     return tokenizer.decode([token_id])
+
+
+def detokenize(tokenizer: Decoder, prompt_ids: Sequence[int], output_ids: Sequence[int]) -> str:
+    """The whole text of `output_ids`, exactly as the router streams it."""
+    detok = IncrementalDetokenizer(tokenizer, prompt_ids)
+    return detok.push(output_ids) + detok.flush()
