@@ -60,8 +60,8 @@ def serve_router(port: int) -> None:
 
     import uvloop
 
-    from pd.tiny import tiny_tokenizer, write_tokenizer_files
-    from pd.tokenizer import Tokenizer
+    from pd.testing.tiny import tiny_tokenizer, write_tokenizer_files
+    from pd.text.tokenizer import Tokenizer
     from router.backend import Backend, TokenEvent
     from router.main import start
     from router.server import RouterServer, ServerConfig

@@ -17,9 +17,9 @@ import time
 
 import torch
 
-from pd.llm import LLM
-from pd.sampling_params import SamplingParams
-from pd.spec_decode import SpecStats
+from pd.engine.llm import LLM
+from pd.wire.sampling_params import SamplingParams
+from pd.spec.verify import SpecStats
 
 PROMPTS = [
     "import os\nimport sys\n\n\ndef main(argv):",

@@ -1,5 +1,5 @@
 """Decode throughput and step gap with the overlap scheduler on and off, side by side: the decode
-loop alone (`pd.overlap.DecodeLoop`, as a decode node runs it, without sockets), requests
+loop alone (`pd.engine.decode_loop.DecodeLoop`, as a decode node runs it, without sockets), requests
 injected as a decode node joins them after a KV import (KV blocks filled with random values,
 `num_computed_tokens` = prompt length), greedy, `--steps` tokens each.
 
@@ -24,12 +24,12 @@ import time
 import torch
 
 from pd.config import EngineConfig, default_model_dir
-from pd.engine import Engine
-from pd.overlap import DecodeLoop
-from pd.request import Req
-from pd.sampling_params import SamplingParams
+from pd.engine.engine import Engine
+from pd.engine.decode_loop import DecodeLoop
+from pd.engine.request import Req
+from pd.wire.sampling_params import SamplingParams
 
-# Random-weight Llama checkpoints written by pd.tiny for timing (no quality claims).
+# Random-weight Llama checkpoints written by pd.testing.tiny for timing (no quality claims).
 SYNTHETIC = {
     "tiny": dict(hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2),
     "small": dict(hidden_size=1024, intermediate_size=2816, num_layers=12, num_heads=16,
@@ -116,7 +116,7 @@ def parity(engine_of, num: int, seed: int = 0) -> None:
 
 def model_dir(args) -> str:
     if args.synthetic:
-        from pd.tiny import write_tiny_checkpoint
+        from pd.testing.tiny import write_tiny_checkpoint
 
         out = tempfile.mkdtemp(prefix=f"pd-bench-{args.synthetic}-")
         dtype = "bfloat16" if args.device.startswith("cuda") else "float32"

@@ -1,7 +1,7 @@
 """Whole-system figures on CPU through `pd launch`, and the router's cost per streamed token.
 
 1. Router overhead: one long greedy stream read directly from the decode node (the node
-   protocol, `pd.client.NodeClient`) and the same stream through the router's HTTP SSE (the
+   protocol, `pd.service.client.NodeClient`) and the same stream through the router's HTTP SSE (the
    official `openai` client); the gap between inter-token times is the router's cost per token.
 2. Throughput: requests/s and generated tokens/s at each --concurrency, streaming requests of
    --max-tokens tokens through the router.
@@ -18,10 +18,10 @@ import time
 
 import openai
 
-from pd.client import NodeClient
+from pd.service.client import NodeClient
 from pd.config import default_model_dir
-from pd.procs import Launch
-from pd.sampling_params import SamplingParams
+from pd.service.procs import Launch
+from pd.wire.sampling_params import SamplingParams
 
 
 def per_token_direct(launch: Launch, prompt_ids: list[int], n: int, repeats: int) -> float:

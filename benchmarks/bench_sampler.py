@@ -14,8 +14,8 @@ import time
 
 import torch
 
-from pd.sampler import Sampler, SamplingRow
-from pd.sampling_params import SamplingParams
+from pd.engine.sampler import Sampler, SamplingRow
+from pd.wire.sampling_params import SamplingParams
 
 MODES = {
     "greedy": dict(temperature=0.0),

@@ -16,11 +16,11 @@ import statistics
 import tempfile
 import time
 
-from pd.client import NodeClient
-from pd.llm import LLM
-from pd.procs import start_node
-from pd.sampling_params import SamplingParams
-from pd.tiny import write_tiny_checkpoint
+from pd.service.client import NodeClient
+from pd.engine.llm import LLM
+from pd.service.procs import start_node
+from pd.wire.sampling_params import SamplingParams
+from pd.testing.tiny import write_tiny_checkpoint
 
 
 def main() -> None:

@@ -234,8 +234,8 @@ async def overload(url: str, model: str, prompts: list[str], want: dict[str, str
 
 # -- the run ------------------------------------------------------------------------------------
 def reference_texts(model_dir: str, prompts: list[str], max_tokens: int) -> dict[str, str]:
-    from pd.llm import LLM
-    from pd.sampling_params import SamplingParams
+    from pd.engine.llm import LLM
+    from pd.wire.sampling_params import SamplingParams
 
     llm = LLM(model_dir, num_blocks=256)
     outs = llm.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0.0))
@@ -277,7 +277,7 @@ def slow_steps(launch) -> dict[str, tuple[int, int, int]]:
 
 def run(args: argparse.Namespace) -> dict:
     from pd.config import default_model_dir
-    from pd.procs import Launch
+    from pd.service.procs import Launch
 
     _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))

@@ -11,7 +11,7 @@ import argparse
 import logging
 import os
 
-from pd.engine_args import add_engine_arguments, add_node_arguments, announce, engine_config
+from pd.service.flags import add_engine_arguments, add_node_arguments, announce, engine_config
 
 log = logging.getLogger(__name__)
 
@@ -34,10 +34,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     from decode_node.node import DecodeNode
-    from pd.engine import Engine
-    from pd.overlap import overlap_disabled_by_env
-    from pd.security import configure_from_args
-    from pd.tokenizer import Tokenizer
+    from pd.engine.engine import Engine
+    from pd.engine.decode_loop import overlap_disabled_by_env
+    from pd.wire.security import configure_from_args
+    from pd.text.tokenizer import Tokenizer
 
     configure_from_args(args)
     cfg = engine_config(args)

@@ -13,7 +13,7 @@ state that expects it, from the peer that announced it; anything else is refused
 While draining (SIGTERM) new requests are refused (KVRefuse, and an error the router retries
 elsewhere); those already here are decoded to their end.
 
-Decoding runs through `pd.overlap.DecodeLoop`: by default one step ahead of the device (the
+Decoding runs through `pd.engine.decode_loop.DecodeLoop`: by default one step ahead of the device (the
 overlap scheduler), or the plain loop with `overlap=False` (`--no-overlap`,
 PD_DISABLE_OVERLAP=1). With MTP the prefill node's DRAFT_TOKENS record (after FIRST_TOKEN)
 gives the first drafts, so a request's first step here verifies them; every step may then
@@ -28,15 +28,15 @@ import time
 from collections import Counter, deque
 from dataclasses import dataclass
 
-from pd import messages as m
-from pd import node_metrics
-from pd.engine import Engine
-from pd.geometry import mismatch
-from pd.overlap import make_decode_loop
-from pd.request import Req
-from pd.sampling_params import SamplingParams
-from pd.service import NodeService
-from pd.spec_decode import SpecStats
+from pd.wire import messages as m
+from pd.service import metrics as node_metrics
+from pd.engine.engine import Engine
+from pd.wire.geometry import mismatch
+from pd.engine.decode_loop import make_decode_loop
+from pd.engine.request import Req
+from pd.wire.sampling_params import SamplingParams
+from pd.service.node import NodeService
+from pd.spec.verify import SpecStats
 from shm_ipc.kv import install_kv
 from shm_ipc.receiver import KVReceiver, PeerGone
 from shm_ipc.header import Flag

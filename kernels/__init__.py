@@ -5,11 +5,11 @@ detection inside the accepted run, the device-side "any running" flag).
 
 The wrappers pick the kernel on CUDA when cupy is present and the twin otherwise (CPU, CI);
 `cupy` is imported lazily by `kernels.launch`. The model passes and sampling around them are
-`pd.mtp`'s and `pd.spec_decode`'s.
+`pd.spec.mtp`'s and `pd.spec.verify`'s.
 
 `kernels.paged_decode` (not re-exported here, so importing this package never needs triton) is
 the decode attention over the paged cache, a Triton kernel with its torch twin, used by
-`pd.attention` on CUDA.
+`pd.model.attention` on CUDA.
 """
 
 from kernels.draft_preprocess import draft_preprocess

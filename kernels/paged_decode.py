@@ -9,7 +9,7 @@ of its KV head and writes an unnormalized partial (accumulator, running max, run
 partials are then merged with a log-sum-exp in torch. Splitting the sequence keeps the GPU busy
 for long contexts at small batch. Everything is on the current stream and capturable in a CUDA
 graph (shapes depend only on the batch and the block-table width). Writing the step's own K/V
-into the cache before the call is `pd.attention`'s job.
+into the cache before the call is `pd.model.attention`'s job.
 
 `triton` is imported on first use only; CPU machines run the twin.
 """

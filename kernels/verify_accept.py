@@ -9,7 +9,7 @@ Per slot b with `num_drafts[b]` = n drafts d_0..d_{n-1}:
 With a accepted, accepted_ids[b] = d_0..d_{a-1}, target_ids[b, a], then -1 padding, and
 num_accepted[b] = a + 1. For a sampled slot, target_ids[b, j] must already hold a draw from
 normalize(max(p_j - q_j, 0)) for j < n and from p_n at j = n (the caller's job, see
-`pd.spec_decode`); this kernel only selects. Slots whose `slot_index` is negative are skipped:
+`pd.spec.verify`); this kernel only selects. Slots whose `slot_index` is negative are skipped:
 their outputs keep the initial -1 / 0.
 """
 

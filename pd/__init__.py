@@ -1,6 +1,6 @@
 """pd: prefill/decode disaggregated LLM serving."""
 
-from pd.sampling_params import SamplingParams
+from pd.wire.sampling_params import SamplingParams
 
 __all__ = ["LLM", "SamplingParams"]
 
@@ -8,7 +8,7 @@ __all__ = ["LLM", "SamplingParams"]
 def __getattr__(name: str):
     # Lazy, so `import pd` stays light for processes that need only the wire types.
     if name == "LLM":
-        from pd.llm import LLM
+        from pd.engine.llm import LLM
 
         return LLM
     raise AttributeError(name)

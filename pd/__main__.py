@@ -1,5 +1,5 @@
 import sys
 
-from pd.cli import main
+from pd.cli.main import main
 
 sys.exit(main())

@@ -23,7 +23,7 @@ DEFAULT_MODEL_NAME = "pd-tiny-code"
 
 def default_model_dir() -> Path:
     """The embedded default model shipped inside the package."""
-    path = Path(__file__).parent / "models" / DEFAULT_MODEL_NAME
+    path = Path(__file__).parent / "assets" / DEFAULT_MODEL_NAME
     if not (path / "config.json").is_file():
         raise FileNotFoundError(
             f"no --model given and the embedded default model is missing at {path}; "

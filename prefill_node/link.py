@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from pd import messages as m
+from pd.wire import messages as m
 from shm_ipc.errors import TransportError
 from shm_ipc.header import Flag
 from shm_ipc.records import AbortRecord, FirstTokenRecord, TokensRecord

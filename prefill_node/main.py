@@ -12,7 +12,7 @@ import argparse
 import logging
 import os
 
-from pd.engine_args import add_engine_arguments, add_node_arguments, announce, engine_config
+from pd.service.flags import add_engine_arguments, add_node_arguments, announce, engine_config
 
 log = logging.getLogger(__name__)
 
@@ -35,9 +35,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from pd.engine import Engine
-    from pd.security import configure_from_args
-    from pd.tokenizer import Tokenizer
+    from pd.engine.engine import Engine
+    from pd.wire.security import configure_from_args
+    from pd.text.tokenizer import Tokenizer
     from prefill_node.node import PrefillNode
 
     configure_from_args(args)

@@ -23,12 +23,12 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-from pd import messages as m
-from pd import node_metrics
-from pd.engine import Engine
-from pd.request import Req
-from pd.sampling_params import SamplingParams
-from pd.service import NodeService
+from pd.wire import messages as m
+from pd.service import metrics as node_metrics
+from pd.engine.engine import Engine
+from pd.engine.request import Req
+from pd.wire.sampling_params import SamplingParams
+from pd.service.node import NodeService
 from prefill_node.link import DecodeLink
 
 log = logging.getLogger(__name__)

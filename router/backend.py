@@ -27,7 +27,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import AsyncIterator
 
-from pd.sampling_params import SamplingParams
+from pd.wire.sampling_params import SamplingParams
 
 
 class BackendUnavailable(Exception):

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Protocol, Sequence
 
 from router.backend import TokenEvent
-from pd.detokenizer import IncrementalDetokenizer, token_text
+from pd.text.detokenizer import IncrementalDetokenizer, token_text
 from router.stop import StopStrings
 
 

@@ -35,8 +35,8 @@ def make_backend(args: argparse.Namespace, prefill: list[str], decode: list[str]
 
 
 def main(args: argparse.Namespace) -> int:
-    from pd.engine_args import model_dir
-    from pd.security import configure_from_args
+    from pd.service.flags import model_dir
+    from pd.wire.security import configure_from_args
 
     configure_from_args(args)
     args.model = model_dir(args)

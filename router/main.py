@@ -1,6 +1,6 @@
 """The router's command line: `build_parser()` for its flags, `run(args, backend)` to serve.
 
-`run` loads the tokenizer of `--model` (`pd.tokenizer.Tokenizer`), builds the `RouterServer`
+`run` loads the tokenizer of `--model` (`pd.text.tokenizer.Tokenizer`), builds the `RouterServer`
 over the given backend and serves it on uvloop until interrupted. Building the backend from
 `--prefill`, `--decode` and `--policy` (the ZMQ backend, the node registry) is left to the
 caller that owns it (`pd router`, `pd launch`); `start()` is the piece tests use to serve on
@@ -17,7 +17,7 @@ from pathlib import Path
 
 from aiohttp import web
 
-from pd import security
+from pd.wire import security
 from router.backend import Backend
 from router.policy import POLICIES
 from router.server import RouterServer, ServerConfig
@@ -75,7 +75,7 @@ def add_router_arguments(p, with_nodes: bool = True) -> None:
 
 
 def server_config(args: argparse.Namespace) -> ServerConfig:
-    from pd.sampling_params import generation_defaults
+    from pd.wire.sampling_params import generation_defaults
 
     name = args.served_model_name or Path(args.model).resolve().name
     defaults = generation_defaults(args.model, args.generation_config)
@@ -98,7 +98,7 @@ async def start(server: RouterServer, host: str, port: int) -> web.AppRunner:
 
 
 def run(args: argparse.Namespace, backend: Backend) -> None:
-    from pd.tokenizer import Tokenizer
+    from pd.text.tokenizer import Tokenizer
 
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -14,7 +14,7 @@ accepted.
 
 from __future__ import annotations
 
-from pd.sampling_params import MAX_TOP_LOGPROBS
+from pd.wire.sampling_params import MAX_TOP_LOGPROBS
 from router.protocol import CHAT_ROLES, MAX_CHOICES, MAX_STOP_STRINGS
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1

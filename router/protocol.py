@@ -18,7 +18,7 @@ import json
 import math
 from dataclasses import dataclass, field
 
-from pd.sampling_params import MAX_TOP_LOGPROBS, SamplingParams
+from pd.wire.sampling_params import MAX_TOP_LOGPROBS, SamplingParams
 from router.errors import bad_param
 
 MAX_CHOICES = 128  # prompts x n in one request

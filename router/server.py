@@ -44,7 +44,7 @@ _SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"
 
 
 class Tokenizer(Protocol):
-    """What the router uses of `pd.tokenizer.Tokenizer`."""
+    """What the router uses of `pd.text.tokenizer.Tokenizer`."""
 
     vocab_size: int
 

@@ -22,8 +22,8 @@ from typing import AsyncIterator
 import zmq
 import zmq.asyncio
 
-from pd import messages as m
-from pd import security
+from pd.wire import messages as m
+from pd.wire import security
 from router.backend import Backend, BackendUnavailable, GenerateRequest, TokenEvent
 from router.metrics import BACKEND_RETRIES, MESSAGES_REFUSED
 from router.policy import make_policy

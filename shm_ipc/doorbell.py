@@ -24,7 +24,7 @@ import tempfile
 
 import zmq
 
-from pd import security
+from pd.wire import security
 
 _POS = struct.Struct("<Q")
 _WAKE = struct.Struct("<IQ")  # ring id (the consumer's), write position

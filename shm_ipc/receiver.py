@@ -25,7 +25,7 @@ from typing import Any, NamedTuple
 
 import zmq
 
-from pd import security
+from pd.wire import security
 
 from . import control, header, records
 from .doorbell import WakePipe, decode_pos

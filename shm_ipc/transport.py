@@ -28,7 +28,7 @@ from urllib.parse import urlsplit
 import torch
 import zmq
 
-from pd import security
+from pd.wire import security
 
 from . import control, records
 from .errors import TransportError

@@ -1,4 +1,4 @@
-"""Shared pytest fixtures: tiny model directories written by `pd.tiny`.
+"""Shared pytest fixtures: tiny model directories written by `pd.testing.tiny`.
 
 `tiny_model_dir` is the default (Llama + MTP) checkpoint; `make_tiny_model(**kwargs)` writes
 any other variant with `write_tiny_checkpoint`'s keyword arguments, once per distinct set of
@@ -13,7 +13,7 @@ from typing import Callable
 
 import pytest
 
-from pd.tiny import write_tiny_checkpoint
+from pd.testing.tiny import write_tiny_checkpoint
 
 
 @pytest.fixture(scope="session")

@@ -6,7 +6,7 @@ Python source of the standard library of the interpreter that runs this script.
 
 Corpus: the stdlib's `.py` files, sorted, split into train / validation / held-out test by a
 hash of each file's relative path (whole files). `--with-tests` adds the stdlib's own test
-suite to the training side only. A byte-level BPE (`pd.tiny.train_bpe_tokenizer`) is trained on
+suite to the training side only. A byte-level BPE (`pd.testing.tiny.train_bpe_tokenizer`) is trained on
 the training files. Loss: LM cross entropy + lambda * mean over MTP levels (level 1 is the
 checkpoint's MTP entry, levels 2.. its chained use; see `tools/tiny_lm.py`). The checkpoint kept
 is the one with the lowest validation loss. The output is a model directory in the project's
@@ -34,7 +34,7 @@ import torch
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pd.tiny import ENDOFTEXT, IM_END, train_bpe_tokenizer, write_config_files, write_tokenizer_files  # noqa: E402
+from pd.testing.tiny import ENDOFTEXT, IM_END, train_bpe_tokenizer, write_config_files, write_tokenizer_files  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 from tools.tiny_eval import acceptance, greedy, heldout_loss  # noqa: E402
 from tools.tiny_lm import TinyConfig, TinyLM  # noqa: E402

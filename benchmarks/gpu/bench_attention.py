@@ -18,8 +18,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_decode import copy_bandwidth, timed  # noqa: E402
 
-from pd.attention import paged_attention  # noqa: E402
-from pd.context import build_context, forward_context  # noqa: E402
+from pd.model.attention import paged_attention  # noqa: E402
+from pd.model.context import build_context, forward_context  # noqa: E402
 
 KV_HEADS, GROUP, HEAD_DIM, BLOCK = 8, 4, 64, 16
 

@@ -29,9 +29,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench_overlap import run_once  # noqa: E402
 
 from pd.config import EngineConfig  # noqa: E402
-from pd.engine import Engine  # noqa: E402
-from pd.sampling_params import SamplingParams  # noqa: E402
-from pd.tiny import write_tiny_checkpoint  # noqa: E402
+from pd.engine.engine import Engine  # noqa: E402
+from pd.wire.sampling_params import SamplingParams  # noqa: E402
+from pd.testing.tiny import write_tiny_checkpoint  # noqa: E402
 
 LLAMA_1B = dict(hidden_size=2048, intermediate_size=8192, num_layers=16, num_heads=32,
                 num_kv_heads=8, head_dim=64, vocab_size=128256, max_position_embeddings=16384,

@@ -10,7 +10,7 @@ out), pooled: p50, p99 and max.
 
 - PD: a prefill node on `--prefill-device` and a decode node on `--decode-device`, real
   processes joined by ZMQ and the KV transport (the shm ring on one host), driven by
-  `pd.client.NodeClient`; a token's time is when the client receives it.
+  `pd.service.client.NodeClient`; a token's time is when the client receives it.
 - colocated: one `Engine` on `--prefill-device` doing both, driven in this process (chunked
   prefill of up to `--max-num-batched-tokens` tokens per step, mixed into the decode steps); a
   token's time is when the step that sampled it returns.
@@ -37,12 +37,12 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_decode import LLAMA_1B  # noqa: E402
 
-from pd.client import NodeClient  # noqa: E402
+from pd.service.client import NodeClient  # noqa: E402
 from pd.config import EngineConfig, ModelConfig  # noqa: E402
-from pd.engine import Engine  # noqa: E402
-from pd.procs import start_node  # noqa: E402
-from pd.sampling_params import SamplingParams  # noqa: E402
-from pd.tiny import write_tiny_checkpoint  # noqa: E402
+from pd.engine.engine import Engine  # noqa: E402
+from pd.service.procs import start_node  # noqa: E402
+from pd.wire.sampling_params import SamplingParams  # noqa: E402
+from pd.testing.tiny import write_tiny_checkpoint  # noqa: E402
 
 
 class Load:

@@ -1,6 +1,6 @@
 """On a CUDA machine: the checkpoint parity matrix through `pd generate --device cuda`.
 
-Every case of `pd.tiny.PARITY_MATRIX` (directories written by transformers: each RoPE type in
+Every case of `pd.testing.tiny.PARITY_MATRIX` (directories written by transformers: each RoPE type in
 both key styles, tied/untied, GQA 1-8, biases, sliding windows, padded vocabulary, shards, bf16
 on disk) is decoded greedily in float32 by `pd generate --device cuda --json` and by
 transformers' `generate` on the CPU; tokens must be equal and logprobs within 1e-4.
@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 import transformers
 
-from pd.tiny import PARITY_MATRIX, write_hf_checkpoint
+from pd.testing.hf import PARITY_MATRIX, write_hf_checkpoint
 
 transformers.logging.set_verbosity_error()
 transformers.utils.logging.disable_progress_bar()

@@ -18,9 +18,9 @@ import time
 import torch
 
 from pd.config import EngineConfig, default_model_dir
-from pd.engine import Engine
-from pd.sampling_params import SamplingParams
-from pd.tiny import write_tiny_checkpoint
+from pd.engine.engine import Engine
+from pd.wire.sampling_params import SamplingParams
+from pd.testing.tiny import write_tiny_checkpoint
 
 SMALL = dict(hidden_size=1024, intermediate_size=2816, num_layers=12, num_heads=16, num_kv_heads=4,
              vocab_size=32000, max_position_embeddings=2048)

@@ -16,8 +16,8 @@ from __future__ import annotations
 import os
 import sys
 
-from pd.llm import LLM
-from pd.sampling_params import SamplingParams
+from pd.engine.llm import LLM
+from pd.wire.sampling_params import SamplingParams
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench_mtp import PROMPTS  # noqa: E402

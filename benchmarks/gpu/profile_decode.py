@@ -22,9 +22,9 @@ from bench_decode import LLAMA_1B  # noqa: E402
 from bench_overlap import inject  # noqa: E402
 
 from pd.config import EngineConfig  # noqa: E402
-from pd.engine import Engine  # noqa: E402
-from pd.overlap import DecodeLoop  # noqa: E402
-from pd.tiny import write_tiny_checkpoint  # noqa: E402
+from pd.engine.engine import Engine  # noqa: E402
+from pd.engine.decode_loop import DecodeLoop  # noqa: E402
+from pd.testing.tiny import write_tiny_checkpoint  # noqa: E402
 
 
 def profile_steps(engine: Engine, batch: int, steps: int) -> tuple[collections.Counter, dict, float]:

@@ -9,12 +9,12 @@ import random
 import pytest
 
 from pd.config import EngineConfig
-from pd.engine import Engine
-from pd.llm import LLM
-from pd.overlap import DecodeLoop, overlap_disabled_by_env
-from pd.request import FinishReason, Req
-from pd.sampling_params import SamplingParams
-from pd.tokenizer import Tokenizer
+from pd.engine.engine import Engine
+from pd.engine.llm import LLM
+from pd.engine.decode_loop import DecodeLoop, overlap_disabled_by_env
+from pd.engine.request import FinishReason, Req
+from pd.wire.sampling_params import SamplingParams
+from pd.text.tokenizer import Tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -45,8 +45,8 @@ def exported_metric_names() -> set[str]:
     counters' _total), from the metric definitions themselves."""
     import prometheus_client
 
-    import pd.node_metrics  # noqa: F401  (defines the node metrics)
-    import pd.service  # noqa: F401
+    import pd.service.metrics  # noqa: F401  (defines the node metrics)
+    import pd.service.node  # noqa: F401
     import shm_ipc.metrics  # noqa: F401
     from router import metrics as router_metrics
 
@@ -68,7 +68,7 @@ def metric_names_in(expr: str) -> set[str]:
 
 def parse_pd_args(argv: list[str]):
     """Parse `pd ARGV...` with the real parser; a bad flag fails the test with pd's message."""
-    from pd.cli import build_parser
+    from pd.cli.main import build_parser
 
     err = io.StringIO()
     try:

@@ -13,8 +13,8 @@ import time
 
 import pytest
 
-from pd.client import NodeClient
-from pd.procs import start_node
+from pd.service.client import NodeClient
+from pd.service.procs import start_node
 
 
 DEVICE = os.environ.get("PD_TEST_DEVICE", "cpu")

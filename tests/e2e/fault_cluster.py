@@ -23,7 +23,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 
-from pd.procs import NodeProcess, free_port, start_node
+from pd.service.procs import NodeProcess, free_port, start_node
 from shm_ipc.segment import PREFIX, SEGMENT_HEADER, SHM_DIR, is_alive
 
 

@@ -12,7 +12,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from pd.procs import Launch
+from pd.service.procs import Launch
 
 N, INPUT_LEN, OUTPUT_LEN = 8, 16, 6
 

@@ -11,10 +11,11 @@ import openai
 import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from pd.llm import LLM
-from pd.procs import Launch
-from pd.sampling_params import SamplingParams
-from pd.tiny import SPECIAL_TOKENS, write_hf_checkpoint
+from pd.engine.llm import LLM
+from pd.service.procs import Launch
+from pd.wire.sampling_params import SamplingParams
+from pd.testing.hf import write_hf_checkpoint
+from pd.testing.tiny import SPECIAL_TOKENS
 
 transformers = pytest.importorskip("transformers")
 PROMPTS = ["def fibonacci(n):", "import os", "class Stack:"]

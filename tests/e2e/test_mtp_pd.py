@@ -12,8 +12,8 @@ import random
 import httpx
 import pytest
 
-from pd.llm import LLM
-from pd.sampling_params import SamplingParams
+from pd.engine.llm import LLM
+from pd.wire.sampling_params import SamplingParams
 
 
 def prompts(n: int, seed: int) -> list[list[int]]:
@@ -77,7 +77,7 @@ def test_openai_api_through_pd_launch_with_mtp():
     completions API returns the single-process greedy text, with exactly the asked top
     logprobs, streamed or not."""
     from pd.config import default_model_dir
-    from pd.procs import Launch
+    from pd.service.procs import Launch
 
     prompts = ["def fibonacci(n):", "import os\nimport sys\n\n\ndef main(argv):"]
     want = LLM().generate(prompts, SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))

@@ -22,10 +22,10 @@ import uuid
 
 import pytest
 
-from pd.client import NodeClient
-from pd.llm import LLM
-from pd.procs import start_node
-from pd.sampling_params import SamplingParams
+from pd.service.client import NodeClient
+from pd.engine.llm import LLM
+from pd.service.procs import start_node
+from pd.wire.sampling_params import SamplingParams
 from tests.e2e.conftest import wait_idle
 
 HANDOFF_TIMEOUT = 3.0  # prefill node: first token -> KV acknowledged

@@ -10,10 +10,10 @@ import time
 import openai
 import pytest
 
-from pd.llm import LLM
-from pd.sampling_params import SamplingParams
+from pd.engine.llm import LLM
+from pd.wire.sampling_params import SamplingParams
 
-from pd.procs import Launch
+from pd.service.procs import Launch
 
 PROMPTS = ["def fibonacci(n):", "import os\n", "class Stack:", "for i in range(10):"]
 

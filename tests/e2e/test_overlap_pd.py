@@ -9,9 +9,9 @@ import time
 
 import pytest
 
-from pd.llm import LLM
-from pd.procs import start_node
-from pd.sampling_params import SamplingParams
+from pd.engine.llm import LLM
+from pd.service.procs import start_node
+from pd.wire.sampling_params import SamplingParams
 
 
 @pytest.fixture(scope="module")

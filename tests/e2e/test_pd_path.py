@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from pd.llm import LLM
-from pd.sampling_params import SamplingParams
+from pd.engine.llm import LLM
+from pd.wire.sampling_params import SamplingParams
 from tests.e2e.conftest import DEVICE_KWARGS, wait_idle
 
 

@@ -16,7 +16,7 @@ import httpx
 import pytest
 import yaml
 
-from pd.procs import Launch, free_port
+from pd.service.procs import Launch, free_port
 from tests.deploy.deploy_files import prometheus_bins
 
 NUM_REQUESTS, MAX_TOKENS = 4, 6

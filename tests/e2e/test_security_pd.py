@@ -21,11 +21,11 @@ import pytest
 import zmq
 from prometheus_client.parser import text_string_to_metric_families
 
-from pd import messages as m
-from pd.procs import Launch
-from pd.sampling_params import SamplingParams
-from pd.security import CurveKeys
-from pd.tokenizer import Tokenizer
+from pd.wire import messages as m
+from pd.service.procs import Launch
+from pd.wire.sampling_params import SamplingParams
+from pd.wire.security import CurveKeys
+from pd.text.tokenizer import Tokenizer
 from shm_ipc import header, records
 
 PROMPTS = ["def fibonacci(n):", "class Stack:"]

@@ -26,12 +26,12 @@ import torch
 import zmq
 from prometheus_client.parser import text_string_to_metric_families
 
-from pd import messages as m
+from pd.wire import messages as m
 from pd.config import ModelConfig
-from pd.geometry import geometry
-from pd.llm import LLM
-from pd.sampling_params import SamplingParams
-from pd.tokenizer import Tokenizer
+from pd.wire.geometry import geometry
+from pd.engine.llm import LLM
+from pd.wire.sampling_params import SamplingParams
+from pd.text.tokenizer import Tokenizer
 from router.main import start
 from router.server import RouterServer, ServerConfig
 from router.zmq_backend import ZmqBackend

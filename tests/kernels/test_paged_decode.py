@@ -1,4 +1,4 @@
-"""`kernels.paged_decode`: the torch twin against the engine's reference attention (`pd.attention`,
+"""`kernels.paged_decode`: the torch twin against the engine's reference attention (`pd.model.attention`,
 masked SDPA over gathered blocks) on CPU, and the Triton kernel against the twin on fresh random
 inputs on a CUDA machine (skipped without one; `benchmarks/gpu/run_all.sh` runs it there)."""
 from __future__ import annotations
@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from kernels.paged_decode import can_use_kernel, paged_decode, paged_decode_ref
-from pd.attention import paged_attention
-from pd.context import build_context, forward_context
+from pd.model.attention import paged_attention
+from pd.model.context import build_context, forward_context
 
 
 def case(seed: int, num_seqs: int, kv_heads: int, group: int, head_dim: int, block: int,

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from pd.bench_report import RequestOutput, parse_goodput, summarize, table
+from pd.cli.bench_report import RequestOutput, parse_goodput, summarize, table
 
 
 def outcome(ttft, gaps, n_out, ok=True):

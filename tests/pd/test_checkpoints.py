@@ -1,7 +1,7 @@
 """Real checkpoints load right or are refused.
 
 Every directory here is written by transformers (`from_config(...).save_pretrained`, through
-`pd.tiny.write_hf_checkpoint`), never by hand, so config.json carries what real ones carry
+`pd.testing.tiny.write_hf_checkpoint`), never by hand, so config.json carries what real ones carry
 (transformers 5 writes `rope_parameters`). The matrix runs pd's greedy decoding against
 transformers' own `generate` on the same directory: tokens equal, logprobs within 1e-4, for
 each RoPE type in both key styles, tied and untied heads, GQA from 1 to 8 KV heads, biases,
@@ -21,10 +21,10 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from pd.config import ModelConfig, ModelConfigError
-from pd.llm import LLM
-from pd.sampling_params import SamplingParams
-from pd.tiny import PARITY_MATRIX as MATRIX
-from pd.tiny import write_hf_checkpoint
+from pd.engine.llm import LLM
+from pd.wire.sampling_params import SamplingParams
+from pd.testing.hf import PARITY_MATRIX as MATRIX
+from pd.testing.hf import write_hf_checkpoint
 
 transformers = pytest.importorskip("transformers")
 
@@ -261,7 +261,7 @@ def test_a_bad_generation_config_value_is_refused_by_name(make_hf, tmp_path):
 
 
 def test_without_generation_config_the_model_stops_at_config_eos(make_hf, tmp_path):
-    from pd.tokenizer import Tokenizer
+    from pd.text.tokenizer import Tokenizer
 
     model_dir = _edit_config(make_hf("llama", **MATRIX["llama"]), tmp_path, eos_token_id=7)
     (model_dir / "generation_config.json").unlink()

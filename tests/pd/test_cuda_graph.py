@@ -1,4 +1,4 @@
-"""Decode CUDA graphs (`pd.cuda_graph`) against eager decoding, float32, on a CUDA machine
+"""Decode CUDA graphs (`pd.engine.cuda_graph`) against eager decoding, float32, on a CUDA machine
 (skipped without one; `benchmarks/gpu/run_all.sh` runs it on the GPU). On CPU: the runner never
 builds graphs, and --enforce-eager reaches the engine config."""
 from __future__ import annotations
@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from pd.config import EngineConfig
-from pd.engine import Engine
-from pd.engine_args import engine_config
-from pd.sampling_params import SamplingParams
+from pd.engine.engine import Engine
+from pd.service.flags import engine_config
+from pd.wire.sampling_params import SamplingParams
 
 
 def test_cpu_runner_builds_no_graphs_and_flag_reaches_config(tiny_model_dir):
@@ -19,7 +19,7 @@ def test_cpu_runner_builds_no_graphs_and_flag_reaches_config(tiny_model_dir):
     assert engine.runner.graphs is None and engine.runner.kv_cache.dummy_block is None
     import argparse
 
-    from pd.engine_args import add_engine_arguments
+    from pd.service.flags import add_engine_arguments
 
     p = argparse.ArgumentParser()
     add_engine_arguments(p)

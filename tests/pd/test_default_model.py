@@ -1,5 +1,5 @@
 """The embedded default model through the project's own engine: `LLM()` with no model named
-loads `pd/models/pd-tiny-code`, and greedy decoding reproduces the completion recorded from the
+loads `pd/assets/pd-tiny-code`, and greedy decoding reproduces the completion recorded from the
 shipped weights (the same golden text `tests/tools/test_shipped_model.py` checks through
 `transformers`), so a loader or model regression shows here."""
 from __future__ import annotations
@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from pd.config import default_model_dir
-from pd.llm import LLM
-from pd.sampling_params import SamplingParams
+from pd.engine.llm import LLM
+from pd.wire.sampling_params import SamplingParams
 
 PROMPT = "def fibonacci(n):"
 GOLDEN = '\n    """\n    Return a list of all the results in the given list of all\n    elements.\n    """\n    if n'

@@ -7,8 +7,8 @@ import random
 
 import pytest
 
-from pd.llm import LLM
-from pd.sampling_params import SamplingParams
+from pd.engine.llm import LLM
+from pd.wire.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
 

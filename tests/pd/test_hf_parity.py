@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pd.llm import LLM
-from pd.sampling_params import SamplingParams
+from pd.engine.llm import LLM
+from pd.wire.sampling_params import SamplingParams
 
 transformers = pytest.importorskip("transformers")
 

@@ -11,9 +11,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from pd.llm import LLM
-from pd.loader import load_model
-from pd.sampling_params import SamplingParams
+from pd.engine.llm import LLM
+from pd.model.loader import load_model
+from pd.wire.sampling_params import SamplingParams
 
 
 def copy_model(src, tmp_path):

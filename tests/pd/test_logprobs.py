@@ -1,4 +1,4 @@
-"""Tests of raw logprobs, ranks and top-k (pd.logprobs, through the sampler) against brute force."""
+"""Tests of raw logprobs, ranks and top-k (pd.engine.logprobs, through the sampler) against brute force."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ import math
 import pytest
 import torch
 
-from pd.logprobs import compute_logprobs, topk_lowest_id
-from pd.sampler import Sampler, SamplingRow
-from pd.sampling_params import SamplingParams as SP
+from pd.engine.logprobs import compute_logprobs, topk_lowest_id
+from pd.engine.sampler import Sampler, SamplingRow
+from pd.wire.sampling_params import SamplingParams as SP
 
 
 def tied_logits(b: int, v: int, seed: int) -> torch.Tensor:

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pd import messages as m
+from pd.wire import messages as m
 
 SAMPLES = [
     m.PrefillRequest("r1", [1, 2, 3], {"max_tokens": 4}, "tcp://127.0.0.1:1", "tcp://127.0.0.1:2"),

@@ -11,8 +11,8 @@ import random
 import pytest
 import torch
 
-from pd.llm import LLM
-from pd.sampling_params import SamplingParams
+from pd.engine.llm import LLM
+from pd.wire.sampling_params import SamplingParams
 
 
 def prompts(n: int, seed: int = 0, vocab: int = 512) -> list[list[int]]:
@@ -133,7 +133,7 @@ def test_requires_an_mtp_layer(make_tiny_model):
 
 
 def test_generate_cli_flag(tiny_model_dir, capsys):
-    from pd.cli import main
+    from pd.cli.main import main
 
     argv = ["generate", "--model", str(tiny_model_dir), "--num-blocks", "64", "--json",
             "--prompt-ids", "5,6,7,8", "--prompt-ids", "9,10", "--max-tokens", "12", "--top-logprobs", "2"]

@@ -17,8 +17,8 @@ from collections import Counter
 import pytest
 import torch
 
-from pd.llm import LLM
-from pd.sampling_params import SamplingParams
+from pd.engine.llm import LLM
+from pd.wire.sampling_params import SamplingParams
 
 PROMPT = "def fibonacci(n):"
 TOP_K, TEMPERATURE, NUM_DRAWS = 4, 1.0, 900

@@ -4,11 +4,11 @@ preemption, and `update_spec` (progress counter, stops, drafts trimmed to what i
 
 from __future__ import annotations
 
-from pd.allocator import BlockAllocator
-from pd.request import FinishReason, Req, ReqStatus
-from pd.sampling_params import SamplingParams
-from pd.scheduler import Scheduler
-from pd.spec_decode import SpecResult
+from pd.engine.allocator import BlockAllocator
+from pd.engine.request import FinishReason, Req, ReqStatus
+from pd.wire.sampling_params import SamplingParams
+from pd.engine.scheduler import Scheduler
+from pd.spec.verify import SpecResult
 
 
 def sched(num_blocks=64, budget=64, lookahead=3, max_model_len=256) -> Scheduler:

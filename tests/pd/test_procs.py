@@ -1,4 +1,4 @@
-"""`pd.procs`: a node started with `die_with_parent` by a process that is then killed with
+"""`pd.service.procs`: a node started with `die_with_parent` by a process that is then killed with
 SIGKILL does not outlive it (the node gets SIGTERM from the kernel, drains and exits), so a
 crashed `pd launch` leaves no node behind."""
 from __future__ import annotations
@@ -25,7 +25,7 @@ def alive(pid: int) -> bool:
 def test_node_exits_when_its_starter_is_killed(tiny_model_dir):
     starter = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
         import time
-        from pd.procs import start_node
+        from pd.service.procs import start_node
         node = start_node("decode", ["--model", {str(tiny_model_dir)!r}, "--port", "0",
                                      "--kv-port", "0", "--num-blocks", "64"], die_with_parent=True)
         print(node.pid, flush=True)

@@ -1,4 +1,4 @@
-"""Tests of pd.sampler against hand-written references of the HF/vLLM formulas, on random logits."""
+"""Tests of pd.engine.sampler against hand-written references of the HF/vLLM formulas, on random logits."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from pd.sampler import Sampler, SamplingRow, probs_after_processing, process_logits
-from pd.sampling_params import SamplingParams as SP
+from pd.engine.sampler import Sampler, SamplingRow, probs_after_processing, process_logits
+from pd.wire.sampling_params import SamplingParams as SP
 
 EOS = 3
 
@@ -219,8 +219,8 @@ CHILD = """
 import json, sys, torch
 torch.set_num_threads(1)
 sys.path.insert(0, sys.argv[1])
-from pd.sampler import Sampler, SamplingRow
-from pd.sampling_params import SamplingParams
+from pd.engine.sampler import Sampler, SamplingRow
+from pd.wire.sampling_params import SamplingParams
 logits = torch.randn(8, 1000, generator=torch.Generator().manual_seed(42)) * 0.5
 rows = [SamplingRow(SamplingParams(seed=99, temperature=0.9), [], [], s, ()) for s in range(8)]
 print(json.dumps(Sampler(7)(logits, rows).token_ids.tolist()))

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from pd.allocator import BlockAllocator, NoFreeBlocks
-from pd.request import Req, ReqStatus
-from pd.sampling_params import SamplingParams
-from pd.scheduler import Scheduler
+from pd.engine.allocator import BlockAllocator, NoFreeBlocks
+from pd.engine.request import Req, ReqStatus
+from pd.wire.sampling_params import SamplingParams
+from pd.engine.scheduler import Scheduler
 
 
 def test_allocator_integrity_and_errors():

@@ -1,4 +1,4 @@
-"""CURVE keys and sockets (pd/security.py) on loopback: `pd keygen` files and modes, key
+"""CURVE keys and sockets (pd/wire/security.py) on loopback: `pd keygen` files and modes, key
 loading refusals, and who a secured server lets in (the deployment, a key dropped into DIR)
 and who it does not (plain sockets, other keypairs); without keys, sockets stay plain; every
 socket the packages create goes through it. Every command binds 127.0.0.1 unless told
@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 import zmq
 
-from pd import security
-from pd.cli import build_parser
-from pd.cli import main as pd_main
+from pd.wire import security
+from pd.cli.main import build_parser
+from pd.cli.main import main as pd_main
 
 WAIT_MS = 1000
 

@@ -1,4 +1,4 @@
-"""pd.tiny checkpoints: the file format, determinism, and loading by transformers."""
+"""pd.testing.tiny checkpoints: the file format, determinism, and loading by transformers."""
 from __future__ import annotations
 
 import json
@@ -7,8 +7,8 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from pd.tiny import ENDOFTEXT, IM_END, IM_START, main, write_tiny_checkpoint
-from pd.tokenizer import Tokenizer
+from pd.testing.tiny import ENDOFTEXT, IM_END, IM_START, main, write_tiny_checkpoint
+from pd.text.tokenizer import Tokenizer
 
 transformers = pytest.importorskip("transformers")
 

@@ -1,4 +1,4 @@
-"""pd.tokenizer against transformers.AutoTokenizer on the same directories."""
+"""pd.text.tokenizer against transformers.AutoTokenizer on the same directories."""
 from __future__ import annotations
 
 import json
@@ -9,8 +9,8 @@ from hypothesis import given, settings, strategies as st
 from tokenizers import Tokenizer as HFTokenizer, decoders, pre_tokenizers, processors
 from tokenizers import models as tok_models
 
-from pd.tiny import ENDOFTEXT, IM_END, IM_START, tiny_tokenizer, write_tokenizer_files
-from pd.tokenizer import ChatTemplateError, Tokenizer, TokenizerError
+from pd.testing.tiny import ENDOFTEXT, IM_END, IM_START, tiny_tokenizer, write_tokenizer_files
+from pd.text.tokenizer import ChatTemplateError, Tokenizer, TokenizerError
 
 transformers = pytest.importorskip("transformers")
 

@@ -16,8 +16,8 @@ from typing import Callable
 
 import pytest
 
-from pd.tiny import tiny_tokenizer, write_tokenizer_files
-from pd.tokenizer import Tokenizer
+from pd.testing.tiny import tiny_tokenizer, write_tokenizer_files
+from pd.text.tokenizer import Tokenizer
 from router.backend import Backend, BackendUnavailable, GenerateRequest, TokenEvent
 from router.main import start
 from router.server import RouterServer, ServerConfig

@@ -25,7 +25,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from schemathesis import GenerationMode
 from schemathesis.checks import not_a_server_error
 
-from pd.procs import Launch
+from pd.service.procs import Launch
 
 EXAMPLES = int(os.environ.get("PD_FUZZ_EXAMPLES", "40"))
 SEED = int(os.environ.get("PD_FUZZ_SEED", "0"))

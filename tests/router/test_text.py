@@ -8,7 +8,7 @@ import pytest
 
 from router.backend import TokenEvent
 from router.choice import Choice
-from pd.detokenizer import IncrementalDetokenizer
+from pd.text.detokenizer import IncrementalDetokenizer
 from router.stop import StopStrings
 
 SAMPLES = ["plain ascii text, with spaces", "naïve café → 東京 🙂🙃 done", "€€€ 🧪x 한국어"]

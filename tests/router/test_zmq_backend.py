@@ -11,7 +11,7 @@ import time
 
 import zmq
 
-from pd import messages as m
+from pd.wire import messages as m
 from router.registry import Role
 from router.zmq_backend import ZmqBackend
 

@@ -1,4 +1,4 @@
-"""The shipped default model `pd/models/pd-tiny-code`: its files, a golden greedy completion
+"""The shipped default model `pd/assets/pd-tiny-code`: its files, a golden greedy completion
 through `transformers`, and its MTP layer through the training model of `tools/tiny_lm.py`.
 
 The golden texts and ids were recorded from the shipped weights; a change to the files or to
@@ -19,7 +19,7 @@ sys.path.insert(0, str(ROOT))
 from tools.tiny_eval import draft, greedy, speculative  # noqa: E402
 from tools.tiny_lm import TinyConfig, TinyLM  # noqa: E402
 
-MODEL = ROOT / "pd" / "models" / "pd-tiny-code"
+MODEL = ROOT / "pd" / "assets" / "pd-tiny-code"
 PROMPT = "def fibonacci(n):"
 GOLDEN = '\n    """\n    Return a list of all the results in the given list of all\n    elements.\n    """\n    if n'
 MTP_PROMPT = "import os\nimport sys\n\n\ndef main(argv):"

@@ -1,0 +1,172 @@
+"""`pd launch`: router + prefill nodes + decode nodes on this host, in one command.
+
+Starts --num-decode decode nodes and --num-prefill prefill nodes as child processes on free
+ports (bound to 127.0.0.1), then serves the router in this process on --host:--port. When every
+node answers its heartbeat it prints the URL and a curl line. Ctrl-C (or SIGTERM) stops the
+router and every node, which remove their shared-memory segments on the way out. Model and
+engine flags go to every node; --transport/--queue-timeout/--handoff-timeout to prefill nodes,
+--kv-timeout to decode nodes. Every node serves /metrics and /health on a free port of its own,
+printed on its `node ...` line (`metrics HOST:PORT`); the router's are at the router's URL.
+On the way out every node gets SIGTERM at once and --drain-timeout to end what it still runs.
+The router takes a node out when its connection drops, or when it leaves pings unanswered for
+--heartbeat-timeout (longer on CPU, where one prefill step can take seconds).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+import time
+
+from pd.service.flags import add_engine_arguments, model_dir
+
+log = logging.getLogger("pd.cli.launch")
+
+ENGINE_FLAGS = ("dtype", "device", "block_size", "num_blocks", "kv_cache_memory",
+                "gpu_memory_fraction", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
+                "log_level", "num_speculative_tokens", "enforce_eager")
+PREFILL_FLAGS = ("transport", "queue_timeout", "handoff_timeout")
+DECODE_FLAGS = ("kv_timeout",)
+NODE_FLAGS = ("drain_timeout",)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    from router.main import add_router_arguments
+
+    add_engine_arguments(p)
+    g = p.add_argument_group("launch")
+    g.add_argument("--num-prefill", type=int, default=1, help="prefill nodes to start (default: 1)")
+    g.add_argument("--num-decode", type=int, default=1, help="decode nodes to start (default: 1)")
+    g.add_argument("--transport", default="auto", choices=["auto", "shm", "zmq"],
+                   help="KV transport between the nodes (default: auto = shm on one host)")
+    g.add_argument("--queue-timeout", type=float, default=60.0,
+                   help="prefill nodes: seconds a request may wait for its prefill")
+    g.add_argument("--handoff-timeout", type=float, default=30.0,
+                   help="prefill nodes: seconds from first token until the decode node has the KV")
+    g.add_argument("--kv-timeout", type=float, default=30.0,
+                   help="decode nodes: seconds a request may wait for blocks and its KV")
+    g.add_argument("--drain-timeout", type=float, default=30.0,
+                   help="nodes: seconds a SIGTERM leaves them to finish their requests")
+    g.add_argument("--heartbeat-timeout", type=float, default=None,
+                   help="router: seconds a node may leave a heartbeat unanswered before it is "
+                        "taken out and its requests end (default: 3 on CUDA, 10 on CPU, where one "
+                        "prefill step of a large batch takes seconds and no ping is answered "
+                        "during a step)")
+    g.add_argument("--ready-timeout", type=float, default=120.0,
+                   help="seconds to wait for every node to come up")
+    add_router_arguments(p.add_argument_group("router"), with_nodes=False)
+
+
+def node_args(args: argparse.Namespace, names: tuple[str, ...]) -> list[str]:
+    out = []
+    for name in names:
+        value = getattr(args, name)
+        if value is True:
+            out.append(f"--{name.replace('_', '-')}")
+        elif value is not None and value is not False:
+            out += [f"--{name.replace('_', '-')}", str(value)]
+    return out
+
+
+def main(args: argparse.Namespace) -> int:
+    from pd.service.procs import start_node
+    from pd.wire.security import configure_from_args
+
+    from pd.config import ModelConfig
+    from pd.wire.sampling_params import generation_defaults
+
+    keys = configure_from_args(args)
+    args.model = model_dir(args)
+    # a checkpoint pd would compute wrongly starts nothing (pd.cli.main prints the one line)
+    ModelConfig.from_dir(args.model)
+    generation_defaults(args.model, args.generation_config)
+    common = ["--model", args.model, "--metrics-port", "0", *node_args(args, ENGINE_FLAGS),
+              *node_args(args, NODE_FLAGS)]
+    if keys is not None:
+        common += ["--curve-keys", keys.directory]
+    nodes = []
+
+    def stop_all() -> None:
+        for node in nodes:  # NOTE: every node drains at once, then each is waited for
+            node.proc.send_signal(signal.SIGTERM)
+        for node in reversed(nodes):
+            node.stop(timeout=args.drain_timeout + 10)
+
+    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    try:
+        for i in range(args.num_decode):
+            nodes.append(start_node("decode", [*common, "--port", "0", "--kv-port", "0",
+                                               "--node-id", f"decode-{i}",
+                                               *node_args(args, DECODE_FLAGS)],
+                                    timeout=args.ready_timeout, die_with_parent=True))
+        for i in range(args.num_prefill):
+            nodes.append(start_node("prefill", [*common, "--port", "0", "--node-id", f"prefill-{i}",
+                                                *node_args(args, PREFILL_FLAGS)],
+                                    timeout=args.ready_timeout, die_with_parent=True))
+        for n in nodes:
+            print(f"node {n.info['node_id']} pid {n.pid} control 127.0.0.1:{n.info['port']}"
+                  f"{' kv ' + n.info['kv_addr'] if 'kv_addr' in n.info else ''}"
+                  f" metrics 127.0.0.1:{n.info['metrics_port']} log {n.log_path}",
+                  flush=True)
+        prefill = [f"127.0.0.1:{n.info['port']}" for n in nodes if n.role == "prefill"]
+        decode = [f"127.0.0.1:{n.info['port']}" for n in nodes if n.role == "decode"]
+        run_router(args, prefill, decode, nodes)
+    except KeyboardInterrupt:
+        pass
+    except RuntimeError as e:
+        print(f"pd launch: {e}", file=sys.stderr)
+        return 1
+    finally:
+        print("pd launch: stopping", file=sys.stderr)
+        stop_all()
+    return 0
+
+
+def run_router(args: argparse.Namespace, prefill: list[str], decode: list[str], nodes) -> None:
+    from pd.text.tokenizer import Tokenizer
+    from router.command import make_backend
+    from router.main import server_config, start
+    from router.server import RouterServer
+
+    args.heartbeat_interval = 0.5
+    if args.heartbeat_timeout is None:
+        args.heartbeat_timeout = 10.0 if args.device == "cpu" else 3.0
+    backend = make_backend(args, prefill, decode)
+    server = RouterServer(backend, Tokenizer.from_dir(args.model), server_config(args))
+
+    async def serve() -> None:
+        runner = await start(server, args.host, args.port)
+        deadline = time.monotonic() + args.ready_timeout
+        while backend.health() != {"prefill": len(prefill), "decode": len(decode)}:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"nodes not healthy after {args.ready_timeout}s: {backend.health()}")
+            await asyncio.sleep(0.1)
+        url = f"http://{args.host}:{args.port}"
+        name = server.config.served_model_name
+        print(f"pd is serving {name} at {url}/v1 ({len(prefill)} prefill, {len(decode)} decode)\n"
+              f"try:\n  curl {url}/v1/completions -H 'Content-Type: application/json' "
+              f"-d '{{\"model\": \"{name}\", \"prompt\": \"def fibonacci(n):\", \"max_tokens\": 48}}'",
+              flush=True)
+        try:
+            reported: set[int] = set()
+            while True:  # a node that exits is routed around; say so once
+                for n in nodes:
+                    if n.proc.poll() is not None and n.pid not in reported:
+                        reported.add(n.pid)
+                        log.error("%s exited with status %s; serving with the others (its log: %s)",
+                                  n.info.get("node_id", n.role), n.proc.returncode, n.log_path)
+                await asyncio.sleep(0.5)
+        finally:
+            await runner.cleanup()
+            await backend.close()
+
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        import uvloop
+        uvloop.run(serve())
+    except ImportError:
+        asyncio.run(serve())

@@ -1,0 +1,61 @@
+"""The `pd` command: one entry point, a subcommand per service or tool.
+
+Each subcommand's flags live with the code that uses them (`add_*_parser` functions); this file
+only wires them together. `pd <command> --help` explains every flag.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+
+# subcommand -> (module, one-line help). Modules are imported only when their command runs.
+COMMANDS = {
+    "generate": ("pd.cli.generate", "generate text in one process (the reference output)"),
+    "prefill": ("prefill_node.main", "run a prefill node"),
+    "decode": ("decode_node.main", "run a decode node"),
+    "router": ("router.command", "run the OpenAI-compatible router"),
+    "launch": ("pd.cli.launch", "start router + prefill + decode nodes on this host"),
+    "bench": ("pd.cli.bench", "serving benchmark against the router or any OpenAI-compatible server"),
+    "keygen": ("pd.cli.keygen", "make the deployment's CURVE keypair for --curve-keys"),
+}
+
+
+def setup_logging(level: str) -> None:
+    logging.basicConfig(
+        level=getattr(logging, level.upper()),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="pd", description="pd: prefill/decode disaggregated LLM serving.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name, (module, help_text) in COMMANDS.items():
+        mod = importlib.import_module(module)
+        p = sub.add_parser(name, help=help_text, description=mod.__doc__,
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
+        mod.add_arguments(p)
+        p.set_defaults(_module=mod)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    from pd.config import ModelConfigError
+
+    args = build_parser().parse_args(argv)
+    setup_logging(getattr(args, "log_level", "warning"))
+    try:
+        return args._module.main(args) or 0
+    except ModelConfigError as e:
+        # a checkpoint pd would compute wrongly: one line, and nothing serves it
+        print(f"pd {args.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,117 @@
+"""CUDA graphs of the target model's decode forward (one query token per sequence).
+
+A graph is captured per (padded batch, padded KV blocks) on first use: the batch is rounded up
+to the next size of `BATCH_SIZES`, the block-table width to the next power of two. Padding rows
+point at the cache's spare block (`KVCache.dummy_block`, never handed out by the allocator), so
+their K/V writes land there and their outputs are dropped. The attention mask is computed inside
+the graph from the context lengths, so one graph serves every length up to its width. All
+graphs share one memory pool and one set of static input buffers; replay copies the step's
+inputs into those buffers on the current stream, so it composes with the overlap loop's
+compute stream and never waits on the host.
+
+Which steps run as graphs (pure decode, no invalid slot, a batch no larger than the largest
+size) is decided here (`can_run`); everything else, and everything with `--enforce-eager`, runs
+eagerly. The sampler always runs eagerly on the graph's output.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from pd.model.context import ForwardContext, forward_context
+
+log = logging.getLogger(__name__)
+
+BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
+
+
+def _round_up(n: int, sizes) -> int:
+    return next(s for s in sizes if s >= n)
+
+
+class DecodeGraphs:
+    def __init__(self, model: torch.nn.Module, dummy_block: int, block_size: int,
+                 max_num_seqs: int, max_model_len: int, device: torch.device) -> None:
+        self.model = model
+        self.dummy_block = dummy_block
+        self.block_size = block_size
+        self.batch_sizes = tuple(s for s in BATCH_SIZES if s < max_num_seqs) + (
+            _round_up(max_num_seqs, BATCH_SIZES + (max_num_seqs,)),)
+        max_blocks = -(-max_model_len // block_size)
+        self.block_widths = tuple(1 << i for i in range((max_blocks - 1).bit_length() + 1))
+        max_batch, width = self.batch_sizes[-1], self.block_widths[-1]
+        long = dict(dtype=torch.int64, device=device)
+        self.input_ids = torch.zeros(max_batch, **long)
+        self.positions = torch.zeros(max_batch, **long)
+        self.slot_mapping = torch.zeros(max_batch, **long)
+        self.context_lens = torch.ones(max_batch, **long)
+        self.block_tables = torch.full((max_batch, width), dummy_block, **long)
+        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.pool = None
+        self.device = device
+
+    def can_run(self, ctx: ForwardContext) -> bool:
+        return (ctx.is_decode and ctx.write_index is None
+                and ctx.num_seqs <= self.batch_sizes[-1]
+                and ctx.block_tables.shape[1] <= self.block_widths[-1])
+
+    def _context(self, batch: int, width: int) -> ForwardContext:
+        """The static buffers as a decode context (the mask is computed in the graph)."""
+        lens = self.context_lens[:batch]
+        keys = torch.arange(width * self.block_size, device=self.device)
+        mask = (keys[None, :] < lens[:, None])[:, None, None, :]  # [B, 1, 1, max_kv]
+        return ForwardContext(
+            slot_mapping=self.slot_mapping[:batch], block_tables=self.block_tables[:batch, :width],
+            context_lens=lens, padded_index=torch.arange(batch, device=self.device),
+            attn_mask=mask, max_q_len=1, max_kv_len=width * self.block_size)
+
+    def _forward(self, batch: int, width: int) -> torch.Tensor:
+        with forward_context(self._context(batch, width)):
+            return self.model(self.input_ids[:batch], self.positions[:batch])
+
+    def _capture(self, batch: int, width: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        self._pad(0, batch, width)
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            self._forward(batch, width)  # warm-up outside the capture (allocator, lazy init)
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            out = self._forward(batch, width)
+        if self.pool is None:
+            self.pool = graph.pool()
+        log.info("captured a decode CUDA graph: batch %d, %d KV blocks per sequence", batch, width)
+        return graph, out
+
+    def _pad(self, start: int, batch: int, width: int) -> None:
+        """Rows start..batch: a one-token sequence in the spare block; all widths' columns too."""
+        self.input_ids[start:batch].zero_()
+        self.positions[start:batch].zero_()
+        self.slot_mapping[start:batch].fill_(self.dummy_block * self.block_size)
+        self.context_lens[start:batch].fill_(1)
+        self.block_tables[:batch, :width].fill_(self.dummy_block)
+
+    @torch.inference_mode()
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """The decode forward of `ctx`'s batch through a graph: hidden states [n, H].
+
+        NOTE: the result is a view of the graph's output buffer; it is valid until the next
+        replay, which stream order puts after everything queued behind this one."""
+        n, m = ctx.num_seqs, ctx.block_tables.shape[1]
+        batch = _round_up(n, self.batch_sizes)
+        width = _round_up(m, self.block_widths)
+        key = (batch, width)
+        if key not in self.graphs:
+            self.graphs[key] = self._capture(batch, width)
+        graph, out = self.graphs[key]
+        self._pad(n, batch, width)
+        self.input_ids[:n].copy_(input_ids, non_blocking=True)
+        self.positions[:n].copy_(positions, non_blocking=True)
+        self.slot_mapping[:n].copy_(ctx.slot_mapping, non_blocking=True)
+        self.context_lens[:n].copy_(ctx.context_lens, non_blocking=True)
+        self.block_tables[:n, :m].copy_(ctx.block_tables, non_blocking=True)
+        graph.replay()
+        return out[:n]

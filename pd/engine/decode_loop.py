@@ -1,0 +1,264 @@
+"""The decode loop: one step ahead of the device (overlap), or the plain loop.
+
+With overlap, each call of `DecodeLoop.step` does `last = step(last)`: it schedules and launches
+step N+1 while step N may still run, then waits for step N's results (its `copy_done`) and
+processes them (append, stop checks). Step N+1 is predicted from step N: every request that
+sampled in N and is still running gets one more token, whose id the host does not know yet; in
+`token_ids` it stands, only while N+1 is scheduled and prepared, as the placeholder `-(j + 1)`:
+row j of step N's next tokens, read on the device (future-token slots, see `pd.engine.runner`).
+Requests admitted since (a decode node's newly handed-over requests, re-prefills) correct the
+prediction: the ordinary scheduler builds the batch, placeholders and all.
+
+A request found finished (stop, length, abort) while a launched step still holds it leaves an
+invalid slot (-1) in that step: its result is discarded, and its blocks are freed only after
+that step has completed, since the step still reads and writes them.
+
+The loop falls back to waiting for step N before scheduling N+1 when the host needs N's tokens
+first: a running request with penalties (the sampler builds their token sets on the host), or a
+batch that might preempt (preemption frees blocks that step N still writes). Without overlap,
+each step is launched and waited for at once. Both produce the same tokens. With MTP (a
+`pd.spec.verify.SpecDecoder` given as `spec`), each step verifies the requests' drafts and
+proposes the next ones; such a step is run to the end before the next is scheduled (how many
+tokens a step keeps is known only from its results), so overlap on and off run the same plain
+loop and give the same tokens. A request is emitted once per kept token. Where the device
+work runs is the executor's business (`pd.engine.executor`); streaming the tokens is the node's.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from typing import Callable, NamedTuple
+
+from pd.engine.executor import make_executor
+from pd.engine.request import FinishReason, Req, ReqStatus
+from pd.engine.runner import ForwardInput, ForwardOutput, ModelRunner, SampledToken, unpack_sampled
+from pd.engine.scheduler import ScheduledBatch, Scheduler
+
+log = logging.getLogger(__name__)
+
+ENV_DISABLE = "PD_DISABLE_OVERLAP"
+
+
+def overlap_disabled_by_env(environ) -> bool:
+    """PD_DISABLE_OVERLAP: 1/true/yes/on disable the overlap loop; 0/false/no/off or unset don't."""
+    value = environ.get(ENV_DISABLE, "").strip().lower()
+    if value in ("", "0", "false", "no", "off"):
+        return False
+    if value in ("1", "true", "yes", "on"):
+        return True
+    raise ValueError(f"{ENV_DISABLE}={environ[ENV_DISABLE]!r}: expected 1/0, true/false, yes/no or on/off")
+
+
+class InFlight(NamedTuple):
+    batch: ScheduledBatch
+    inp: ForwardInput
+    out: ForwardOutput
+    rows: list[int]  # batch index of each sampled row; -1: an invalid slot, its result discarded
+    members: dict[Req, int]  # each request of the batch -> its sampled row, or -1
+    free_after: list[Req]  # finished while in flight: their blocks are freed once this step is done
+
+
+class StepGaps:
+    """The device's idle time between consecutive steps: a bounded window for the log line."""
+
+    def __init__(self, window: int = 4096) -> None:
+        self.window: deque[float] = deque(maxlen=window)
+        self.count = 0
+
+    def add(self, seconds: float) -> None:
+        self.window.append(seconds)
+        self.count += 1
+
+    def quantile(self, q: float) -> float:
+        xs = sorted(self.window)
+        return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else 0.0
+
+    def take_summary(self) -> str | None:
+        """'N steps, step gap p50 X us p99 Y us' over the window, then start a new window."""
+        if not self.window:
+            return None
+        text = (f"{len(self.window)} step gaps: p50 {self.quantile(0.5) * 1e6:.0f} us, "
+                f"p99 {self.quantile(0.99) * 1e6:.0f} us")
+        self.window.clear()
+        return text
+
+
+class DecodeLoop:
+    def __init__(self, runner: ModelRunner, scheduler: Scheduler, *, overlap: bool = True,
+                 executor=None, on_gap: Callable[[float], None] | None = None,
+                 spec=None) -> None:
+        self.runner = runner
+        self.spec = spec
+        self.scheduler = scheduler
+        self.overlap = overlap
+        self.executor = executor or make_executor(runner.device, overlap)
+        self.max_model_len = runner.max_model_len
+        self.last: InFlight | None = None  # the step launched and not yet processed
+        self.prev_done: ForwardOutput | None = None  # the last processed step, for its end time
+        self.gaps = StepGaps()
+        self.busy: deque[float] = deque(maxlen=4096)  # device time of each step, for benchmarks
+        self.on_gap = on_gap
+        self.num_syncs = 0  # overlap steps that had to wait for the previous one first
+        self.num_ahead = 0  # steps launched while the previous one was still unprocessed
+        self.batch_size = 0  # requests in the step launched last (0: none)
+
+    @property
+    def in_flight(self) -> bool:
+        return self.last is not None
+
+    @property
+    def has_work(self) -> bool:
+        return self.last is not None or self.scheduler.has_work
+
+    # -- the loop ------------------------------------------------------------------------------
+    def step(self) -> list[Req]:
+        """Launch the next step and process the previous one (or, without overlap, run one step
+        to the end). Returns the requests that got a token, in row order; those that finished
+        have their finish_reason set."""
+        if self.spec is not None:
+            return self.spec_step()
+        if not self.overlap:
+            cur = self.launch(None)
+            return self.process(cur, None) if cur is not None else self.idle()
+        last, emitted = self.last, []
+        if last is not None and not self.can_predict(last):
+            self.num_syncs += 1
+            emitted, last = self.process(last, None), None
+        cur = self.launch(last)
+        if last is not None:
+            # NOTE: step N+1 is already queued behind step N; only now does the host wait for N.
+            self.num_ahead += cur is not None
+            emitted += self.process(last, cur)
+        self.last = cur
+        if cur is None:
+            self.idle()
+        return emitted
+
+    def spec_step(self) -> list[Req]:
+        """One MTP step, run to the end: verify, keep, stop, draft."""
+        batch = self.scheduler.schedule()
+        self.batch_size = len(batch.reqs) if batch is not None else 0
+        if batch is None:
+            return self.idle()
+        results = self.spec.run(batch)
+        self.scheduler.update_spec(batch, results)
+        return [batch.reqs[i] for i, res in sorted(results.items()) for _ in res.tokens]
+
+    def drain(self) -> list[Req]:
+        """Process the step in flight, launching nothing new."""
+        last, self.last = self.last, None
+        return self.process(last, None) if last is not None else []
+
+    def idle(self) -> list[Req]:
+        self.prev_done = None  # the device idles for want of work: that is not a step gap
+        return []
+
+    def can_predict(self, last: InFlight) -> bool:
+        """Whether step N+1 can be scheduled before step N's tokens are on the host."""
+        need = 0
+        for req in self.scheduler.running:
+            row = last.members.get(req, -1)
+            pending = row >= 0 and last.rows[row] >= 0
+            if pending and req.params.has_penalties:
+                return False
+            need += max(0, self.scheduler.blocks_needed(req, req.num_tokens + pending))
+        return need <= self.scheduler.allocator.num_free
+
+    def launch(self, last: InFlight | None) -> InFlight | None:
+        pending = []  # (request, row of `last`) whose newest token is still on the device
+        if last is not None:
+            for row, i in enumerate(last.rows):
+                req = last.batch.reqs[i] if i >= 0 else None
+                if req is not None and req.status is ReqStatus.RUNNING:
+                    pending.append(req)
+                    req.token_ids.append(-(row + 1))
+        preemptions = self.scheduler.num_preemptions
+        try:
+            batch = self.scheduler.schedule()
+            self.batch_size = len(batch.reqs) if batch is not None else 0
+            if batch is None:
+                return None
+            if last is not None and self.scheduler.num_preemptions != preemptions:
+                raise RuntimeError("a step preempted while another was in flight")
+            inp, out = self.executor.launch(self.runner, batch, last.out if last else None)
+        finally:
+            for req in pending:
+                req.token_ids.pop()
+        for req, n in zip(batch.reqs, batch.num_new_tokens):
+            req.num_computed_tokens += n  # computed by the launched step
+        members = dict.fromkeys(batch.reqs, -1)
+        for row, i in enumerate(inp.sample_reqs):
+            members[batch.reqs[i]] = row
+        return InFlight(batch, inp, out, list(inp.sample_reqs), members, [])
+
+    def process(self, f: InFlight, nxt: InFlight | None) -> list[Req]:
+        """Wait for step f's results and apply them; `nxt` is the step launched after it."""
+        f.out.copy_done.wait()
+        self.busy.append(self.executor.busy_seconds(f.out))
+        if self.prev_done is not None:
+            gap = self.executor.gap_seconds(self.prev_done, f.out)
+            self.gaps.add(gap)
+            if self.on_gap is not None:
+                self.on_gap(gap)
+        self.prev_done = f.out
+        emitted = []
+        if f.inp.rows:
+            sampled = self.unpack(f)
+            for row, i in enumerate(f.rows):
+                if i < 0:
+                    continue  # invalid slot: the request ended after this step was launched
+                req = f.batch.reqs[i]
+                req.append_token(*sampled[row])
+                emitted.append(req)
+                reason = req.check_stop(self.max_model_len)
+                if reason is not None:
+                    self.finish(req, reason, nxt)
+        for req in f.free_after:
+            self.scheduler.free_blocks(req)
+        return emitted
+
+    def unpack(self, f: InFlight) -> list[SampledToken]:
+        out = f.out.logprobs_cpu
+        if out is None:
+            return [(t, None, None, None) for t in f.out.next_tokens_cpu.tolist()]
+        by_index = unpack_sampled(out, list(range(len(f.inp.rows))), f.inp.rows)
+        return [by_index[row] for row in range(len(f.inp.rows))]
+
+    # -- endings -------------------------------------------------------------------------------
+    def finish(self, req: Req, reason: FinishReason, holder: InFlight | None) -> None:
+        """End a request; if `holder` (a launched step) holds it, invalidate its slot there and
+        free its blocks once that step is done."""
+        if holder is None or req not in holder.members:
+            self.scheduler.finish(req, reason)
+            return
+        row = holder.members[req]
+        if row >= 0:
+            holder.rows[row] = -1
+        # NOTE: the launched step still writes this request's KV; its blocks must not be
+        # handed to anyone (a KV import on the host) before that step has completed.
+        held, req.hold_blocks_on_finish = req.hold_blocks_on_finish, True
+        self.scheduler.finish(req, reason)
+        req.hold_blocks_on_finish = held
+        if not held:
+            holder.free_after.append(req)
+
+    def abort(self, req: Req) -> None:
+        """End a request now (the client went away); takes effect within one step."""
+        if not req.is_finished:
+            self.finish(req, FinishReason.ABORT, self.last)
+
+    def take_gap_summary(self) -> str | None:
+        return self.gaps.take_summary()
+
+    def close(self) -> None:
+        self.drain()
+        self.executor.close()
+
+
+def make_decode_loop(runner: ModelRunner, scheduler: Scheduler, overlap: bool,
+                     on_gap: Callable[[float], None] | None = None, spec=None) -> DecodeLoop:
+    loop = DecodeLoop(runner, scheduler, overlap=overlap, on_gap=on_gap, spec=spec)
+    log.info("decode loop: overlap %s (executor %s)", "on" if overlap else "off", loop.executor.name)
+    return loop
+

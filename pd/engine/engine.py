@@ -1,0 +1,118 @@
+"""The single-process engine: scheduler + runner in one loop.
+
+It is the reference the PD path must equal (`pd.LLM`, `pd generate`) and the core each node
+builds on: a prefill node runs prompts through it and exports KV, a decode node imports KV and
+decodes. With `num_speculative_tokens` k > 0, each step verifies the MTP layer's k drafts
+(`pd.spec.verify`, `pd.spec.mtp`). Tokenization and output formatting are left to `llm.py` and the
+router.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+
+from pd.engine.allocator import BlockAllocator
+from pd.config import EngineConfig
+from pd.wire.geometry import geometry
+from pd.spec.mtp import MTPDrafter
+from pd.engine.request import Req
+from pd.engine.runner import ModelRunner
+from pd.wire.sampling_params import SamplingParams
+from pd.engine.scheduler import Scheduler
+from pd.spec.verify import SpecDecoder
+
+log = logging.getLogger(__name__)
+
+
+class Engine:
+    def __init__(self, cfg: EngineConfig, eos_token_ids: tuple[int, ...] = (),
+                 num_speculative_tokens: int = 0) -> None:
+        self.config = cfg
+        self.runner = ModelRunner(cfg)
+        self.model_config = self.runner.model_config
+        self.eos_token_ids = tuple(eos_token_ids)
+        self.allocator = BlockAllocator(self.runner.num_blocks)
+        self.scheduler = Scheduler(
+            self.allocator,
+            block_size=cfg.block_size,
+            max_num_seqs=cfg.max_num_seqs,
+            max_num_batched_tokens=cfg.max_num_batched_tokens,
+            max_model_len=self.runner.max_model_len,
+            num_lookahead_slots=num_speculative_tokens,
+        )
+        self.spec: SpecDecoder | None = None
+        if num_speculative_tokens:
+            self.spec = SpecDecoder(self.runner, num_speculative_tokens,
+                                    MTPDrafter(self.runner, num_speculative_tokens),
+                                    self.runner.max_model_len, seed=cfg.seed)
+        self.requests: dict[str, Req] = {}
+        self._ids = itertools.count()
+
+    @property
+    def max_model_len(self) -> int:
+        return self.runner.max_model_len
+
+    def geometry(self, mtp_enabled: bool = False) -> dict:
+        return geometry(self.model_config, self.runner.dtype, self.config.block_size, mtp_enabled)
+
+    def validate_prompt(self, prompt_token_ids: list[int]) -> None:
+        if not prompt_token_ids:
+            raise ValueError("empty prompt: at least one token is needed")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token id(s) outside the vocabulary [0, {vocab}): {bad[:8]}")
+        if len(prompt_token_ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt of {len(prompt_token_ids)} tokens does not fit the context of "
+                f"{self.max_model_len} tokens (at least one must be generated)"
+            )
+
+    def add_request(self, prompt_token_ids: list[int], params: SamplingParams,
+                    req_id: str | None = None) -> Req:
+        self.validate_prompt(prompt_token_ids)
+        req_id = req_id if req_id is not None else str(next(self._ids))
+        if req_id in self.requests:
+            raise ValueError(f"duplicate request id {req_id!r}")
+        req = Req(req_id, list(prompt_token_ids), params, eos_token_ids=self.eos_token_ids)
+        self.scheduler.add(req)
+        self.requests[req_id] = req
+        return req
+
+    def generate(self, prompts: list[list[int]], params: list[SamplingParams]) -> list[Req]:
+        """Add one request per prompt and step until the engine is idle; returns the requests,
+        finished, in order. Every prompt is validated before any request starts."""
+        if len(params) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling parameter sets")
+        for ids in prompts:
+            self.validate_prompt(ids)
+        reqs = [self.add_request(ids, sp) for ids, sp in zip(prompts, params)]
+        while self.has_unfinished():
+            self.step()
+        return reqs
+
+    def abort(self, req_id: str) -> None:
+        req = self.requests.pop(req_id, None)
+        if req is not None:
+            self.scheduler.abort(req)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work
+
+    def step(self) -> list[Req]:
+        """Run one step; returns the requests that finished in it."""
+        batch = self.scheduler.schedule()
+        if batch is None:
+            if self.scheduler.waiting:
+                raise RuntimeError("no request can be scheduled: the KV cache is too small")
+            return []
+        if self.spec is not None:
+            finished = self.scheduler.update_spec(batch, self.spec.run(batch))
+        else:
+            finished = self.scheduler.update(batch, self.runner.run(batch))
+        for req in finished:
+            self.requests.pop(req.req_id, None)
+        if not self.scheduler.has_work:
+            self.allocator.check_integrity()
+        return finished

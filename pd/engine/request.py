@@ -1,0 +1,96 @@
+"""A request's state: one progress model for prefill, decode and (later) speculation.
+
+`num_computed_tokens` (KV already in the cache) catches up with `num_tokens` (prompt + output).
+A step computes `num_tokens - num_computed_tokens` tokens (or a chunk of them); when it catches
+up, the step samples the next token. Nodes and the scheduler share this type; it holds no tensors.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from pd.wire.sampling_params import SamplingParams
+
+
+class ReqStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"  # EOS or a stop token id
+    LENGTH = "length"  # max_tokens or the model's context
+    ABORT = "abort"  # the client went away, a timeout, or a failure
+
+
+@dataclass(eq=False)
+class Req:
+    req_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    eos_token_ids: tuple[int, ...] = ()
+    arrival_time: float = field(default_factory=time.monotonic)
+    token_ids: list[int] = field(init=False)  # prompt then output
+    num_computed_tokens: int = 0
+    block_ids: list[int] = field(default_factory=list)
+    status: ReqStatus = ReqStatus.WAITING
+    finish_reason: FinishReason | None = None
+    # Per output token, filled only when params.logprobs is not None.
+    output_logprobs: list[float] = field(default_factory=list)
+    output_ranks: list[int] = field(default_factory=list)
+    output_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    num_preemptions: int = 0
+    # MTP draft tokens to verify in the next step (after token_ids; not counted in num_tokens).
+    spec_token_ids: list[int] = field(default_factory=list)
+    # NOTE: a prefill node keeps a finished request's blocks until the decode node has the KV.
+    hold_blocks_on_finish: bool = False
+
+    def __post_init__(self) -> None:
+        self.token_ids = list(self.prompt_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - len(self.prompt_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[len(self.prompt_token_ids):]
+
+    @property
+    def last_token_id(self) -> int:
+        return self.token_ids[-1]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is ReqStatus.FINISHED
+
+    def append_token(self, token_id: int, logprob: float | None = None, rank: int | None = None,
+                     top: list[tuple[int, float]] | None = None) -> None:
+        self.token_ids.append(token_id)
+        if self.params.logprobs is not None:
+            self.output_logprobs.append(logprob)
+            self.output_ranks.append(rank)
+            self.output_top_logprobs.append(top or [])
+
+    def check_stop(self, max_model_len: int) -> FinishReason | None:
+        """The stop condition after the last appended token, or None to go on."""
+        params, last, num_out = self.params, self.token_ids[-1], self.num_output_tokens
+        if num_out >= params.min_tokens:
+            if not params.ignore_eos and (last in self.eos_token_ids or last in params.extra_eos_token_ids):
+                return FinishReason.STOP
+            if last in params.stop_token_ids:
+                return FinishReason.STOP
+        if num_out >= params.max_tokens or self.num_tokens >= max_model_len:
+            return FinishReason.LENGTH
+        return None

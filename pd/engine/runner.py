@@ -1,0 +1,232 @@
+"""The model runner: owns the model, the node's KV cache and the sampler, and is the one place
+where a step's tensors are built (`prepare`).
+
+It runs a `ScheduledBatch` (any mix of prefill chunks and decode tokens) and returns the sampled
+tokens with their logprobs for the requests that caught up. Which requests run, and what happens
+to their state afterwards, is the scheduler's business.
+
+For the decode overlap loop (`pd.engine.decode_loop`) the runner also splits a step in two: `prepare`
+(host) and `execute` (device work only, no host wait), which writes the sampled tokens into a
+device tensor the next step reads (future-token slots: an input id `-(j + 1)` stands for row
+j of the previous step's tokens) and copies the results into host buffers (`alloc_output`,
+pinned on CUDA). Where `execute` runs (a CUDA stream, a worker thread) and how its completion
+is awaited is the executor's business (`pd.engine.executor`).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import fields, replace
+from typing import NamedTuple
+
+import torch
+
+from pd.config import EngineConfig, dtype_name
+from pd.model.context import ForwardContext, build_context, forward_context
+from pd.engine.kv_cache import KVCache, num_blocks_for
+from pd.model.loader import load_model
+from pd.engine.request import Req
+from pd.engine.sampler import Sampler, SamplerOutput, SamplingRow
+from pd.engine.scheduler import ScheduledBatch
+
+log = logging.getLogger(__name__)
+
+# (token_id, logprob, rank, top-k pairs); the last three are None without logprobs.
+SampledToken = tuple[int, float | None, int | None, list[tuple[int, float]] | None]
+
+
+class ForwardInput(NamedTuple):
+    input_ids: torch.Tensor  # [T]; negative ids are future tokens, see future_index
+    positions: torch.Tensor  # [T]
+    context: ForwardContext
+    logits_index: torch.Tensor  # [S] rows of the hidden states to sample from
+    sample_reqs: list[int]  # batch index of each sampled row
+    rows: list[SamplingRow]
+    # NOTE: tokens whose id the host does not know yet (sampled by the step still in flight)
+    # are read on the device from that step's next tokens: input_ids[future_index] =
+    # prev_tokens[future_slots]. None when every id is known.
+    future_index: torch.Tensor | None = None  # [F] positions in input_ids
+    future_slots: torch.Tensor | None = None  # [F] rows of the previous step's next tokens
+    num_top: int = 0  # top-logprob columns: the most any row asked for
+
+    @property
+    def wants_logprobs(self) -> bool:
+        return any(r.params.logprobs is not None for r in self.rows)
+
+
+class ForwardOutput(NamedTuple):
+    """One launched step. Tokens are [S] (one per sampled row); a verify step of 1 + k tokens
+    per row would make them [S, 1 + k] with the accepted counts beside them."""
+
+    next_tokens_gpu: torch.Tensor  # [S] int64 on the device: what the next step's future ids read
+    next_tokens_cpu: torch.Tensor  # [S] int64 on the host (pinned on CUDA); valid after copy_done
+    logprobs_cpu: SamplerOutput | None  # host copies of the logprob tensors, likewise
+    copy_done: object  # the executor's completion: .wait() returns once the host copies landed
+
+
+class ModelRunner:
+    def __init__(self, cfg: EngineConfig) -> None:
+        self.config = cfg
+        self.device = torch.device(cfg.device)
+        self.dtype = cfg.torch_dtype
+        self.model = load_model(cfg.model, self.dtype, self.device)
+        self.model_config = mc = self.model.config
+        self.max_model_len = min(cfg.max_model_len or mc.max_context_len,
+                                 mc.max_context_len)
+        num_blocks = num_blocks_for(mc, cfg, self.dtype)
+        use_graphs = self.device.type == "cuda" and not cfg.enforce_eager
+        self.kv_cache = KVCache(mc, num_blocks, cfg.block_size, self.dtype, self.device,
+                                spare_blocks=1 if use_graphs else 0)
+        self.kv_cache.bind(self.model.attention_layers())
+        self.graphs = None
+        if use_graphs:
+            from pd.engine.cuda_graph import DecodeGraphs
+
+            self.graphs = DecodeGraphs(self.model, self.kv_cache.dummy_block, cfg.block_size,
+                                       cfg.max_num_seqs, self.max_model_len, self.device)
+        self.sampler = Sampler()
+        log.info("model %s (%s, %d layers%s) on %s/%s, KV cache %d blocks x %d tokens (%.1f MiB)",
+                 mc.model_id, mc.architecture, mc.num_layers, " + MTP" if mc.has_mtp else "",
+                 cfg.device, dtype_name(self.dtype), num_blocks, cfg.block_size,
+                 self.kv_cache.nbytes / 2**20)
+
+    @property
+    def num_blocks(self) -> int:
+        return self.kv_cache.num_blocks
+
+    @property
+    def block_size(self) -> int:
+        return self.kv_cache.block_size
+
+    def prepare(self, batch: ScheduledBatch) -> ForwardInput:
+        bs = self.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        context_lens: list[int] = []
+        logits_index: list[int] = []
+        sample_reqs: list[int] = []
+        rows: list[SamplingRow] = []
+        for i, (req, n) in enumerate(zip(batch.reqs, batch.num_new_tokens)):
+            start = req.num_computed_tokens
+            input_ids += req.token_ids[start:start + n]
+            pos = range(start, start + n)
+            positions += pos
+            table = req.block_ids
+            slots += [table[p // bs] * bs + p % bs for p in pos]
+            context_lens.append(start + n)
+            if batch.samples(i):
+                logits_index.append(len(input_ids) - 1)
+                sample_reqs.append(i)
+                rows.append(self.sampling_row(req))
+        ctx = build_context(batch.num_new_tokens, context_lens,
+                            [req.block_ids for req in batch.reqs], slots, torch.device("cpu"))
+        future = [j for j, t in enumerate(input_ids) if t < 0]
+        asked = [r.params.logprobs for r in rows if r.params.logprobs is not None]
+        return ForwardInput(
+            input_ids=self.to_device(torch.tensor(input_ids, dtype=torch.int64)),
+            positions=self.to_device(torch.tensor(positions, dtype=torch.int64)),
+            context=replace(ctx, **{f.name: self.to_device(getattr(ctx, f.name))
+                                    for f in fields(ctx) if isinstance(getattr(ctx, f.name), torch.Tensor)}),
+            logits_index=self.to_device(torch.tensor(logits_index, dtype=torch.int64)),
+            sample_reqs=sample_reqs,
+            rows=rows,
+            future_index=self.to_device(torch.tensor(future, dtype=torch.int64)) if future else None,
+            future_slots=self.to_device(torch.tensor([-input_ids[j] - 1 for j in future],
+                                                     dtype=torch.int64)) if future else None,
+            num_top=min(max(asked, default=0), self.model_config.vocab_size),
+        )
+
+    def to_device(self, t: torch.Tensor) -> torch.Tensor:
+        """A host tensor on the runner's device; on CUDA through pinned memory without blocking,
+        on the current stream, so building a step never waits for the one in flight."""
+        if self.device.type != "cuda":
+            return t
+        return t.pin_memory().to(self.device, non_blocking=True)
+
+    @staticmethod
+    def sampling_row(req: Req) -> SamplingRow:
+        return SamplingRow(
+            params=req.params,
+            output_token_ids=req.output_token_ids if req.params.has_penalties else [],
+            prompt_token_ids=req.prompt_token_ids if req.params.has_penalties else [],
+            step=req.num_output_tokens,
+            eos_token_ids=req.eos_token_ids,
+        )
+
+    @torch.inference_mode()
+    def forward(self, inp: ForwardInput) -> torch.Tensor:
+        """Run the target model; returns the pre-norm hidden states of every token [T, H].
+        Decode steps on CUDA replay a CUDA graph (`pd.engine.cuda_graph`) unless --enforce-eager."""
+        if self.graphs is not None and self.graphs.can_run(inp.context):
+            return self.graphs.run(inp.input_ids, inp.positions, inp.context)
+        with forward_context(inp.context):
+            return self.model(inp.input_ids, inp.positions)
+
+    @torch.inference_mode()
+    def sample(self, inp: ForwardInput, prev_tokens: torch.Tensor | None = None) -> SamplerOutput | None:
+        """Forward + sampler on the device; `prev_tokens` fills the future ids. None when no
+        row samples."""
+        if inp.future_index is not None:
+            if prev_tokens is None:
+                raise ValueError("the batch has future token ids but no previous step's tokens")
+            ids = inp.input_ids.index_put((inp.future_index,), prev_tokens[inp.future_slots])
+            inp = inp._replace(input_ids=ids)
+        hidden = self.forward(inp)
+        if not inp.rows:
+            return None
+        return self.sampler(self.model.compute_logits(hidden[inp.logits_index]), inp.rows)
+
+    @torch.inference_mode()
+    def run(self, batch: ScheduledBatch) -> dict[int, SampledToken]:
+        inp = self.prepare(batch)
+        out = self.sample(inp)
+        return {} if out is None else unpack_sampled(out, inp.sample_reqs, inp.rows)
+
+    # -- the split step of the overlap loop ----------------------------------------------------
+    def alloc_output(self, inp: ForwardInput) -> tuple[torch.Tensor, torch.Tensor, SamplerOutput | None]:
+        """Buffers `execute` writes: next tokens on the device, and host copies (pinned on CUDA)."""
+        num_rows, pin = len(inp.rows), self.device.type == "cuda"
+
+        def host(*shape, dtype=torch.int64):
+            return torch.empty(shape, dtype=dtype, pin_memory=pin)
+
+        tokens_cpu, logprobs = host(num_rows), None
+        if inp.wants_logprobs:
+            logprobs = SamplerOutput(tokens_cpu, host(num_rows, dtype=torch.float32), host(num_rows),
+                                     host(num_rows, inp.num_top),
+                                     host(num_rows, inp.num_top, dtype=torch.float32))
+        return torch.empty(num_rows, dtype=torch.int64, device=self.device), tokens_cpu, logprobs
+
+    @torch.inference_mode()
+    def execute(self, inp: ForwardInput, prev_tokens: torch.Tensor | None,
+                next_tokens: torch.Tensor, tokens_cpu: torch.Tensor,
+                logprobs_cpu: SamplerOutput | None) -> None:
+        """The device part of a step: forward, sample, write `next_tokens` (read by the next
+        step in stream order) and start the copies to the host buffers. Never waits."""
+        out = self.sample(inp, prev_tokens)
+        if out is None:
+            return
+        next_tokens.copy_(out.token_ids)
+        tokens_cpu.copy_(out.token_ids, non_blocking=True)
+        if logprobs_cpu is not None:  # its token_ids is tokens_cpu
+            for name in ("logprobs", "ranks", "topk_ids", "topk_logprobs"):
+                getattr(logprobs_cpu, name).copy_(getattr(out, name), non_blocking=True)
+
+
+def unpack_sampled(out: SamplerOutput, sample_reqs: list[int],
+                   rows: list[SamplingRow]) -> dict[int, SampledToken]:
+    """Sampler tensors -> {batch index: (token, logprob, rank, top)}, logprobs only where asked."""
+    token_ids = out.token_ids.tolist()
+    if out.logprobs is None:
+        return {i: (t, None, None, None) for i, t in zip(sample_reqs, token_ids)}
+    logprobs, ranks = out.logprobs.tolist(), out.ranks.tolist()
+    top_ids, top_lps = out.topk_ids.tolist(), out.topk_logprobs.tolist()
+    result: dict[int, SampledToken] = {}
+    for j, (i, row) in enumerate(zip(sample_reqs, rows)):
+        k = row.params.logprobs
+        if k is None:
+            result[i] = (token_ids[j], None, None, None)
+        else:
+            result[i] = (token_ids[j], logprobs[j], ranks[j], list(zip(top_ids[j][:k], top_lps[j][:k])))
+    return result

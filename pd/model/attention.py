@@ -1,0 +1,71 @@
+"""Paged attention in plain torch: correct on CPU and CUDA, for mixed batches of prefill chunks
+and decode tokens.
+
+Each call writes the step's K/V into the paged cache through the slot mapping, gathers every
+sequence's keys through its block table into a padded batch, and runs one masked
+`scaled_dot_product_attention` over it. On CUDA, decode steps (one query per sequence) run
+`kernels.paged_decode` instead, a Triton kernel that reads the blocks in place (`PD_ATTENTION=torch`
+keeps the torch path); this module's torch path is the reference for both devices, and the only
+path for sliding-window layers.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from kernels.paged_decode import can_use_kernel, paged_decode
+from pd.model.context import get_context
+
+
+def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """Store this step's keys and values. Caches are [num_blocks, block_size, H_kv, D]."""
+    ctx = get_context()
+    slots = ctx.slot_mapping
+    if ctx.write_index is not None:
+        slots, k, v = slots[ctx.write_index], k[ctx.write_index], v[ctx.write_index]
+    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, k.to(k_cache.dtype))
+    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, v.to(v_cache.dtype))
+
+
+def window_mask(mask: torch.Tensor, window: int) -> torch.Tensor:
+    """A causal mask [B, 1, max_q, max_kv] narrowed to the last `window` keys of each query
+    (key j is seen from position i when i - window < j <= i, as transformers has it). A
+    query's position is its row's count of visible keys minus one (the mask is causal)."""
+    q_pos = mask.sum(-1, keepdim=True) - 1  # [B, 1, max_q, 1]
+    keys = torch.arange(mask.shape[-1], device=mask.device)
+    return mask & (keys > q_pos - window)
+
+
+def paged_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float,
+    sliding_window: int | None = None,
+) -> torch.Tensor:
+    """q: [T, H_q, D] -> [T, H_q, D], attending over each sequence's cached keys (the last
+    `sliding_window` of them, when given)."""
+    ctx = get_context()
+    num_seqs, max_q, max_kv = ctx.num_seqs, ctx.max_q_len, ctx.max_kv_len
+    num_tokens, num_heads, head_dim = q.shape
+    if (ctx.is_decode and q.is_cuda and sliding_window is None
+            and can_use_kernel(q, k_cache)):
+        return paged_decode(q, k_cache, v_cache, ctx.block_tables, ctx.context_lens, scale,
+                            use_kernel=True)
+    # [B, max_blocks, block_size, H_kv, D] -> [B, max_blocks * block_size, H_kv, D] -> first max_kv
+    keys = k_cache[ctx.block_tables].flatten(1, 2)[:, :max_kv]
+    values = v_cache[ctx.block_tables].flatten(1, 2)[:, :max_kv]
+    if ctx.is_decode:
+        q_pad = q.view(num_seqs, 1, num_heads, head_dim)
+    else:
+        q_pad = q.new_zeros(num_seqs * max_q, num_heads, head_dim)
+        q_pad[ctx.padded_index] = q
+        q_pad = q_pad.view(num_seqs, max_q, num_heads, head_dim)
+    out = F.scaled_dot_product_attention(
+        q_pad.transpose(1, 2),  # [B, H_q, max_q, D]
+        keys.transpose(1, 2).to(q.dtype),  # [B, H_kv, max_kv, D]
+        values.transpose(1, 2).to(q.dtype),
+        attn_mask=ctx.attn_mask if sliding_window is None else window_mask(ctx.attn_mask, sliding_window),
+        scale=scale,
+        enable_gqa=True,
+    )
+    out = out.transpose(1, 2).reshape(num_seqs * max_q, num_heads, head_dim)
+    return out if ctx.is_decode else out[ctx.padded_index]

@@ -1,0 +1,182 @@
+"""Small building blocks of a Llama-family decoder: RMSNorm, rotary embedding (plain, linear,
+dynamic NTK, YaRN and Llama-3 scaling), the gated MLP.
+
+Numerics follow the Hugging Face reference (norm statistics in float32, RoPE tables from a
+float32 `inv_freq`) so that greedy outputs match it token for token.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pd.model.context import get_context
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
+    factor = scaling["factor"]
+    low_freq_factor = scaling.get("low_freq_factor", 1.0)
+    high_freq_factor = scaling.get("high_freq_factor", 4.0)
+    old_len = scaling["original_max_position_embeddings"]
+    low_freq_wavelen = old_len / low_freq_factor
+    high_freq_wavelen = old_len / high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = ~(wavelen < high_freq_wavelen) & ~(wavelen > low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+def _yarn_inv_freq(theta: float, head_dim: int, scaling: dict, max_position_embeddings: int):
+    """YaRN frequencies and the cos/sin scale, as transformers computes them."""
+    factor = scaling.get("factor")
+    original = scaling["original_max_position_embeddings"]
+    if factor is None:
+        factor = max_position_embeddings / original
+
+    def get_mscale(scale: float, mscale: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+    attention_factor = scaling.get("attention_factor")
+    if attention_factor is None:
+        mscale, mscale_all_dim = scaling.get("mscale"), scaling.get("mscale_all_dim")
+        if mscale and mscale_all_dim:
+            attention_factor = get_mscale(factor, mscale) / get_mscale(factor, mscale_all_dim)
+        else:
+            attention_factor = get_mscale(factor)
+    beta_fast = scaling.get("beta_fast") or 32
+    beta_slow = scaling.get("beta_slow") or 1
+
+    def correction_dim(num_rotations: float) -> float:
+        return (head_dim * math.log(original / (num_rotations * 2 * math.pi))) / (2 * math.log(theta))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = torch.clamp((torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    pos_freqs = theta ** (torch.arange(0, head_dim, 2).float() / head_dim)
+    extrapolation = 1 - ramp
+    inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+    return inv_freq, float(attention_factor)
+
+
+class RotaryEmbedding:
+    """Non-interleaved (rotate-half) RoPE applied to q and k at given positions.
+
+    RoPE types (`rope_scaling["rope_type"]`, see `pd.config`): default, linear, llama3 and yarn
+    fix the frequencies at start; dynamic (NTK) recomputes them per token from its sequence's
+    length in this forward (`context_lens`), which is what transformers does for one sequence
+    (it takes the longest sequence of the batch). A plain object, not a module: its float32
+    `inv_freq` must not follow the model's dtype. The cos/sin tables are computed once per
+    forward (every layer sees the same positions tensor).
+    """
+
+    def __init__(self, head_dim: int, theta: float, scaling: dict | None,
+                 max_position_embeddings: int = 2048) -> None:
+        # NOTE: device="cpu" explicitly, so building the model under a meta-device context
+        # still yields real frequencies.
+        with torch.device("cpu"):
+            self.exponent = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+            inv_freq = 1.0 / (theta**self.exponent)
+            kind = (scaling or {}).get("rope_type", "default")
+            self.attention_factor = 1.0
+            self.dynamic: tuple[float, int] | None = None
+            if kind == "llama3":
+                inv_freq = _llama3_inv_freq(inv_freq, scaling)
+            elif kind == "linear":
+                inv_freq = inv_freq / scaling["factor"]
+            elif kind == "yarn":
+                inv_freq, self.attention_factor = _yarn_inv_freq(
+                    theta, head_dim, scaling, max_position_embeddings)
+            elif kind == "dynamic":
+                self.dynamic = (float(scaling["factor"]), max_position_embeddings)
+            elif kind != "default":
+                raise ValueError(f"unsupported RoPE type {kind!r}")
+        self.theta, self.head_dim = theta, head_dim
+        self.inv_freq = inv_freq
+        self._cached: tuple | None = None
+
+    def _dynamic_inv_freq(self, positions: torch.Tensor) -> torch.Tensor:
+        """[T, D/2]: each token's frequencies from its sequence's length in this forward."""
+        ctx = get_context()
+        factor, max_len = self.dynamic
+        seq_len = ctx.context_lens[ctx.padded_index // ctx.max_q_len].float()  # [T]
+        dim = self.head_dim
+        base = self.theta * ((factor * seq_len / max_len) - (factor - 1)) ** (dim / (dim - 2))
+        scaled = 1.0 / (base[:, None] ** self.exponent[None, :])
+        return torch.where((seq_len > max_len)[:, None], scaled, self.inv_freq[None, :])
+
+    def _tables(self, positions: torch.Tensor, dtype: torch.dtype):
+        cached = self._cached
+        if cached is not None and cached[0] is positions and cached[1] == dtype:
+            return cached[2], cached[3]
+        if self.inv_freq.device != positions.device:
+            self.inv_freq = self.inv_freq.to(positions.device)
+            self.exponent = self.exponent.to(positions.device)
+        inv_freq = self._dynamic_inv_freq(positions) if self.dynamic else self.inv_freq[None, :]
+        freqs = positions.float()[:, None] * inv_freq
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos, sin = emb.cos(), emb.sin()
+        if self.attention_factor != 1.0:
+            cos, sin = cos * self.attention_factor, sin * self.attention_factor
+        cos, sin = cos.to(dtype)[:, None, :], sin.to(dtype)[:, None, :]
+        self._cached = (positions, dtype, cos, sin)
+        return cos, sin
+
+    def reset(self) -> None:
+        """Forget the tables; called at the start of every forward, since a positions tensor
+        may be a static buffer refilled between forwards."""
+        self._cached = None
+
+    def __call__(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        # q: [T, Hq, D], k: [T, Hkv, D], positions: [T]
+        cos, sin = self._tables(positions, q.dtype)
+        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+ACTIVATIONS = {
+    "silu": F.silu,
+    "swish": F.silu,
+    "gelu": F.gelu,
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "relu": F.relu,
+}
+
+
+class MLP(nn.Module):
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool,
+                 act: str = "silu") -> None:
+        super().__init__()
+        self.act = ACTIVATIONS[act]
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))

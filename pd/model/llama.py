@@ -1,0 +1,141 @@
+"""The Llama-family decoder (Llama, Qwen2 with q/k/v biases and sliding-window layers, Qwen3
+with q/k norms) and its MTP layer, with parameter names equal to the Hugging Face checkpoint
+names.
+
+Layers take `forward(positions, hidden)`; batch metadata comes from the forward context
+(`pd.model.context`). `forward` returns the last layer's output before the final norm (what the MTP
+layer consumes); `compute_logits` applies the final norm and the LM head.
+
+MTP (DeepSeek-V3 style) weight names, present when config.json has
+`"num_nextn_predict_layers": 1`:
+  mtp.enorm.weight [H], mtp.hnorm.weight [H], mtp.eh_proj.weight [H, 2H],
+  mtp.layer.* (one decoder layer, the same names as model.layers.N.*).
+The final norm and LM head are shared. For target tokens t_0..t_n with pre-norm hidden states
+h_i, the MTP entry at position i is eh_proj([enorm(embed(t_{i+1})), hnorm(h_i)]) run through
+mtp.layer at RoPE position i (its KV in cache layer `num_layers`, same slots as the target's);
+its output o_i gives logits for t_{i+2}.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from pd.model.attention import paged_attention, write_kv
+from pd.config import ModelConfig
+from pd.model.layers import MLP, RMSNorm, RotaryEmbedding
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding,
+                 sliding_window: int | None = None) -> None:
+        super().__init__()
+        self.sliding_window = sliding_window
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        h = cfg.hidden_size
+        self.q_proj = nn.Linear(h, cfg.num_heads * cfg.head_dim, bias=cfg.qkv_bias)
+        self.k_proj = nn.Linear(h, cfg.num_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
+        self.v_proj = nn.Linear(h, cfg.num_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, h, bias=cfg.o_bias)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+        self.qk_norm = cfg.qk_norm
+        self.rotary = rotary
+        self.scale = cfg.head_dim**-0.5
+        # Views into the node's one KV allocation, set by KVCache.bind().
+        self.k_cache: torch.Tensor | None = None
+        self.v_cache: torch.Tensor | None = None
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        num_tokens = x.shape[0]
+        q = self.q_proj(x).view(num_tokens, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(positions, q, k)
+        write_kv(self.k_cache, self.v_cache, k, v)
+        out = paged_attention(q, self.k_cache, self.v_cache, self.scale, self.sliding_window)
+        return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding,
+                 sliding_window: int | None = None) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, rotary, sliding_window)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias, cfg.hidden_act)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.self_attn(positions, self.input_layernorm(x))
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DecoderModel(nn.Module):
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(
+            DecoderLayer(cfg, rotary, cfg.sliding_window if i in cfg.sliding_layers else None)
+            for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            x = layer(positions, x)
+        return x
+
+
+class MTPLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.enorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.hnorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.eh_proj = nn.Linear(2 * cfg.hidden_size, cfg.hidden_size, bias=False)
+        self.layer = DecoderLayer(cfg, rotary)
+
+    def forward(self, positions: torch.Tensor, embeds: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        x = self.eh_proj(torch.cat([self.enorm(embeds), self.hnorm(hidden)], dim=-1))
+        return self.layer(positions, x)
+
+
+class CausalLM(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling,
+                                      cfg.max_position_embeddings)
+        self.model = DecoderModel(cfg, self.rotary)
+        if not cfg.tie_word_embeddings:
+            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.mtp = MTPLayer(cfg, self.rotary) if cfg.has_mtp else None
+
+    @property
+    def head_weight(self) -> torch.Tensor:
+        return self.model.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
+
+    def attention_layers(self) -> list[Attention]:
+        """Every attention module in cache-layer order: the target's layers, then the MTP layer."""
+        layers = [layer.self_attn for layer in self.model.layers]
+        if self.mtp is not None:
+            layers.append(self.mtp.layer.self_attn)
+        return layers
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        self.rotary.reset()
+        return self.model(input_ids, positions)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Pre-norm hidden states [N, H] -> float32 logits [N, V]."""
+        return torch.nn.functional.linear(self.model.norm(hidden), self.head_weight).float()
+
+    def mtp_forward(self, input_ids: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        """One MTP entry per token: input_ids are the *next* tokens, hidden the states they follow."""
+        if self.mtp is None:
+            raise RuntimeError("this checkpoint has no MTP layer (num_nextn_predict_layers is 0)")
+        self.rotary.reset()
+        return self.mtp(positions, self.model.embed_tokens(input_ids), hidden)

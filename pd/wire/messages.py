@@ -1,0 +1,242 @@
+"""Control messages between router, prefill node (P) and decode node (D).
+
+Each message is a typed frozen dataclass with a `TYPE` and a `VERSION`, encoded as a msgpack map
+`{"type", "version", ...fields}`. Bulk data (KV, token records) never rides in here: it goes as
+ring records or raw frames through `shm_ipc`. `decode()` enforces a size limit and refuses
+unknown types, other versions, unknown or missing fields, with `MessageError` naming the
+problem. Fields that name an endpoint to connect to (`reply_to`, `decode_addr`, `kv_addr`)
+must be one (`is_endpoint`), and a deadline must be a finite number of seconds > 0, so that
+a well-typed message cannot make a node connect to nonsense or wait forever. Nothing is pickled.
+
+Who sends what:
+  router -> P     PrefillRequest, Abort, Ping          (P's control socket)
+  router -> D     Abort, Ping                          (D's control socket)
+  P, D -> router  Pong (reply to Ping)                 (same socket)
+  P, D -> router  TokenStream                          (the router's event socket, `reply_to`)
+  P -> D          Hello, RequestMeta, KVDone, Abort    (D's KV ingest, in order with records)
+  D -> P          HelloOk, HelloRefused, KVAccept, KVAck, KVRefuse
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import MISSING, asdict, dataclass, fields
+from typing import ClassVar
+
+import msgpack
+
+MAX_MESSAGE_BYTES = 16 * 2**20
+_ENDPOINT = re.compile(
+    r"tcp://(?:[A-Za-z0-9_.-]+|\[[0-9A-Fa-f:.]+\]|\*):([0-9]{1,5})|ipc://[^\0]{1,200}")
+_ENDPOINT_FIELDS = ("reply_to", "decode_addr", "kv_addr")
+
+
+class MessageError(ValueError):
+    """A message that cannot be accepted (malformed, too large, unknown type or version)."""
+
+
+_REGISTRY: dict[str, type] = {}
+
+
+def message(cls):
+    """Register a message dataclass by its TYPE."""
+    cls = dataclass(frozen=True)(cls)
+    _REGISTRY[cls.TYPE] = cls
+    cls._field_names = frozenset(f.name for f in fields(cls))
+    cls._required = frozenset(f.name for f in fields(cls) if f.default is MISSING)
+    cls._types = {f.name: _accepted_types(f.type) for f in fields(cls)}
+    return cls
+
+
+_TYPE_NAMES = {"str": str, "int": int, "float": (int, float), "bool": bool, "list": list,
+               "dict": dict, "None": type(None)}
+
+
+def _accepted_types(annotation: str) -> tuple:
+    out: tuple = ()
+    for name in annotation.split("|"):
+        t = _TYPE_NAMES[name.strip()]
+        out += t if isinstance(t, tuple) else (t,)
+    return out
+
+
+@message
+class PrefillRequest:
+    TYPE: ClassVar[str] = "prefill_request"
+    VERSION: ClassVar[int] = 1
+    req_id: str
+    prompt_ids: list
+    params: dict  # SamplingParams.to_dict()
+    decode_addr: str  # the decode node's KV ingest endpoint, tcp://HOST:PORT
+    reply_to: str  # the router's event endpoint for TokenStream messages
+    deadline_s: float = 60.0  # the request fails if not handed to D within this time
+
+
+@message
+class Abort:
+    TYPE: ClassVar[str] = "abort"
+    VERSION: ClassVar[int] = 1
+    req_id: str
+    reason: str = "client"
+
+
+@message
+class Ping:
+    TYPE: ClassVar[str] = "ping"
+    VERSION: ClassVar[int] = 1
+    seq: int = 0
+
+
+@message
+class Pong:
+    TYPE: ClassVar[str] = "pong"
+    VERSION: ClassVar[int] = 1
+    seq: int
+    role: str  # "prefill" | "decode"
+    node_id: str
+    stats: dict  # load figures: queue length, running, free/total blocks, ...
+    kv_addr: str = ""  # a decode node's KV ingest endpoint
+
+
+@message
+class TokenStream:
+    TYPE: ClassVar[str] = "tokens"
+    VERSION: ClassVar[int] = 1
+    req_id: str
+    token_ids: list
+    logprobs: list | None = None  # per token, when the request asked
+    top_logprobs: list | None = None  # per token, a list of [id, logprob] pairs
+    finish_reason: str | None = None  # "stop" | "length" | "abort"; None while running
+    error: str | None = None
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+
+
+@message
+class Hello:
+    TYPE: ClassVar[str] = "hello"
+    VERSION: ClassVar[int] = 1
+    node_id: str
+    geometry: dict  # see pd.wire.geometry
+
+
+@message
+class HelloOk:
+    TYPE: ClassVar[str] = "hello_ok"
+    VERSION: ClassVar[int] = 1
+    node_id: str
+
+
+@message
+class HelloRefused:
+    TYPE: ClassVar[str] = "hello_refused"
+    VERSION: ClassVar[int] = 1
+    node_id: str
+    reason: str
+
+
+@message
+class RequestMeta:
+    """P -> D, just before the request's FIRST_TOKEN record."""
+
+    TYPE: ClassVar[str] = "request_meta"
+    VERSION: ClassVar[int] = 1
+    req_id: str
+    prompt_ids: list
+    params: dict
+    reply_to: str
+    num_blocks: int  # KV blocks P will send (the prompt's)
+    deadline_s: float = 60.0
+
+
+@message
+class KVAccept:
+    """D has reserved blocks for the request: P may send its KV."""
+
+    TYPE: ClassVar[str] = "kv_accept"
+    VERSION: ClassVar[int] = 1
+    req_id: str
+
+
+@message
+class KVDone:
+    TYPE: ClassVar[str] = "kv_done"
+    VERSION: ClassVar[int] = 1
+    req_id: str
+    num_records: int
+
+
+@message
+class KVAck:
+    """D has installed the KV: P frees its blocks."""
+
+    TYPE: ClassVar[str] = "kv_ack"
+    VERSION: ClassVar[int] = 1
+    req_id: str
+
+
+@message
+class KVRefuse:
+    """D will not take the request (timeout, abort, bad record): P frees its blocks."""
+
+    TYPE: ClassVar[str] = "kv_refuse"
+    VERSION: ClassVar[int] = 1
+    req_id: str
+    reason: str
+
+
+def is_endpoint(addr: str) -> bool:
+    """True for tcp://HOST:PORT (a name, an address, [IPv6] or *) and ipc://PATH."""
+    found = _ENDPOINT.fullmatch(addr)
+    return found is not None and (found.group(1) is None or 0 < int(found.group(1)) < 65536)
+
+
+def to_dict(msg) -> dict:
+    d = asdict(msg)
+    d["type"], d["version"] = msg.TYPE, msg.VERSION
+    return d
+
+
+def encode(msg) -> bytes:
+    return msgpack.packb(to_dict(msg), use_bin_type=True)
+
+
+def decode(data: bytes | memoryview, max_bytes: int = MAX_MESSAGE_BYTES):
+    if len(data) > max_bytes:
+        raise MessageError(f"message of {len(data)} bytes exceeds the limit of {max_bytes}")
+    try:
+        d = msgpack.unpackb(data, raw=False, strict_map_key=True)
+    except Exception as e:  # msgpack raises several unrelated types
+        raise MessageError(f"malformed msgpack: {e.__class__.__name__}: {e}") from None
+    return from_dict(d)
+
+
+def from_dict(d) -> object:
+    """A decoded msgpack map -> its typed message, with every check `decode` promises."""
+    if not isinstance(d, dict):
+        raise MessageError(f"message is a {type(d).__name__}, not a map")
+    d = dict(d)
+    kind, version = d.pop("type", None), d.pop("version", None)
+    cls = _REGISTRY.get(kind) if isinstance(kind, str) else None
+    if cls is None:
+        raise MessageError(f"unknown message type {kind!r}")
+    if version != cls.VERSION:
+        raise MessageError(f"{kind} version {version!r} not supported (expected {cls.VERSION})")
+    unknown = set(d) - cls._field_names
+    if unknown:
+        raise MessageError(f"{kind}: unknown field(s) {sorted(unknown)}")
+    missing = cls._required - set(d)
+    if missing:
+        raise MessageError(f"{kind}: missing field(s) {sorted(missing)}")
+    for name, value in d.items():
+        if not isinstance(value, cls._types[name]) or (isinstance(value, bool) and bool not in cls._types[name]):
+            raise MessageError(f"{kind}: field {name} has type {type(value).__name__}")
+    for name in _ENDPOINT_FIELDS:
+        value = d.get(name)
+        if value is not None and not is_endpoint(value) and not (name == "kv_addr" and value == ""):
+            raise MessageError(f"{kind}: field {name} is not a ZMQ endpoint: {value[:100]!r}")
+    deadline = d.get("deadline_s")
+    if deadline is not None and not (math.isfinite(deadline) and deadline > 0):
+        raise MessageError(f"{kind}: deadline_s must be a finite number > 0, got {deadline!r}")
+    return cls(**d)
