@@ -26,7 +26,7 @@ TAIL=14 step checkpoints python3 benchmarks/gpu/check_checkpoints.py
 TAIL=8 step kernels python3 benchmarks/gpu/check_kernels.py
 TAIL=12 step mtp_engine python3 benchmarks/gpu/check_mtp_engine.py
 TAIL=8 step mtp_engine_torch_attention env PD_ATTENTION=torch python3 benchmarks/gpu/check_mtp_engine.py
-TAIL=4 step pytest python3 -m pytest -q -p no:cacheprovider tests/pd/test_cuda_graph.py tests/kernels \
+TAIL=4 step pytest python3 -m pytest -q -p no:cacheprovider tests/engine/test_cuda_graph.py tests/kernels \
     tests/shm_ipc/test_kv.py
 TAIL=4 step pd_path env PD_TEST_DEVICE=cuda python3 -m pytest -q -p no:cacheprovider \
     tests/e2e/test_pd_path.py -k equals_single_process

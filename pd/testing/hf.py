@@ -117,7 +117,7 @@ _LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_f
            "original_max_position_embeddings": 16}
 _YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16}
 
-# The parity matrix (`tests/pd/test_checkpoints.py`, `benchmarks/gpu/check_checkpoints.py`):
+# The parity matrix (`tests/model/test_checkpoints.py`, `benchmarks/gpu/check_checkpoints.py`):
 # name -> write_hf_checkpoint arguments. Each RoPE type in both key styles, tied and untied
 # heads, 1 to 8 KV heads, biases, sliding windows, a padded vocabulary, shards, bf16 on disk.
 # Contexts are short (16-64 positions) so that scaled RoPE and windows act within the ~42
