@@ -11,7 +11,8 @@ import argparse
 import logging
 import os
 
-from pd.service.flags import add_engine_arguments, add_node_arguments, announce, engine_config
+from pd.service.flags import (add_engine_arguments, add_node_arguments, add_role_arguments,
+                              announce, engine_config)
 
 log = logging.getLogger(__name__)
 
@@ -19,17 +20,7 @@ log = logging.getLogger(__name__)
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_engine_arguments(p)
     add_node_arguments(p, default_port=7200)
-    g = p.add_argument_group("decode")
-    g.add_argument("--kv-port", type=int, default=7201,
-                   help="port where prefill nodes send requests and KV (default: 7201; 0 = any)")
-    g.add_argument("--max-queue", type=int, default=4096,
-                   help="requests being handed over at once; more are refused")
-    g.add_argument("--kv-timeout", type=float, default=30.0,
-                   help="seconds a handed-over request may wait for free blocks and its KV "
-                        "before it fails (default: 30)")
-    g.add_argument("--no-overlap", action="store_true",
-                   help="run the plain decode loop (wait for each step before scheduling the "
-                        "next) instead of the overlap scheduler; PD_DISABLE_OVERLAP=1 does the same")
+    add_role_arguments(p, "decode")
 
 
 def main(args: argparse.Namespace) -> int:

@@ -23,20 +23,23 @@ steps; the step gap (device idle time between steps) is a histogram and a period
 
 from __future__ import annotations
 
+import enum
 import logging
 import time
 from collections import Counter, deque
 from dataclasses import dataclass
 
-from pd.wire import messages as m
-from pd.service import metrics as node_metrics
-from pd.engine.engine import Engine
-from pd.wire.geometry import mismatch
 from pd.engine.decode_loop import make_decode_loop
+from pd.engine.engine import Engine
 from pd.engine.request import Req
-from pd.wire.sampling_params import SamplingParams
+from pd.service import metrics as node_metrics
+from pd.service.flags import default
 from pd.service.node import NodeService
+from pd.service.states import Transitions
 from pd.spec.verify import SpecStats
+from pd.wire import messages as m
+from pd.wire.geometry import mismatch
+from pd.wire.sampling_params import SamplingParams
 from shm_ipc.kv import install_kv
 from shm_ipc.receiver import KVReceiver, PeerGone
 from shm_ipc.header import Flag
@@ -46,6 +49,23 @@ log = logging.getLogger(__name__)
 GAP_LOG_S = 30.0  # how often the step-gap quantiles are logged while decoding
 
 
+class IncomingState(enum.Enum):
+    META = "meta"  # RequestMeta arrived, waiting for FIRST_TOKEN
+    WAITING_BLOCKS = "waiting_blocks"  # first token forwarded, waiting for free blocks
+    RECEIVING = "receiving"  # KVAccept sent, KV records arriving
+    JOINED = "joined"  # KVDone: in the running batch
+    DROPPED = "dropped"  # failed, aborted or timed out; blocks freed
+
+
+INCOMING_STATES = Transitions({
+    IncomingState.META: (IncomingState.WAITING_BLOCKS, IncomingState.DROPPED),
+    IncomingState.WAITING_BLOCKS: (IncomingState.RECEIVING, IncomingState.DROPPED),
+    IncomingState.RECEIVING: (IncomingState.JOINED, IncomingState.DROPPED),
+    IncomingState.JOINED: (),
+    IncomingState.DROPPED: (),
+})
+
+
 @dataclass(eq=False)
 class Incoming:
     req: Req
@@ -53,7 +73,7 @@ class Incoming:
     reply_to: str
     num_blocks: int  # blocks of prompt KV the prefill node will send
     deadline: float
-    state: str = "meta"  # meta -> waiting_blocks -> receiving -> joined
+    state: IncomingState = IncomingState.META
     num_records: int = 0
 
 
@@ -61,14 +81,16 @@ class DecodeNode(NodeService):
     role = "decode"
 
     def __init__(self, node_id: str, engine: Engine, *, host: str, port: int, kv_port: int,
-                 metrics_port: int | None, max_queue: int = 4096, kv_timeout: float = 30.0,
-                 overlap: bool = True, drain_timeout: float = 30.0) -> None:
+                 metrics_port: int | None, max_queue: int = default("max_queue", "decode"),
+                 kv_timeout: float = default("kv_timeout", "decode"), overlap: bool = True,
+                 drain_timeout: float = default("drain_timeout", "decode")) -> None:
         super().__init__(node_id, host, port, metrics_port, drain_timeout)
         self.engine = engine
         self.scheduler = engine.scheduler
         self.allocator = engine.allocator
         self.max_queue = max_queue
         self.kv_timeout = kv_timeout
+        self.preemptions_counted = 0  # scheduler preemptions already in the metric
         self.receiver = KVReceiver(f"tcp://{host}:{kv_port}", ctx=self.ctx,
                                    pin_rings=engine.runner.device.type == "cuda")
         self.kv_addr = self.receiver.endpoint
@@ -122,20 +144,20 @@ class DecodeNode(NodeService):
         elif isinstance(item, AbortRecord):
             self.abort(item.req_id, peer=peer)
         elif isinstance(item, FirstTokenRecord):
-            self.on_first_token(self.expect(peer, item.req_id, "meta"), item)
+            self.on_first_token(self.expect(peer, item.req_id, IncomingState.META), item)
         elif isinstance(item, TokensRecord) and item.flag == Flag.DRAFT_TOKENS:
             self.on_drafts(item)
         elif isinstance(item, KVRecord):
-            self.on_kv(self.expect(peer, item.req_id, "receiving"), item)
+            self.on_kv(self.expect(peer, item.req_id, IncomingState.RECEIVING), item)
         else:
             raise m.MessageError(f"unexpected record {type(item).__name__}")
 
-    def expect(self, peer: bytes, req_id: str, state: str) -> Incoming:
+    def expect(self, peer: bytes, req_id: str, state: IncomingState) -> Incoming:
         inc = self.incoming.get(req_id)
-        if inc is None or inc.peer != peer or inc.state != state:
+        if inc is None or inc.peer != peer or inc.state is not state:
             raise m.MessageError(
-                f"record for request {req_id!r}, which is not {state!r} from this peer "
-                f"({'unknown' if inc is None else inc.state})")
+                f"record for request {req_id!r}, which is not {state.value!r} from this peer "
+                f"({'unknown' if inc is None else inc.state.value})")
         return inc
 
     def on_hello(self, peer: bytes, msg: m.Hello) -> None:
@@ -172,13 +194,14 @@ class DecodeNode(NodeService):
         req.append_token(rec.token_id, rec.logprob, rec.rank, [tuple(p) for p in rec.top])
         # NOTE: the first token goes to the router now; TTFT does not wait for the KV.
         self.stream(inc.reply_to, req, 1, None)
-        inc.state = "waiting_blocks"
+        INCOMING_STATES.move(inc, IncomingState.WAITING_BLOCKS)
         self.waiting_blocks.append(inc)
         self.may_reserve()
 
     def on_drafts(self, rec: TokensRecord) -> None:
         inc = self.incoming.get(rec.req_id)
-        if self.engine.spec is None or inc is None or inc.state not in ("waiting_blocks", "receiving"):
+        if self.engine.spec is None or inc is None or inc.state not in (
+                IncomingState.WAITING_BLOCKS, IncomingState.RECEIVING):
             raise m.MessageError(f"DRAFT_TOKENS for request {rec.req_id!r}, which expects none")
         vocab, req = self.engine.model_config.vocab_size, inc.req
         if len(rec.token_ids) > self.engine.spec.k or any(not 0 <= t < vocab for t in rec.token_ids):
@@ -197,7 +220,7 @@ class DecodeNode(NodeService):
                 return
             self.waiting_blocks.popleft()
             inc.req.block_ids = self.allocator.allocate(need)
-            inc.state = "receiving"
+            INCOMING_STATES.move(inc, IncomingState.RECEIVING)
             self.receiver.send_control(inc.peer, m.to_dict(m.KVAccept(inc.req.req_id)))
 
     def on_kv(self, inc: Incoming, rec: KVRecord) -> None:
@@ -211,13 +234,13 @@ class DecodeNode(NodeService):
         self.metrics.kv_received_bytes.inc(rec.payload.nbytes)
 
     def on_kv_done(self, peer: bytes, msg: m.KVDone) -> None:
-        inc = self.expect(peer, msg.req_id, "receiving")
+        inc = self.expect(peer, msg.req_id, IncomingState.RECEIVING)
         if inc.num_records != msg.num_records:
             self.fail(inc, f"KV incomplete: {inc.num_records} of {msg.num_records} records arrived")
             return
         self.receiver.send_control(peer, m.to_dict(m.KVAck(msg.req_id)))
         del self.incoming[msg.req_id]
-        inc.state = "joined"
+        INCOMING_STATES.move(inc, IncomingState.JOINED)
         req = inc.req
         req.num_computed_tokens = req.num_prompt_tokens
         self.reply_to[req.req_id] = inc.reply_to
@@ -273,10 +296,10 @@ class DecodeNode(NodeService):
 
     def drop_incoming(self, inc: Incoming) -> None:
         self.incoming.pop(inc.req.req_id, None)
-        if inc.state == "waiting_blocks":
+        if inc.state is IncomingState.WAITING_BLOCKS:
             self.waiting_blocks.remove(inc)
         self.scheduler.free_blocks(inc.req)
-        inc.state = "dropped"
+        INCOMING_STATES.move(inc, IncomingState.DROPPED)
 
     def abort(self, req_id: str, peer: bytes | None = None) -> None:
         inc = self.incoming.get(req_id)
@@ -307,15 +330,17 @@ class DecodeNode(NodeService):
     def tick(self, now: float) -> None:
         self.on_kv_socket()  # NOTE: the receiver checks its ring producers' lives when read
         for inc in [i for i in self.incoming.values() if now > i.deadline]:
-            self.fail(inc, {"meta": "timed out waiting for the first token",
-                            "waiting_blocks": "timed out waiting for free KV blocks at the decode node",
-                            "receiving": "timed out waiting for the KV"}[inc.state])
+            self.fail(inc, {
+                IncomingState.META: "timed out waiting for the first token",
+                IncomingState.WAITING_BLOCKS: "timed out waiting for free KV blocks at the decode node",
+                IncomingState.RECEIVING: "timed out waiting for the KV"}[inc.state])
         self.may_reserve()
         mt = self.metrics
         mt.waiting.set(len(self.scheduler.waiting) + len(self.waiting_blocks))
         mt.running.set(len(self.scheduler.running))
         mt.kv_usage.set(self.allocator.usage)
-        mt.preemptions.inc(self.scheduler.num_preemptions - mt.preemptions._value.get())
+        mt.preemptions.inc(self.scheduler.num_preemptions - self.preemptions_counted)
+        self.preemptions_counted = self.scheduler.num_preemptions
         if not self.incoming and not self.loop.has_work:
             self.allocator.check_integrity()
         if now - self.last_gap_log >= GAP_LOG_S:

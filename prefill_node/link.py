@@ -9,70 +9,122 @@ closed by `KVDone`. Replies are dispatched back to the node. Transport errors (r
 timeout, peer gone) fail the request and mark the link failed, so the next request reconnects.
 A decode node that disconnects (killed, restarted) has lost every request handed to it: they all
 fail at once, and the link with them (a restarted node must be greeted again).
+
+The link talks to its owner (the prefill node) only through `LinkOwner`: the sockets it asks to
+be watched, the hand-off events it raises, and nothing else; the KV it sends comes from the
+`kv` tensor it is given. Its states are `LinkState`, with their transitions in `LINK_STATES`.
 """
 
 from __future__ import annotations
 
+import enum
 import itertools
 import logging
 import os
 import time
-from typing import TYPE_CHECKING
+from typing import Callable, Protocol
 
+import torch
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
+from pd.engine.request import Req
+from pd.service.states import Transitions
 from pd.wire import messages as m
 from shm_ipc.errors import TransportError
 from shm_ipc.header import Flag
 from shm_ipc.records import AbortRecord, FirstTokenRecord, TokensRecord
 from shm_ipc.transport import make_transport
 
-if TYPE_CHECKING:
-    from prefill_node.node import Job, PrefillNode
-
 log = logging.getLogger(__name__)
 _ids = itertools.count()
 
 
+class LinkState(enum.Enum):
+    HELLO_SENT = "hello_sent"
+    READY = "ready"
+    FAILED = "failed"
+
+
+LINK_STATES = Transitions({
+    LinkState.HELLO_SENT: (LinkState.READY, LinkState.FAILED),
+    LinkState.READY: (LinkState.FAILED,),
+    LinkState.FAILED: (),
+})
+
+
+class Handoff(Protocol):
+    """One request being handed to a decode node, as the link sees it."""
+
+    msg: m.PrefillRequest
+    req: Req
+    arrival: float
+
+
+class LinkOwner(Protocol):
+    """What a `DecodeLink` needs from the node that owns it."""
+
+    node_id: str
+    geometry: dict
+
+    def register(self, sock: zmq.Socket, handler: Callable[[], None]) -> None: ...
+    def unregister(self, sock: zmq.Socket) -> None: ...
+    def refuse(self, source: str, error: Exception) -> None: ...
+    def on_first_token_sent(self, job: Handoff) -> None: ...
+    def on_kv_accept(self, link: "DecodeLink", req_id: str) -> None: ...
+    def on_kv_ack(self, link: "DecodeLink", req_id: str) -> None: ...
+    def on_kv_refuse(self, link: "DecodeLink", req_id: str, reason: str) -> None: ...
+    def on_link_broken(self, link: "DecodeLink", reason: str, jobs: list[Handoff] | None) -> None:
+        """The link failed: end `jobs`, or every request handed to it when None."""
+
+
 class DecodeLink:
-    def __init__(self, node: "PrefillNode", addr: str) -> None:
-        self.node, self.addr = node, addr
-        self.state = "hello_sent"  # -> ready | failed
+    def __init__(self, owner: LinkOwner, addr: str, *, kv: torch.Tensor, block_size: int,
+                 handoff_timeout: float, transport: str) -> None:
+        self.owner, self.addr = owner, addr
+        self.kv, self.block_size = kv, block_size  # the KV source: the owner's paged cache
+        self.handoff_timeout = handoff_timeout
+        self.state = LinkState.HELLO_SENT
         self.reason = ""
-        self.pending: list[Job] = []
-        self.hello_deadline = time.monotonic() + node.handoff_timeout
-        instance = f"{node.node_id}-{os.getpid()}-{next(_ids)}"
-        self.transport = make_transport(addr, instance, mode=node.transport)
+        self.pending: list[Handoff] = []
+        self.hello_deadline = time.monotonic() + handoff_timeout
+        instance = f"{owner.node_id}-{os.getpid()}-{next(_ids)}"
+        self.transport = make_transport(addr, instance, mode=transport)
         self.monitor = self.transport.socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
-        node.register(self.transport.socket, self.on_socket)
-        node.register(self.monitor, self.on_monitor)
-        self.control(m.Hello(node.node_id, node.geometry))
+        owner.register(self.transport.socket, self.on_socket)
+        owner.register(self.monitor, self.on_monitor)
+        self.control(m.Hello(owner.node_id, owner.geometry))
         log.info("connecting to decode node %s over %s", addr, self.transport.mode)
 
     @property
     def failed(self) -> bool:
-        return self.state == "failed"
+        return self.state is LinkState.FAILED
 
     def control(self, msg) -> None:
         self.transport.send_control(m.to_dict(msg))
 
-    def submit(self, job: "Job") -> None:
-        if self.state == "ready":
+    def submit(self, job: Handoff) -> None:
+        if self.state is LinkState.READY:
             self._send_request(job)
-        elif self.state == "hello_sent":
+        elif self.state is LinkState.HELLO_SENT:
             self.pending.append(job)
         else:
-            self.node.fail(job, f"decode node {self.addr} unusable: {self.reason}")
+            self.owner.on_link_broken(self, f"decode node {self.addr} unusable: {self.reason}",
+                                      [job])
 
-    def _send_request(self, job: "Job") -> None:
+    def withdraw(self, job: Handoff) -> None:
+        """Forget a job still waiting for the handshake (it ended at the owner)."""
+        if job in self.pending:
+            self.pending.remove(job)
+
+    def _send_request(self, job: Handoff) -> None:
         req = job.req
         first = req.output_token_ids[0]
         asked = req.params.logprobs is not None
         try:
             self.control(m.RequestMeta(req.req_id, req.prompt_token_ids, job.msg.params,
                                        job.msg.reply_to, num_blocks=self.num_prompt_blocks(job),
-                                       deadline_s=self.node.handoff_timeout))
+                                       deadline_s=self.handoff_timeout))
             self.transport.send_record(FirstTokenRecord(
                 req.req_id, first,
                 req.output_logprobs[0] if asked else 0.0,
@@ -81,17 +133,16 @@ class DecodeLink:
             if req.spec_token_ids:  # MTP: the first drafts, so D's first step verifies them
                 self.transport.send_record(TokensRecord(req.req_id, list(req.spec_token_ids),
                                                         flag=Flag.DRAFT_TOKENS))
-            self.node.metrics.first_token_send_seconds.observe(time.monotonic() - job.arrival)
+            self.owner.on_first_token_sent(job)
         except TransportError as e:
             self._broken(f"sending to decode node {self.addr} failed: {e}", job)
 
-    def num_prompt_blocks(self, job: "Job") -> int:
-        bs = self.node.engine.config.block_size
-        return -(-job.req.num_prompt_tokens // bs)
+    def num_prompt_blocks(self, job: Handoff) -> int:
+        return -(-job.req.num_prompt_tokens // self.block_size)
 
-    def send_kv(self, job: "Job") -> int:
+    def send_kv(self, job: Handoff) -> int:
         """Send the prompt's KV blocks then KVDone; returns the bytes sent."""
-        kv = self.node.engine.runner.kv_cache.kv
+        kv = self.kv
         blocks = job.req.block_ids[: self.num_prompt_blocks(job)]
         try:
             num_records = self.transport.send_kv(job.req.req_id, kv, blocks)
@@ -102,30 +153,27 @@ class DecodeLink:
         return kv[:, :, :1].numel() * kv.element_size() * len(blocks)
 
     def send_abort(self, req_id: str, reason: str) -> None:
-        if self.state == "failed":
+        if self.state is LinkState.FAILED:
             return
         try:
             self.transport.send_record(AbortRecord(req_id, reason[:512]))
         except TransportError as e:
             log.warning("could not send abort for %s to %s: %s", req_id, self.addr, e)
 
-    def _broken(self, reason: str, job: "Job | None" = None, everything: bool = False) -> None:
-        """Mark the link failed and fail `job` and the pending jobs (`everything`: every job
-        handed to this node too)."""
-        self.state, self.reason = "failed", reason
+    def _broken(self, reason: str, job: Handoff | None = None, everything: bool = False) -> None:
+        """Mark the link failed and have the owner end `job` and the pending jobs
+        (`everything`: every job handed to this node)."""
+        LINK_STATES.move(self, LinkState.FAILED)
+        self.reason = reason
         log.error("%s", reason)
         jobs = [job, *self.pending] if job is not None else list(self.pending)
-        if everything:
-            jobs += [j for j in self.node.jobs.values() if j.link is self]
-        for j in jobs:
-            if j.state != "done":
-                self.node.fail(j, reason)
         self.pending.clear()
+        self.owner.on_link_broken(self, reason, None if everything else jobs)
 
     def on_monitor(self) -> None:
         while self.monitor.poll(0):
             if recv_monitor_message(self.monitor)["event"] == zmq.EVENT_DISCONNECTED \
-                    and self.state != "failed":
+                    and self.state is not LinkState.FAILED:
                 self._broken(f"decode node {self.addr} disconnected", everything=True)
 
     # -- replies ---------------------------------------------------------------------------------
@@ -134,45 +182,46 @@ class DecodeLink:
             try:
                 raw = self.transport.recv_control(0)
             except (ValueError, TransportError) as e:
-                self.node.refuse("kv", e)
+                self.owner.refuse("kv", e)
                 continue
             if raw is None:
                 return
             try:
                 msg = m.from_dict(raw)
             except m.MessageError as e:
-                self.node.refuse("kv", e)
+                self.owner.refuse("kv", e)
                 continue
             self._dispatch(msg)
 
     def _dispatch(self, msg) -> None:
-        node = self.node
+        owner = self.owner
         if isinstance(msg, m.HelloOk):
-            self.state = "ready"
+            if self.state is not LinkState.HELLO_SENT:
+                owner.refuse("kv", m.MessageError(f"HelloOk from {self.addr} out of turn"))
+                return
+            LINK_STATES.move(self, LinkState.READY)
             log.info("paired with decode node %s (%s)", msg.node_id, self.addr)
             pending, self.pending = self.pending, []
             for job in pending:
-                if job.state == "handed_off":
-                    self._send_request(job)
+                self._send_request(job)
         elif isinstance(msg, m.HelloRefused):
             self._broken(f"decode node {self.addr} refused to pair: {msg.reason}")
         elif isinstance(msg, m.KVAccept):
-            node.on_kv_accept(self, msg.req_id)
+            owner.on_kv_accept(self, msg.req_id)
         elif isinstance(msg, m.KVAck):
-            node.on_kv_ack(self, msg.req_id)
+            owner.on_kv_ack(self, msg.req_id)
         elif isinstance(msg, m.KVRefuse):
-            node.on_kv_refuse(self, msg.req_id, msg.reason)
+            owner.on_kv_refuse(self, msg.req_id, msg.reason)
         else:
-            node.refuse("kv", m.MessageError(f"unexpected {type(msg).__name__} from a decode node"))
+            owner.refuse("kv", m.MessageError(f"unexpected {type(msg).__name__} from a decode node"))
 
     def tick(self, now: float) -> None:
-        if self.state == "hello_sent" and now > self.hello_deadline:
+        if self.state is LinkState.HELLO_SENT and now > self.hello_deadline:
             self._broken(f"decode node {self.addr} did not answer the handshake")
 
     def close(self) -> None:
         for sock in (self.transport.socket, self.monitor):
-            self.node.poller.unregister(sock)
-            self.node.handlers.pop(sock, None)
+            self.owner.unregister(sock)
         self.transport.socket.disable_monitor()
         self.monitor.close()
         self.transport.close()

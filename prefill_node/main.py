@@ -12,7 +12,8 @@ import argparse
 import logging
 import os
 
-from pd.service.flags import add_engine_arguments, add_node_arguments, announce, engine_config
+from pd.service.flags import (add_engine_arguments, add_node_arguments, add_role_arguments,
+                              announce, engine_config)
 
 log = logging.getLogger(__name__)
 
@@ -20,18 +21,7 @@ log = logging.getLogger(__name__)
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_engine_arguments(p)
     add_node_arguments(p, default_port=7100)
-    g = p.add_argument_group("prefill")
-    g.add_argument("--transport", default=os.environ.get("PD_KV_TRANSPORT", "auto"),
-                   choices=["auto", "shm", "zmq"],
-                   help="KV transport to decode nodes: shm (shared-memory ring, same host), zmq "
-                        "(frames over TCP), auto (shm when the decode node is on this host); "
-                        "env PD_KV_TRANSPORT")
-    g.add_argument("--max-queue", type=int, default=1024,
-                   help="requests held at once (queued, prefilling, handing off); more are refused")
-    g.add_argument("--queue-timeout", type=float, default=60.0,
-                   help="seconds a request may wait for its prefill before it fails (default: 60)")
-    g.add_argument("--handoff-timeout", type=float, default=30.0,
-                   help="seconds from the first token until the decode node has the KV (default: 30)")
+    add_role_arguments(p, "prefill")
 
 
 def main(args: argparse.Namespace) -> int:

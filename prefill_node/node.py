@@ -19,19 +19,38 @@ hand-off. Talking to one decode node (handshake, transport) is `link.py`'s job.
 
 from __future__ import annotations
 
+import enum
 import logging
 import time
 from dataclasses import dataclass, field
 
-from pd.wire import messages as m
-from pd.service import metrics as node_metrics
 from pd.engine.engine import Engine
 from pd.engine.request import Req
-from pd.wire.sampling_params import SamplingParams
+from pd.service import metrics as node_metrics
+from pd.service.flags import default
 from pd.service.node import NodeService
+from pd.service.states import Transitions
+from pd.wire import messages as m
+from pd.wire.sampling_params import SamplingParams
 from prefill_node.link import DecodeLink
 
 log = logging.getLogger(__name__)
+
+
+class JobState(enum.Enum):
+    QUEUED = "queued"  # waiting for or in its prefill
+    HANDED_OFF = "handed_off"  # RequestMeta + first token sent, waiting for KVAccept
+    KV_SENT = "kv_sent"  # KV in flight, waiting for KVAck
+    DONE = "done"
+
+
+JOB_STATES = Transitions({
+    JobState.QUEUED: (JobState.HANDED_OFF, JobState.DONE),
+    JobState.HANDED_OFF: (JobState.KV_SENT, JobState.DONE),
+    JobState.KV_SENT: (JobState.DONE,),
+    JobState.DONE: (),
+})
+AT_DECODE = (JobState.HANDED_OFF, JobState.KV_SENT)  # the decode node knows of the request
 
 
 @dataclass(eq=False)
@@ -39,7 +58,7 @@ class Job:
     msg: m.PrefillRequest
     req: Req
     deadline: float
-    state: str = "queued"  # queued -> handed_off (RequestMeta sent) -> kv_sent -> done
+    state: JobState = JobState.QUEUED
     link: DecodeLink | None = None
     arrival: float = field(default_factory=time.monotonic)
     kv_started: float = 0.0
@@ -49,9 +68,11 @@ class PrefillNode(NodeService):
     role = "prefill"
 
     def __init__(self, node_id: str, engine: Engine, *, host: str, port: int,
-                 metrics_port: int | None, transport: str = "auto", max_queue: int = 1024,
-                 queue_timeout: float = 60.0, handoff_timeout: float = 30.0,
-                 drain_timeout: float = 30.0) -> None:
+                 metrics_port: int | None, transport: str = default("transport", "prefill"),
+                 max_queue: int = default("max_queue", "prefill"),
+                 queue_timeout: float = default("queue_timeout", "prefill"),
+                 handoff_timeout: float = default("handoff_timeout", "prefill"),
+                 drain_timeout: float = default("drain_timeout", "prefill")) -> None:
         super().__init__(node_id, host, port, metrics_port, drain_timeout)
         self.engine = engine
         self.scheduler = engine.scheduler
@@ -61,6 +82,7 @@ class PrefillNode(NodeService):
         self.handoff_timeout = handoff_timeout
         self.jobs: dict[str, Job] = {}
         self.links: dict[str, DecodeLink] = {}
+        self.preemptions_counted = 0  # scheduler preemptions already in the metric
         self.geometry = engine.geometry(mtp_enabled=engine.spec is not None)
         self.metrics = node_metrics.for_node(self.role, node_id)
 
@@ -136,31 +158,43 @@ class PrefillNode(NodeService):
         self.release(job)
 
     def hand_off(self, job: Job) -> None:
-        job.state = "handed_off"
+        JOB_STATES.move(job, JobState.HANDED_OFF)
         job.deadline = time.monotonic() + self.handoff_timeout
         link = self.links.get(job.msg.decode_addr)
         if link is None or link.failed:
             if link is not None:
                 link.close()
-            link = DecodeLink(self, job.msg.decode_addr)
+            link = DecodeLink(self, job.msg.decode_addr, kv=self.engine.runner.kv_cache.kv,
+                              block_size=self.engine.config.block_size,
+                              handoff_timeout=self.handoff_timeout, transport=self.transport)
             self.links[job.msg.decode_addr] = link
         job.link = link
         link.submit(job)
 
-    # -- replies from decode nodes (called by DecodeLink) --------------------------------------
+    # -- hand-off events (raised by DecodeLink, see prefill_node.link.LinkOwner) ---------------
+    def on_first_token_sent(self, job: Job) -> None:
+        self.metrics.first_token_send_seconds.observe(time.monotonic() - job.arrival)
+
+    def on_link_broken(self, link: DecodeLink, reason: str, jobs: list[Job] | None) -> None:
+        if jobs is None:
+            jobs = [j for j in self.jobs.values() if j.link is link]
+        for job in jobs:
+            if job.state is not JobState.DONE:
+                self.fail(job, reason)
+
     def on_kv_accept(self, link: DecodeLink, req_id: str) -> None:
         job = self.jobs.get(req_id)
-        if job is None or job.state != "handed_off" or job.link is not link:
+        if job is None or job.state is not JobState.HANDED_OFF or job.link is not link:
             log.warning("KVAccept for %s, which is not waiting for one here", req_id)
             return
-        job.state = "kv_sent"
+        JOB_STATES.move(job, JobState.KV_SENT)
         job.kv_started = time.perf_counter()
         nbytes = link.send_kv(job)
         self.metrics.kv_sent_bytes.inc(nbytes)
 
     def on_kv_ack(self, link: DecodeLink, req_id: str) -> None:
         job = self.jobs.get(req_id)
-        if job is None or job.link is not link or job.state != "kv_sent":
+        if job is None or job.link is not link or job.state is not JobState.KV_SENT:
             log.warning("KVAck for %s, which has no KV in flight to that node", req_id)
             return
         self.metrics.kv_transfer_seconds.observe(time.perf_counter() - job.kv_started)
@@ -178,31 +212,33 @@ class PrefillNode(NodeService):
         log.warning("request %s failed: %s", job.req.req_id, error)
         self.metrics.refused("failed").inc()
         self.events.send(job.msg.reply_to, m.TokenStream(job.req.req_id, [], error=error))
-        if job.state in ("handed_off", "kv_sent") and job.link is not None:
+        if job.state in AT_DECODE and job.link is not None:
             job.link.send_abort(job.req.req_id, error)
         self.release(job)
 
     # -- endings ---------------------------------------------------------------------------------
     def release(self, job: Job) -> None:
         self.jobs.pop(job.req.req_id, None)
-        if job.state == "queued":
+        if job.state is JobState.QUEUED:
             self.scheduler.abort(job.req)
+        if job.link is not None:
+            job.link.withdraw(job)
         self.scheduler.free_blocks(job.req)
-        job.state = "done"
+        JOB_STATES.move(job, JobState.DONE)
 
     def abort(self, req_id: str, reason: str) -> None:
         job = self.jobs.get(req_id)
         if job is None:
             return
-        if job.state in ("handed_off", "kv_sent") and job.link is not None:
+        if job.state in AT_DECODE and job.link is not None:
             job.link.send_abort(req_id, reason)
         self.release(job)
 
     def tick(self, now: float) -> None:
         for job in [j for j in self.jobs.values() if now > j.deadline]:
-            where = {"queued": "queued at the prefill node",
-                     "handed_off": f"waiting for decode node {job.msg.decode_addr} to accept",
-                     "kv_sent": f"KV in flight to decode node {job.msg.decode_addr}"}[job.state]
+            where = {JobState.QUEUED: "queued at the prefill node",
+                     JobState.HANDED_OFF: f"waiting for decode node {job.msg.decode_addr} to accept",
+                     JobState.KV_SENT: f"KV in flight to decode node {job.msg.decode_addr}"}[job.state]
             self.fail(job, f"timed out {where}")
         for addr, link in list(self.links.items()):
             link.tick(now)
@@ -225,8 +261,9 @@ class PrefillNode(NodeService):
         mt.waiting.set(len(self.scheduler.waiting))
         mt.running.set(len(self.scheduler.running))
         mt.kv_usage.set(self.engine.allocator.usage)
-        mt.transfers_waiting.set(sum(j.state != "queued" for j in self.jobs.values()))
-        mt.preemptions.inc(self.scheduler.num_preemptions - mt.preemptions._value.get())
+        mt.transfers_waiting.set(sum(j.state is not JobState.QUEUED for j in self.jobs.values()))
+        mt.preemptions.inc(self.scheduler.num_preemptions - self.preemptions_counted)
+        self.preemptions_counted = self.scheduler.num_preemptions
 
     def may_check_integrity(self) -> None:
         if not self.jobs and not self.scheduler.has_work:
@@ -237,10 +274,10 @@ class PrefillNode(NodeService):
         return {
             "queue_len": len(self.scheduler.waiting),
             "running": len(self.scheduler.running),
-            "handing_off": sum(j.state != "queued" for j in self.jobs.values()),
+            "handing_off": sum(j.state is not JobState.QUEUED for j in self.jobs.values()),
             "outstanding_prefill_tokens": sum(
                 j.req.num_tokens - j.req.num_computed_tokens for j in self.jobs.values()
-                if j.state == "queued"),
+                if j.state is JobState.QUEUED),
             "free_blocks": alloc.num_free,
             "total_blocks": alloc.num_blocks,
             "block_size": self.engine.config.block_size,

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 
-from prometheus_client import Counter
+from prometheus_client import REGISTRY, Counter
 
 log = logging.getLogger("shm_ipc")
 
@@ -26,4 +26,4 @@ def refuse(reason: str, message: str) -> None:
 
 
 def refused_count(reason: str) -> float:
-    return RECORDS_REFUSED.labels(reason=reason)._value.get()
+    return REGISTRY.get_sample_value("pd_ring_records_refused_total", {"reason": reason}) or 0.0

@@ -21,16 +21,16 @@ import signal
 import sys
 import time
 
-from pd.service.flags import add_engine_arguments, model_dir
+from pd.service.flags import add_engine_arguments, add_launch_arguments, model_dir
 
 log = logging.getLogger("pd.cli.launch")
 
 ENGINE_FLAGS = ("dtype", "device", "block_size", "num_blocks", "kv_cache_memory",
                 "gpu_memory_fraction", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
                 "log_level", "num_speculative_tokens", "enforce_eager")
-PREFILL_FLAGS = ("transport", "queue_timeout", "handoff_timeout")
-DECODE_FLAGS = ("kv_timeout",)
-NODE_FLAGS = ("drain_timeout",)
+
+
+ROLE_FLAGS: dict[str, tuple[str, ...]] = {}  # role -> the node flags launch passes on
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -40,16 +40,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("launch")
     g.add_argument("--num-prefill", type=int, default=1, help="prefill nodes to start (default: 1)")
     g.add_argument("--num-decode", type=int, default=1, help="decode nodes to start (default: 1)")
-    g.add_argument("--transport", default="auto", choices=["auto", "shm", "zmq"],
-                   help="KV transport between the nodes (default: auto = shm on one host)")
-    g.add_argument("--queue-timeout", type=float, default=60.0,
-                   help="prefill nodes: seconds a request may wait for its prefill")
-    g.add_argument("--handoff-timeout", type=float, default=30.0,
-                   help="prefill nodes: seconds from first token until the decode node has the KV")
-    g.add_argument("--kv-timeout", type=float, default=30.0,
-                   help="decode nodes: seconds a request may wait for blocks and its KV")
-    g.add_argument("--drain-timeout", type=float, default=30.0,
-                   help="nodes: seconds a SIGTERM leaves them to finish their requests")
+    ROLE_FLAGS.update(add_launch_arguments(p.add_argument_group("nodes")))
     g.add_argument("--heartbeat-timeout", type=float, default=None,
                    help="router: seconds a node may leave a heartbeat unanswered before it is "
                         "taken out and its requests end (default: 3 on CUDA, 10 on CPU, where one "
@@ -83,8 +74,7 @@ def main(args: argparse.Namespace) -> int:
     # a checkpoint pd would compute wrongly starts nothing (pd.cli.main prints the one line)
     ModelConfig.from_dir(args.model)
     generation_defaults(args.model, args.generation_config)
-    common = ["--model", args.model, "--metrics-port", "0", *node_args(args, ENGINE_FLAGS),
-              *node_args(args, NODE_FLAGS)]
+    common = ["--model", args.model, "--metrics-port", "0", *node_args(args, ENGINE_FLAGS)]
     if keys is not None:
         common += ["--curve-keys", keys.directory]
     nodes = []
@@ -100,11 +90,11 @@ def main(args: argparse.Namespace) -> int:
         for i in range(args.num_decode):
             nodes.append(start_node("decode", [*common, "--port", "0", "--kv-port", "0",
                                                "--node-id", f"decode-{i}",
-                                               *node_args(args, DECODE_FLAGS)],
+                                               *node_args(args, ROLE_FLAGS["decode"])],
                                     timeout=args.ready_timeout, die_with_parent=True))
         for i in range(args.num_prefill):
             nodes.append(start_node("prefill", [*common, "--port", "0", "--node-id", f"prefill-{i}",
-                                                *node_args(args, PREFILL_FLAGS)],
+                                                *node_args(args, ROLE_FLAGS["prefill"])],
                                     timeout=args.ready_timeout, die_with_parent=True))
         for n in nodes:
             print(f"node {n.info['node_id']} pid {n.pid} control 127.0.0.1:{n.info['port']}"

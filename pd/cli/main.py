@@ -31,11 +31,17 @@ def setup_logging(level: str) -> None:
     )
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    """The parser with every subcommand listed; only the module of `only` (the command being
+    run) is imported to add its flags, so `pd --help` and a torch-free command stay light.
+    `only=None` imports them all (for tools that inspect every flag)."""
     parser = argparse.ArgumentParser(
         prog="pd", description="pd: prefill/decode disaggregated LLM serving.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, (module, help_text) in COMMANDS.items():
+        if only is not None and name != only:
+            sub.add_parser(name, help=help_text, add_help=False)
+            continue
         mod = importlib.import_module(module)
         p = sub.add_parser(name, help=help_text, description=mod.__doc__,
                            formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -47,7 +53,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     from pd.config import ModelConfigError
 
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    chosen = next((a for a in argv if not a.startswith("-")), None)
+    args = build_parser(chosen if chosen in COMMANDS else "").parse_args(argv)
     setup_logging(getattr(args, "log_level", "warning"))
     try:
         return args._module.main(args) or 0

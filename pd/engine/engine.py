@@ -1,10 +1,11 @@
 """The single-process engine: scheduler + runner in one loop.
 
-It is the reference the PD path must equal (`pd.LLM`, `pd generate`) and the core each node
-builds on: a prefill node runs prompts through it and exports KV, a decode node imports KV and
-decodes. With `num_speculative_tokens` k > 0, each step verifies the MTP layer's k drafts
-(`pd.spec.verify`, `pd.spec.mtp`). Tokenization and output formatting are left to `llm.py` and the
-router.
+It is the reference the PD path must equal (`pd.LLM`, `pd generate`), and it builds the parts
+each node runs: the model runner, the block allocator, the scheduler and, with
+`num_speculative_tokens` k > 0, the MTP verify step (`pd.spec.verify`, `pd.spec.mtp`). The
+nodes do not call `Engine.step`: a prefill node runs its batches through the runner (or the
+verify step) itself and hands requests off, a decode node runs `pd.engine.decode_loop` over
+imported KV. Tokenization and output formatting are left to `llm.py` and the router.
 """
 
 from __future__ import annotations

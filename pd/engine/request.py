@@ -1,4 +1,5 @@
-"""A request's state: one progress model for prefill, decode and (later) speculation.
+"""A request's state: one progress model for prefill, decode and speculation (the draft tokens
+a step verifies are `spec_token_ids`).
 
 `num_computed_tokens` (KV already in the cache) catches up with `num_tokens` (prompt + output).
 A step computes `num_tokens - num_computed_tokens` tokens (or a chunk of them); when it catches

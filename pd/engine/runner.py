@@ -1,5 +1,7 @@
-"""The model runner: owns the model, the node's KV cache and the sampler, and is the one place
-where a step's tensors are built (`prepare`).
+"""The model runner: owns the model, the node's KV cache and the sampler, and builds a plain
+step's tensors (`prepare`). The MTP verify step (`pd.spec.verify`), the MTP drafter
+(`pd.spec.mtp`) and the decode CUDA graphs (`pd.engine.cuda_graph`, static buffers) build their
+own from the same batch.
 
 It runs a `ScheduledBatch` (any mix of prefill chunks and decode tokens) and returns the sampled
 tokens with their logprobs for the requests that caught up. Which requests run, and what happens

@@ -1,12 +1,20 @@
-"""Engine flags shared by every command that runs a model (`pd generate`, `pd prefill`,
-`pd decode`): one definition, turned into an `EngineConfig` by `engine_config(args)`."""
+"""Every flag of the commands that run a model, defined once.
+
+Engine flags (`pd generate`, `pd prefill`, `pd decode`, `pd launch`) become an `EngineConfig`
+through `engine_config(args)`. Node flags are one table, `NODE_FLAGS`: each flag's default,
+help and the roles it belongs to. `pd prefill` and `pd decode` add their role's flags with
+`add_role_arguments`, `pd launch` adds those it passes on to its nodes, and the node classes take
+their keyword defaults from `default(name, role)`, so a default is written in one place.
+"""
 
 from __future__ import annotations
 
 import argparse
+import os
+from dataclasses import dataclass, field
 
-from pd.wire import security
 from pd.config import EngineConfig, default_model_dir
+from pd.wire import security
 
 
 def add_engine_arguments(p: argparse.ArgumentParser) -> None:
@@ -71,10 +79,84 @@ def add_node_arguments(p: argparse.ArgumentParser, default_port: int) -> None:
                    help="HTTP port for /metrics and /health (default: none; 0 = any free port)")
     g.add_argument("--node-id", default=None, help="name in logs and metrics (default: role-port)")
     security.add_arguments(g)
-    g.add_argument("--drain-timeout", type=float, default=30.0,
-                   help="on SIGTERM, seconds to finish the requests in flight (taking no new "
-                        "ones) before ending the rest with an error and exiting (default: 30; "
-                        "SIGINT stops at once)")
+
+
+@dataclass(frozen=True)
+class NodeFlag:
+    name: str  # the argparse dest; the flag is --name-with-dashes
+    default: object  # one value, or {role: value} where the roles differ
+    help: str  # "%(default)s" names the default
+    roles: tuple[str, ...]  # "prefill", "decode"
+    type: type | None = None
+    choices: tuple = ()
+    action: str | None = None
+    in_launch: bool = True  # pd launch passes it on (flags it owns itself say False)
+    kwargs: dict = field(default_factory=dict)
+
+    def default_for(self, role: str):
+        return self.default[role] if isinstance(self.default, dict) else self.default
+
+
+NODE_FLAGS = (
+    NodeFlag("drain_timeout", 30.0, "on SIGTERM, seconds to finish the requests in flight "
+             "(taking no new ones) before ending the rest with an error and exiting (default: "
+             "%(default)s; SIGINT stops at once)", ("prefill", "decode"), float),
+    NodeFlag("transport", os.environ.get("PD_KV_TRANSPORT", "auto"),
+             "KV transport to decode nodes: shm (shared-memory ring, same host), zmq (frames "
+             "over TCP), auto (shm when the decode node is on this host); env PD_KV_TRANSPORT "
+             "(default: %(default)s)", ("prefill",), choices=("auto", "shm", "zmq")),
+    NodeFlag("max_queue", {"prefill": 1024, "decode": 4096},
+             "requests held at once (prefill: queued, prefilling, handing off; decode: being "
+             "handed over); more are refused (default: %(default)s)", ("prefill", "decode"), int,
+             in_launch=False),
+    NodeFlag("queue_timeout", 60.0, "seconds a request may wait for its prefill before it "
+             "fails (default: %(default)s)", ("prefill",), float),
+    NodeFlag("handoff_timeout", 30.0, "seconds from the first token until the decode node has "
+             "the KV (default: %(default)s)", ("prefill",), float),
+    NodeFlag("kv_port", 7201, "port where prefill nodes send requests and KV (default: "
+             "%(default)s; 0 = any)", ("decode",), int, in_launch=False),
+    NodeFlag("kv_timeout", 30.0, "seconds a handed-over request may wait for free blocks and "
+             "its KV before it fails (default: %(default)s)", ("decode",), float),
+    NodeFlag("no_overlap", False, "run the plain decode loop (wait for each step before "
+             "scheduling the next) instead of the overlap scheduler; PD_DISABLE_OVERLAP=1 does "
+             "the same", ("decode",), action="store_true"),
+)
+_BY_NAME = {f.name: f for f in NODE_FLAGS}
+
+
+def default(name: str, role: str):
+    """The default of node flag `name` for `role` (what the node classes take)."""
+    return _BY_NAME[name].default_for(role)
+
+
+def _add(group, flag: NodeFlag, role: str) -> None:
+    kw = dict(default=flag.default_for(role), help=flag.help, **flag.kwargs)
+    if flag.action:
+        kw["action"] = flag.action
+    else:
+        kw["type"] = flag.type or str
+    if flag.choices:
+        kw["choices"] = flag.choices
+    group.add_argument("--" + flag.name.replace("_", "-"), **kw)
+
+
+def add_role_arguments(p: argparse.ArgumentParser, role: str) -> None:
+    """The node flags of `role` ("prefill" or "decode")."""
+    g = p.add_argument_group(role)
+    for flag in NODE_FLAGS:
+        if role in flag.roles:
+            _add(g, flag, role)
+
+
+def add_launch_arguments(group) -> dict[str, tuple[str, ...]]:
+    """The node flags `pd launch` passes on; returns {role: names of its flags}."""
+    for flag in NODE_FLAGS:
+        if flag.in_launch:
+            role = flag.roles[0]
+            kw_help = flag.help if len(flag.roles) > 1 else f"{role} nodes: {flag.help}"
+            _add(group, NodeFlag(**{**flag.__dict__, "help": kw_help}), role)
+    return {role: tuple(f.name for f in NODE_FLAGS if f.in_launch and role in f.roles)
+            for role in ("prefill", "decode")}
 
 
 def announce(role: str, node_id: str, **ports) -> None:

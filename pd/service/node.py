@@ -201,6 +201,10 @@ class NodeService:
         self.poller.register(sock, zmq.POLLIN)
         self.handlers[sock] = handler
 
+    def unregister(self, sock: zmq.Socket | int) -> None:
+        self.poller.unregister(sock)
+        self.handlers.pop(sock, None)
+
     def refuse(self, socket_name: str, error: Exception) -> None:
         MESSAGES_REFUSED.labels(self.role, self.node_id, socket_name).inc()
         log.error("%s node %s refused a message on its %s socket: %s",

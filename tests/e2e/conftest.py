@@ -1,5 +1,6 @@
 """Real node processes on loopback for end-to-end tests.
 
+`shared_launch` is one `pd launch` for the modules that only read from it.
 `cluster(...)` starts decode and prefill nodes (`python -m pd decode|prefill`) on free ports and
 stops them at the end of the test module; every test gets a fresh `NodeClient` as the router
 stand-in. `PD_TEST_DEVICE=cuda` runs the nodes (and `DEVICE_KWARGS` the references) on the GPU in
@@ -14,7 +15,7 @@ import time
 import pytest
 
 from pd.service.client import NodeClient
-from pd.service.procs import start_node
+from pd.service.procs import Launch, start_node
 
 
 DEVICE = os.environ.get("PD_TEST_DEVICE", "cpu")
@@ -72,3 +73,19 @@ def client():
     c = NodeClient()
     yield c
     c.close()
+
+
+@pytest.fixture(scope="session")
+def shared_launch(tiny_model_dir):
+    """One `pd launch` on the embedded-style tiny model for the test modules that only read
+    from it (the API tests, `pd bench`): started once, stopped at the end of the session, and
+    checked then to have exited cleanly with no node left behind."""
+    launch = Launch(tiny_model_dir, "--num-blocks", "512")
+    yield launch
+    assert launch.stop() == 0
+    for node in launch.nodes.values():
+        try:
+            os.kill(node["pid"], 0)
+        except ProcessLookupError:
+            continue
+        raise AssertionError(f"node pid {node['pid']} outlived pd launch")

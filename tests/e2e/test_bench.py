@@ -12,16 +12,13 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from pd.service.procs import Launch
 
 N, INPUT_LEN, OUTPUT_LEN = 8, 16, 6
 
 
 @pytest.fixture(scope="module")
-def launch(tiny_model_dir):
-    lg = Launch(tiny_model_dir, "--num-blocks", "256", "--transport", "zmq")
-    yield lg
-    lg.stop()
+def launch(shared_launch):
+    return shared_launch
 
 
 def router_totals(url: str) -> dict[str, float]:

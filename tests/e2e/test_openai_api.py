@@ -7,6 +7,7 @@ import concurrent.futures as cf
 import os
 import time
 
+import httpx
 import openai
 import pytest
 
@@ -19,11 +20,8 @@ PROMPTS = ["def fibonacci(n):", "import os\n", "class Stack:", "for i in range(1
 
 
 @pytest.fixture(scope="module")
-def server(tiny_model_dir):
-    launch = Launch(tiny_model_dir, "--num-blocks", "512")
-    yield launch
-    assert launch.stop() == 0
-    assert not [n for n in launch.nodes.values() if pid_alive(n["pid"])]
+def server(shared_launch):
+    return shared_launch
 
 
 @pytest.fixture(scope="module")
@@ -177,8 +175,11 @@ def test_killing_a_decode_node_fails_only_its_requests(tiny_model_dir, reference
         done = [t for t, _ in results if t is not None]
         assert failed and done, f"{len(failed)} failed, {len(done)} completed"
         assert all("decode" in str(e) for e in failed)
-        # New requests go to the surviving decode node.
-        time.sleep(4.0)
+        # New requests go to the surviving decode node, once the router has taken the dead one out.
+        deadline = time.monotonic() + 30
+        while httpx.get(launch.url + "/health").json().get("decode") != 1:
+            assert time.monotonic() < deadline, "the router never took the dead decode node out"
+            time.sleep(0.05)
         for i in range(4):
             out = api.completions.create(model=name, prompt=f"y = {i}", max_tokens=8, temperature=0)
             assert out.choices[0].text == greedy_text(reference, f"y = {i}", 8)
