@@ -3,13 +3,13 @@ Triton kernel split along the sequence, with a torch twin.
 
 Per sequence b with `context_lens[b]` = n cached tokens whose blocks are `block_tables[b]`:
 out[b, h] = softmax(q[b, h] . K[b, :n, h // G]^T * scale) V[b, :n, h // G], G query heads per KV
-head. The kernel runs one program per (sequence, KV head, split of `SPLIT_BLOCKS` blocks); each
+head. The kernel runs one program per (sequence, KV head, split of the block table); each
 program walks its blocks through the block table with an online softmax for the G query heads
-of its KV head and writes an unnormalized partial (accumulator, running max, running sum); the
-partials are then merged with a log-sum-exp in torch. Splitting the sequence keeps the GPU busy
-for long contexts at small batch. Everything is on the current stream and capturable in a CUDA
-graph (shapes depend only on the batch and the block-table width). Writing the step's own K/V
-into the cache before the call is `pd.model.attention`'s job.
+of its KV head and writes an unnormalized partial (accumulator, running max, running sum); a
+second small kernel merges the partials with a log-sum-exp. Splitting the sequence keeps the
+GPU busy for long contexts at small batch. Everything is on the current stream and capturable
+in a CUDA graph (shapes depend only on the batch and the block-table width). Writing the step's
+own K/V into the cache before the call is `kernels.rope_cache`'s job.
 
 `triton` is imported on first use only; CPU machines run the twin.
 """
@@ -21,7 +21,8 @@ import os
 
 import torch
 
-SPLIT_BLOCKS = 16  # cache blocks per program
+MAX_SPLIT_BLOCKS = 16  # cache blocks per program, at most
+PROGRAMS_PER_SM = 4  # splits are made small enough to give each SM about this many programs
 
 
 @functools.cache
@@ -34,7 +35,7 @@ def _kernel():
                       stride_qb, stride_qh, stride_kn, stride_kt, stride_kh, stride_bt,
                       stride_ab, stride_ah, stride_as, stride_mb, stride_mh,
                       G: tl.constexpr, GP: tl.constexpr, BLOCK: tl.constexpr, D: tl.constexpr,
-                      SPLIT: tl.constexpr, IEEE: tl.constexpr):
+                      split, IEEE: tl.constexpr):
         b, h, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         n = tl.load(lens_ptr + b)
         rows = tl.arange(0, GP)
@@ -46,8 +47,8 @@ def _kernel():
         m_i = tl.full([GP], float("-inf"), tl.float32)
         l_i = tl.zeros([GP], tl.float32)
         acc = tl.zeros([GP, D], tl.float32)
-        first = s * SPLIT
-        last = tl.minimum(first + SPLIT, tl.cdiv(n, BLOCK))
+        first = s * split
+        last = tl.minimum(first + split, tl.cdiv(n, BLOCK))
         for blk in range(first, last):
             phys = tl.load(bt_ptr + b * stride_bt + blk).to(tl.int64)
             offs = phys * stride_kn + toks[:, None] * stride_kt + h * stride_kh + cols[None, :]
@@ -74,6 +75,48 @@ def _kernel():
         tl.store(l_ptr + b * stride_mb + heads * stride_mh + s, l_i, mask=row_ok)
 
     return decode_kernel
+
+
+@functools.cache
+def _merge_kernel():
+    import triton  # noqa: PLC0415
+    import triton.language as tl
+
+    @triton.jit
+    def merge_kernel(acc_ptr, m_ptr, l_ptr, out_ptr, stride_ab, stride_ah, stride_as,
+                     stride_mb, stride_mh, stride_ob, stride_oh, num_splits,
+                     CH: tl.constexpr, D: tl.constexpr):
+        b, h = tl.program_id(0), tl.program_id(1)
+        chunk = tl.arange(0, CH)
+        cols = tl.arange(0, D)
+        m_base = m_ptr + b * stride_mb + h * stride_mh
+        top = tl.max(tl.full([CH], float("-inf"), tl.float32), 0)
+        for c in range(0, num_splits, CH):
+            top = tl.maximum(top, tl.max(tl.load(m_base + c + chunk, mask=c + chunk < num_splits,
+                                                 other=float("-inf")), 0))
+        acc = tl.zeros([D], tl.float32)
+        total = tl.sum(tl.zeros([CH], tl.float32), 0)
+        for c in range(0, num_splits, CH):
+            ok = c + chunk < num_splits
+            # splits past a sequence's end hold m = -inf and l = 0: weight 0
+            w = tl.where(ok, tl.exp(tl.load(m_base + c + chunk, mask=ok, other=float("-inf")) - top), 0.0)
+            part = tl.load(l_ptr + b * stride_mb + h * stride_mh + c + chunk, mask=ok, other=0.0)
+            total += tl.sum(part * w, 0)
+            a = tl.load(acc_ptr + b * stride_ab + h * stride_ah + (c + chunk)[:, None] * stride_as
+                        + cols[None, :], mask=ok[:, None], other=0.0)
+            acc += tl.sum(a * w[:, None], 0)
+        tl.store(out_ptr + b * stride_ob + h * stride_oh + cols, (acc / total).to(out_ptr.dtype.element_ty))
+
+    return merge_kernel
+
+
+@functools.cache
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def _target_programs(q: torch.Tensor) -> int:
+    return PROGRAMS_PER_SM * _sm_count(q.device.index or 0)
 
 
 def can_use_kernel(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
@@ -130,7 +173,11 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         raise ValueError("q and the caches need a contiguous last dimension and equal cache strides")
     block_tables = block_tables.contiguous()
     group = num_heads // kv_heads
-    splits = max(1, -(-block_tables.shape[1] // SPLIT_BLOCKS))
+    width = block_tables.shape[1]
+    # NOTE: split the table finely when few sequences x heads would leave SMs idle (batch 1
+    # reads its context in 1-block pieces); a function of the shapes alone, so graph-safe
+    per_split = min(MAX_SPLIT_BLOCKS, max(1, -(-width * num_seqs * kv_heads // _target_programs(q))))
+    splits = -(-width // per_split)
     acc = torch.empty(num_seqs, num_heads, splits, head_dim, dtype=torch.float32, device=q.device)
     m = torch.empty(num_seqs, num_heads, splits, dtype=torch.float32, device=q.device)
     s = torch.empty_like(m)
@@ -139,9 +186,10 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0), acc.stride(0), acc.stride(1), acc.stride(2), m.stride(0), m.stride(1),
         G=group, GP=max(16, 1 << (group - 1).bit_length()), BLOCK=block, D=head_dim,
-        SPLIT=SPLIT_BLOCKS, IEEE=q.dtype == torch.float32)
-    # merge the splits: splits past a sequence's end hold m = -inf and l = 0
-    top = m.max(dim=2, keepdim=True).values  # [B, Hq, 1], finite: every sequence has a token
-    w = torch.exp(m - top)  # [B, Hq, S]
-    out = (acc * w[..., None]).sum(2) / (s * w).sum(2)[..., None]
-    return out.to(q.dtype)
+        per_split, IEEE=q.dtype == torch.float32)
+    # merge the splits (log-sum-exp): splits past a sequence's end hold m = -inf and l = 0
+    out = torch.empty_like(q)
+    _merge_kernel()[(num_seqs, num_heads)](
+        acc, m, s, out, acc.stride(0), acc.stride(1), acc.stride(2), m.stride(0), m.stride(1),
+        out.stride(0), out.stride(1), splits, CH=32, D=head_dim)
+    return out

@@ -1,9 +1,9 @@
 """Paged attention in plain torch: correct on CPU and CUDA, for mixed batches of prefill chunks
 and decode tokens.
 
-Each call writes the step's K/V into the paged cache through the slot mapping, gathers every
-sequence's keys through its block table into a padded batch, and runs one masked
-`scaled_dot_product_attention` over it. On CUDA, decode steps (one query per sequence) run
+The step's K/V are already in the paged cache (`kernels.rope_cache`, called by the attention
+layer); each call gathers every sequence's keys through its block table into a padded batch and
+runs one masked `scaled_dot_product_attention` over it. On CUDA, decode steps (one query per sequence) run
 `kernels.paged_decode` instead, a Triton kernel that reads the blocks in place (`PD_ATTENTION=torch`
 keeps the torch path); this module's torch path is the reference for both devices, and the only
 path for sliding-window layers.
@@ -16,16 +16,6 @@ import torch.nn.functional as F
 
 from kernels.paged_decode import can_use_kernel, paged_decode
 from pd.model.context import get_context
-
-
-def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-    """Store this step's keys and values. Caches are [num_blocks, block_size, H_kv, D]."""
-    ctx = get_context()
-    slots = ctx.slot_mapping
-    if ctx.write_index is not None:
-        slots, k, v = slots[ctx.write_index], k[ctx.write_index], v[ctx.write_index]
-    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, k.to(k_cache.dtype))
-    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, v.to(v_cache.dtype))
 
 
 def window_mask(mask: torch.Tensor, window: int) -> torch.Tensor:

@@ -13,20 +13,25 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels.activation import silu_and_mul
+from kernels.rms_norm import rms_norm
+from kernels.rope_cache import rotate_ref
 from pd.model.context import get_context
 
 
 class RMSNorm(nn.Module):
+    """`forward(x)` -> normed x; `forward(x, residual)` -> (normed x + residual, x + residual),
+    the residual add fused into the norm (`kernels.rms_norm`, a Triton kernel on CUDA)."""
+
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if x.dim() != 2:  # per-head norms (Qwen3's q/k norms): [T, H, D] rows of D
+            return rms_norm(x.reshape(-1, x.shape[-1]), self.weight, self.eps).view(x.shape)
+        return rms_norm(x, self.weight, self.eps, residual)
 
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
@@ -126,7 +131,8 @@ class RotaryEmbedding:
         scaled = 1.0 / (base[:, None] ** self.exponent[None, :])
         return torch.where((seq_len > max_len)[:, None], scaled, self.inv_freq[None, :])
 
-    def _tables(self, positions: torch.Tensor, dtype: torch.dtype):
+    def tables(self, positions: torch.Tensor, dtype: torch.dtype):
+        """cos, sin [T, D] in `dtype` for this forward's positions (computed once per forward)."""
         cached = self._cached
         if cached is not None and cached[0] is positions and cached[1] == dtype:
             return cached[2], cached[3]
@@ -139,7 +145,7 @@ class RotaryEmbedding:
         cos, sin = emb.cos(), emb.sin()
         if self.attention_factor != 1.0:
             cos, sin = cos * self.attention_factor, sin * self.attention_factor
-        cos, sin = cos.to(dtype)[:, None, :], sin.to(dtype)[:, None, :]
+        cos, sin = cos.to(dtype), sin.to(dtype)
         self._cached = (positions, dtype, cos, sin)
         return cos, sin
 
@@ -150,14 +156,8 @@ class RotaryEmbedding:
 
     def __call__(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         # q: [T, Hq, D], k: [T, Hkv, D], positions: [T]
-        cos, sin = self._tables(positions, q.dtype)
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+        cos, sin = self.tables(positions, q.dtype)
+        return rotate_ref(q, cos, sin), rotate_ref(k, cos, sin)
 
 
 ACTIVATIONS = {
@@ -170,13 +170,20 @@ ACTIVATIONS = {
 
 
 class MLP(nn.Module):
+    """The gated MLP with one fused gate/up projection (`gate_up_proj`: the checkpoint's
+    gate_proj and up_proj stacked by rows at load) and SiLU-and-multiply in one kernel."""
+
     def __init__(self, hidden_size: int, intermediate_size: int, bias: bool,
                  act: str = "silu") -> None:
         super().__init__()
-        self.act = ACTIVATIONS[act]
-        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
-        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
+        self.act_name, self.act = act, ACTIVATIONS[act]
+        self.intermediate_size = intermediate_size
+        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=bias)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+        gate_up = self.gate_up_proj(x)
+        if self.act is F.silu:
+            return self.down_proj(silu_and_mul(gate_up))
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)
+        return self.down_proj(self.act(gate) * up)

@@ -21,22 +21,26 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from pd.model.attention import paged_attention, write_kv
+from kernels.rope_cache import rope_and_cache
 from pd.config import ModelConfig
+from pd.model.attention import paged_attention
+from pd.model.context import get_context
 from pd.model.layers import MLP, RMSNorm, RotaryEmbedding
 
 
 class Attention(nn.Module):
+    """Self-attention with one fused QKV projection (`qkv_proj`: the checkpoint's q/k/v_proj
+    stacked by rows at load), rotary and the KV-cache write in one kernel, paged attention."""
+
     def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding,
                  sliding_window: int | None = None) -> None:
         super().__init__()
         self.sliding_window = sliding_window
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         h = cfg.hidden_size
-        self.q_proj = nn.Linear(h, cfg.num_heads * cfg.head_dim, bias=cfg.qkv_bias)
-        self.k_proj = nn.Linear(h, cfg.num_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
-        self.v_proj = nn.Linear(h, cfg.num_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
-        self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, h, bias=cfg.o_bias)
+        self.q_size, self.kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        self.qkv_proj = nn.Linear(h, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, h, bias=cfg.o_bias)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
@@ -49,18 +53,27 @@ class Attention(nn.Module):
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         num_tokens = x.shape[0]
-        q = self.q_proj(x).view(num_tokens, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)
+        qkv = self.qkv_proj(x)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        # [T, heads * D] -> [T, heads, D], views of qkv
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
-        write_kv(self.k_cache, self.v_cache, k, v)
+        cos, sin = self.rotary.tables(positions, q.dtype)
+        ctx = get_context()
+        q = rope_and_cache(q, k, v, cos, sin, self.k_cache, self.v_cache, ctx.slot_mapping,
+                           ctx.write_index)
         out = paged_attention(q, self.k_cache, self.v_cache, self.scale, self.sliding_window)
-        return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
+        return self.o_proj(out.reshape(num_tokens, self.q_size))
 
 
 class DecoderLayer(nn.Module):
+    """Pre-norm decoder layer over a residual stream carried beside the hidden states, so each
+    residual add is fused into the next norm: `forward(positions, x, residual)` returns
+    (layer output, residual), whose sum is the stream after the layer."""
+
     def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding,
                  sliding_window: int | None = None) -> None:
         super().__init__()
@@ -69,9 +82,15 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias, cfg.hidden_act)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.self_attn(positions, self.input_layernorm(x))
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, positions: torch.Tensor, x: torch.Tensor,
+                residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual, h = x, self.input_layernorm(x)
+        else:
+            h, residual = self.input_layernorm(x, residual)
+        h = self.self_attn(positions, h)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
 
 
 class DecoderModel(nn.Module):
@@ -84,10 +103,10 @@ class DecoderModel(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)
+        x, residual = self.embed_tokens(input_ids), None
         for layer in self.layers:
-            x = layer(positions, x)
-        return x
+            x, residual = layer(positions, x, residual)
+        return x + residual
 
 
 class MTPLayer(nn.Module):
@@ -100,7 +119,8 @@ class MTPLayer(nn.Module):
 
     def forward(self, positions: torch.Tensor, embeds: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         x = self.eh_proj(torch.cat([self.enorm(embeds), self.hnorm(hidden)], dim=-1))
-        return self.layer(positions, x)
+        x, residual = self.layer(positions, x)
+        return x + residual
 
 
 class CausalLM(nn.Module):

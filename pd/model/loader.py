@@ -4,7 +4,9 @@ Reads `config.json` and the weights (`model.safetensors`, or shards listed in
 `model.safetensors.index.json`). A missing tensor or a tensor of the wrong shape is an error
 naming it, and so is a tensor the model has no place for (an MTP layer the config does not
 declare, a bias the config does not ask for): nothing is skipped silently. Block-quantized fp8
-weights (`*.weight` in float8_e4m3fn with `*.weight_scale_inv`) are dequantized at load.
+weights (`*.weight` in float8_e4m3fn with `*.weight_scale_inv`) are dequantized at load. The
+checkpoint's q/k/v and gate/up projections are stacked by rows into pd's fused `qkv_proj` and
+`gate_up_proj` (`checkpoint_targets`).
 Tokenizer files are `pd.text.tokenizer`'s business.
 """
 
@@ -58,6 +60,33 @@ def _dequantize_fp8(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[
     return weight.float() * scale
 
 
+# checkpoint projection -> (pd's fused projection, index of its part): pd stacks q/k/v and
+# gate/up by rows so each runs as one matmul
+_STACKED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+            "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+
+
+def checkpoint_targets(model: CausalLM) -> dict[str, tuple[str, int, int]]:
+    """Every tensor name the checkpoint must hold -> (parameter name, first row, rows): the
+    parameter itself, or the rows of a fused projection that the checkpoint stores apart."""
+    cfg = model.config
+    rows = {"qkv_proj": (cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim,
+                         cfg.num_kv_heads * cfg.head_dim),
+            "gate_up_proj": (cfg.intermediate_size, cfg.intermediate_size)}
+    targets = {}
+    for name, param in model.named_parameters():
+        prefix, _, leaf = name.rpartition(".")  # leaf: weight or bias
+        module_prefix, _, proj = prefix.rpartition(".")
+        if proj not in rows:
+            targets[name] = (name, 0, param.shape[0])
+            continue
+        for part, (fused, index) in _STACKED.items():
+            if fused == proj:
+                sizes = rows[proj]
+                targets[f"{module_prefix}.{part}.{leaf}"] = (name, sum(sizes[:index]), sizes[index])
+    return targets
+
+
 def load_model(path: str | Path, dtype: torch.dtype, device: str | torch.device) -> CausalLM:
     """Every tensor of the checkpoint is used or refused: an unknown one is an error naming it
     (a feature pd lacks would otherwise be dropped silently), except RoPE tables some
@@ -68,11 +97,17 @@ def load_model(path: str | Path, dtype: torch.dtype, device: str | torch.device)
         model = CausalLM(cfg)
     model.to_empty(device=device)
     params = dict(model.named_parameters())
+    targets = checkpoint_targets(model)
     loaded: set[str] = set()
     unused: list[str] = []
     tied_head: torch.Tensor | None = None
     scales: dict[str, torch.Tensor] = {}
     fp8: dict[str, torch.Tensor] = {}
+
+    def assign(name: str, tensor: torch.Tensor) -> None:
+        param, start, num = targets[name]
+        params[param][start:start + num].copy_(tensor)
+
     with torch.no_grad():
         for file in weight_files(path):
             with safe_open(str(file), framework="pt", device="cpu") as f:
@@ -80,42 +115,43 @@ def load_model(path: str | Path, dtype: torch.dtype, device: str | torch.device)
                     if name.endswith("_scale_inv") and cfg.fp8_block is not None:
                         scales[name.removesuffix("_scale_inv")] = f.get_tensor(name)
                         continue
-                    param = params.get(name)
-                    if param is None:
+                    if name not in targets:
                         if name == "lm_head.weight" and cfg.tie_word_embeddings:
                             tied_head = f.get_tensor(name)
                         elif not name.endswith(_IGNORABLE):
                             unused.append(name)
                         continue
                     tensor = f.get_tensor(name)
-                    if tuple(tensor.shape) != tuple(param.shape):
+                    param, _, num = targets[name]
+                    want = (num, *params[param].shape[1:])
+                    if tuple(tensor.shape) != want:
                         raise ModelConfigError(
                             f"tensor {name} in {file.name} has shape {tuple(tensor.shape)}, "
-                            f"the model expects {tuple(param.shape)}"
+                            f"the model expects {want}"
                         )
                     if tensor.dtype == torch.float8_e4m3fn:
                         fp8[name] = tensor
                     else:
-                        param.copy_(tensor)
+                        assign(name, tensor)
                     loaded.add(name)
         if fp8 and cfg.fp8_block is None:
             raise ModelConfigError(f"tensor {next(iter(fp8))} is fp8 but config.json has no "
-                             "quantization_config")
+                                   "quantization_config")
         for name, tensor in fp8.items():
             if name not in scales:
                 raise ModelConfigError(f"fp8 tensor {name} has no {name}_scale_inv in the checkpoint")
-            params[name].copy_(_dequantize_fp8(tensor, scales.pop(name), cfg.fp8_block, name))
+            assign(name, _dequantize_fp8(tensor, scales.pop(name), cfg.fp8_block, name))
         unused += [f"{name}_scale_inv" for name in scales]
     if unused:
         shown = ", ".join(sorted(unused)[:8]) + (f" (+{len(unused) - 8} more)" if len(unused) > 8 else "")
         raise ModelConfigError(f"checkpoint {path} has tensor(s) pd does not know what to do with: {shown}")
-    missing = sorted(set(params) - loaded)
+    missing = sorted(set(targets) - loaded)
     if missing:
         shown = ", ".join(missing[:8]) + (f" (+{len(missing) - 8} more)" if len(missing) > 8 else "")
         raise ModelConfigError(f"checkpoint {path} lacks tensor(s) the model needs: {shown}")
     if tied_head is not None and not torch.equal(
             tied_head.to(params["model.embed_tokens.weight"].dtype).cpu(),
             params["model.embed_tokens.weight"].cpu()):
-        raise ModelConfigError("config.json tie_word_embeddings=True but the checkpoint's lm_head.weight "
-                         "differs from model.embed_tokens.weight")
+        raise ModelConfigError("config.json tie_word_embeddings=True but the checkpoint's "
+                               "lm_head.weight differs from model.embed_tokens.weight")
     return model.to(dtype=dtype).eval()

@@ -10,6 +10,7 @@ float32, for `benchmarks/gpu/run_all.sh`.
 from __future__ import annotations
 
 import os
+import signal
 import time
 
 import pytest
@@ -57,6 +58,10 @@ class Cluster:
         return node
 
     def stop(self) -> None:
+        # NOTE: every node drains at once, then each is waited for
+        for node in self.nodes:
+            if node.proc.poll() is None:
+                node.proc.send_signal(signal.SIGTERM)
         for node in self.nodes:
             node.stop()
 

@@ -55,7 +55,8 @@ def test_twin_equals_engine_reference_on_cpu(seed, group, head_dim):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the Triton kernel needs a CUDA device")
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("num_seqs,kv_heads,group,head_dim,max_len", [
-    (1, 8, 4, 64, 4000), (3, 2, 1, 32, 50), (64, 8, 4, 64, 700), (17, 4, 8, 128, 300), (200, 2, 2, 16, 40)])
+    (1, 8, 4, 64, 4000), (1, 8, 4, 64, 20000), (3, 2, 1, 32, 50), (64, 8, 4, 64, 700),
+    (17, 4, 8, 128, 300), (200, 2, 2, 16, 40)])
 def test_kernel_equals_twin(dtype, tol, num_seqs, kv_heads, group, head_dim, max_len):
     q, k_cache, v_cache, tables, lens = case(num_seqs + head_dim, num_seqs, kv_heads, group, head_dim,
                                              16, max_len, dtype, "cuda")

@@ -1,0 +1,116 @@
+"""`rope_and_cache`: rotary embedding of a step's queries and keys, fused with writing the keys
+and values into the paged KV cache, as one Triton kernel with a torch twin.
+
+q [T, Hq, D], k and v [T, Hkv, D] (strided views of the QKV projection are fine), cos and sin
+[T, D] in q's dtype (the rotary tables of this forward, `pd.model.layers.RotaryEmbedding`).
+Non-interleaved (rotate-half) RoPE: out = x * cos + cat(-x2, x1) * sin, each product rounded to
+the dtype before the sum as the torch reference does. Rotated q is returned; rotated k and v go
+to cache slot `slot_mapping[t]` (caches [num_blocks, block_size, Hkv, D]; a negative slot is
+not written). One program per (token, head); on the current stream, capturable in a CUDA graph.
+`triton` is imported on first use; CPU machines run the twin.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from kernels.triton_support import triton_usable
+
+
+@functools.cache
+def _kernel():
+    import triton  # noqa: PLC0415 (deferred: CPU machines have no triton)
+    import triton.language as tl
+
+    @triton.jit
+    def _rotate(base, c1, c2, s1, s2, offs, HALF: tl.constexpr):
+        x1 = tl.load(base + offs)
+        x2 = tl.load(base + HALF + offs)
+        dt = x1.dtype
+        f1, f2 = x1.to(tl.float32), x2.to(tl.float32)
+        o1 = ((f1 * c1).to(dt).to(tl.float32) + (-f2 * s1).to(dt).to(tl.float32)).to(dt)
+        o2 = ((f2 * c2).to(dt).to(tl.float32) + (f1 * s2).to(dt).to(tl.float32)).to(dt)
+        return o1, o2
+
+    @triton.jit
+    def rope_cache_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, slot_ptr, qo_ptr, kc_ptr, vc_ptr,
+                          stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+                          stride_ct, stride_ot, stride_oh, stride_cs, stride_ch,
+                          HQ: tl.constexpr, HALF: tl.constexpr):
+        t = tl.program_id(0).to(tl.int64)
+        h = tl.program_id(1)
+        offs = tl.arange(0, HALF)
+        c1 = tl.load(cos_ptr + t * stride_ct + offs).to(tl.float32)
+        c2 = tl.load(cos_ptr + t * stride_ct + HALF + offs).to(tl.float32)
+        s1 = tl.load(sin_ptr + t * stride_ct + offs).to(tl.float32)
+        s2 = tl.load(sin_ptr + t * stride_ct + HALF + offs).to(tl.float32)
+        if h < HQ:
+            o1, o2 = _rotate(q_ptr + t * stride_qt + h * stride_qh, c1, c2, s1, s2, offs, HALF)
+            out = qo_ptr + t * stride_ot + h * stride_oh
+            tl.store(out + offs, o1)
+            tl.store(out + HALF + offs, o2)
+        else:
+            kh = h - HQ
+            slot = tl.load(slot_ptr + t)
+            if slot >= 0:
+                o1, o2 = _rotate(k_ptr + t * stride_kt + kh * stride_kh, c1, c2, s1, s2, offs, HALF)
+                dst = slot * stride_cs + kh * stride_ch
+                tl.store(kc_ptr + dst + offs, o1.to(kc_ptr.dtype.element_ty))
+                tl.store(kc_ptr + dst + HALF + offs, o2.to(kc_ptr.dtype.element_ty))
+                vsrc = v_ptr + t * stride_vt + kh * stride_vh
+                tl.store(vc_ptr + dst + offs, tl.load(vsrc + offs).to(vc_ptr.dtype.element_ty))
+                tl.store(vc_ptr + dst + HALF + offs,
+                         tl.load(vsrc + HALF + offs).to(vc_ptr.dtype.element_ty))
+
+    return rope_cache_kernel
+
+
+def rotate_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, H, D], cos/sin [T, D]: rotate-half RoPE in x's dtype."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos[:, None, :] + rotated * sin[:, None, :]
+
+
+def rope_and_cache_ref(q, k, v, cos, sin, k_cache, v_cache, slot_mapping,
+                       write_index: torch.Tensor | None = None) -> torch.Tensor:
+    """The torch twin. `write_index` (the tokens whose slot is not negative, or None for all)
+    lets the caller skip the negative slots without a device-to-host sync."""
+    q, k = rotate_ref(q, cos, sin), rotate_ref(k, cos, sin)
+    slots = slot_mapping
+    if write_index is not None:
+        slots, k, v = slots[write_index], k[write_index], v[write_index]
+    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, k.to(k_cache.dtype))
+    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, v.to(v_cache.dtype))
+    return q
+
+
+def rope_and_cache(q, k, v, cos, sin, k_cache, v_cache, slot_mapping,
+                   write_index: torch.Tensor | None = None, use_kernel: bool | None = None):
+    """See the module docstring: the kernel on CUDA, else the twin. Returns rotated q."""
+    if use_kernel is None:
+        use_kernel = triton_usable(q)
+    if not use_kernel:
+        return rope_and_cache_ref(q, k, v, cos, sin, k_cache, v_cache, slot_mapping, write_index)
+    tokens, num_heads, head_dim = q.shape
+    kv_heads = k.shape[1]
+    if k.shape != (tokens, kv_heads, head_dim) or v.shape != k.shape:
+        raise ValueError(f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} do not fit")
+    if cos.shape != (tokens, head_dim) or sin.shape != cos.shape or cos.stride() != sin.stride():
+        raise ValueError(f"cos/sin {tuple(cos.shape)} must be [{tokens}, {head_dim}], alike")
+    if k_cache.shape[2:] != (kv_heads, head_dim) or v_cache.stride() != k_cache.stride():
+        raise ValueError(f"caches {tuple(k_cache.shape)} do not fit k {tuple(k.shape)}")
+    if head_dim % 2 or (head_dim // 2) & (head_dim // 2 - 1):
+        raise ValueError(f"head_dim {head_dim}: the kernel needs half of it to be a power of two")
+    if any(t.stride(-1) != 1 for t in (q, k, v, cos, k_cache)) or slot_mapping.shape != (tokens,):
+        raise ValueError("q, k, v, cos and the caches need a contiguous last dimension")
+    out = torch.empty(tokens, num_heads, head_dim, dtype=q.dtype, device=q.device)
+    _kernel()[(tokens, num_heads + kv_heads)](
+        q, k, v, cos, sin, slot_mapping, out, k_cache, v_cache,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        cos.stride(0), out.stride(0), out.stride(1), k_cache.stride(1), k_cache.stride(2),
+        HQ=num_heads, HALF=head_dim // 2, num_warps=1,
+        enable_fp_fusion=False)  # NOTE: no fma, so each product rounds as in the twin
+    return out
