@@ -186,7 +186,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0), acc.stride(0), acc.stride(1), acc.stride(2), m.stride(0), m.stride(1),
         G=group, GP=max(16, 1 << (group - 1).bit_length()), BLOCK=block, D=head_dim,
-        per_split, IEEE=q.dtype == torch.float32)
+        split=per_split, IEEE=q.dtype == torch.float32)
     # merge the splits (log-sum-exp): splits past a sequence's end hold m = -inf and l = 0
     out = torch.empty_like(q)
     _merge_kernel()[(num_seqs, num_heads)](
