@@ -21,10 +21,11 @@ import logging
 from dataclasses import fields, replace
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
 from pd.config import EngineConfig, dtype_name
-from pd.model.context import ForwardContext, build_context, forward_context
+from pd.model.context import ForwardContext, forward_context, host_context
 from pd.engine.kv_cache import KVCache, num_blocks_for
 from pd.model.loader import load_model
 from pd.engine.request import Req
@@ -121,21 +122,30 @@ class ModelRunner:
                 logits_index.append(len(input_ids) - 1)
                 sample_reqs.append(i)
                 rows.append(self.sampling_row(req))
-        ctx = build_context(batch.num_new_tokens, context_lens,
-                            [req.block_ids for req in batch.reqs], slots, torch.device("cpu"))
+        ctx = host_context(batch.num_new_tokens, context_lens,
+                           [req.block_ids for req in batch.reqs], slots)
         future = [j for j, t in enumerate(input_ids) if t < 0]
         asked = [r.params.logprobs for r in rows if r.params.logprobs is not None]
+        ids = np.asarray(input_ids, dtype=np.int64)
+        host = {"input_ids": torch.from_numpy(ids),
+                "positions": torch.from_numpy(np.asarray(positions, dtype=np.int64)),
+                "logits_index": torch.from_numpy(np.asarray(logits_index, dtype=np.int64))}
+        if future:
+            host["future_index"] = torch.from_numpy(np.asarray(future, dtype=np.int64))
+            host["future_slots"] = torch.from_numpy(-ids[future] - 1)
+        for f in fields(ctx):
+            if isinstance(getattr(ctx, f.name), torch.Tensor):
+                host["ctx." + f.name] = getattr(ctx, f.name)
+        dev = self.to_device_all(host)
         return ForwardInput(
-            input_ids=self.to_device(torch.tensor(input_ids, dtype=torch.int64)),
-            positions=self.to_device(torch.tensor(positions, dtype=torch.int64)),
-            context=replace(ctx, **{f.name: self.to_device(getattr(ctx, f.name))
-                                    for f in fields(ctx) if isinstance(getattr(ctx, f.name), torch.Tensor)}),
-            logits_index=self.to_device(torch.tensor(logits_index, dtype=torch.int64)),
+            input_ids=dev["input_ids"],
+            positions=dev["positions"],
+            context=replace(ctx, **{k[4:]: v for k, v in dev.items() if k.startswith("ctx.")}),
+            logits_index=dev["logits_index"],
             sample_reqs=sample_reqs,
             rows=rows,
-            future_index=self.to_device(torch.tensor(future, dtype=torch.int64)) if future else None,
-            future_slots=self.to_device(torch.tensor([-input_ids[j] - 1 for j in future],
-                                                     dtype=torch.int64)) if future else None,
+            future_index=dev.get("future_index"),
+            future_slots=dev.get("future_slots"),
             num_top=min(max(asked, default=0), self.model_config.vocab_size),
         )
 
@@ -145,6 +155,20 @@ class ModelRunner:
         if self.device.type != "cuda":
             return t
         return t.pin_memory().to(self.device, non_blocking=True)
+
+    def to_device_all(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """`to_device` for a step's host tensors at once: the int64 ones travel packed in one
+        pinned buffer and one copy (one transfer per step, not one per tensor), as views."""
+        if self.device.type != "cuda":
+            return tensors
+        ints = {k: t for k, t in tensors.items() if t.dtype == torch.int64}
+        out = {k: self.to_device(t) for k, t in tensors.items() if k not in ints}
+        flat = self.to_device(torch.cat([t.reshape(-1) for t in ints.values()]))
+        offset = 0
+        for k, t in ints.items():
+            out[k] = flat[offset:offset + t.numel()].view(t.shape)
+            offset += t.numel()
+        return out
 
     @staticmethod
     def sampling_row(req: Req) -> SamplingRow:

@@ -53,7 +53,7 @@ def paged_attention(
         q_pad.transpose(1, 2),  # [B, H_q, max_q, D]
         keys.transpose(1, 2).to(q.dtype),  # [B, H_kv, max_kv, D]
         values.transpose(1, 2).to(q.dtype),
-        attn_mask=ctx.attn_mask if sliding_window is None else window_mask(ctx.attn_mask, sliding_window),
+        attn_mask=ctx.mask() if sliding_window is None else window_mask(ctx.mask(), sliding_window),
         scale=scale,
         enable_gqa=True,
     )

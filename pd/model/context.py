@@ -8,8 +8,9 @@ The engine builds one `ForwardContext` per forward (all tensors in one place, se
 from __future__ import annotations
 
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 
+import numpy as np
 import torch
 
 
@@ -21,12 +22,15 @@ class ForwardContext:
     block_tables: torch.Tensor  # [B, max_blocks] int64, padded with 0 (masked out)
     context_lens: torch.Tensor  # [B] int64: KV length of each sequence after this step
     padded_index: torch.Tensor  # [T] int64: b * max_q_len + i for token i of sequence b
-    attn_mask: torch.Tensor  # [B, 1, max_q_len, max_kv_len] bool: True = may attend
+    # [B, 1, max_q_len, max_kv_len] bool, True = may attend; None: `mask()` derives it on the
+    # device from query_pos (or, for a decode step, from context_lens)
+    attn_mask: torch.Tensor | None
     max_q_len: int
     max_kv_len: int
     # NOTE: tokens whose slot is negative (an invalid slot) are not written to the cache;
     # write_index lists the tokens that are, or is None when every token is.
     write_index: torch.Tensor | None = None
+    query_pos: torch.Tensor | None = None  # [B, max_q_len] int64 positions, -1 on padding rows
 
     @property
     def num_seqs(self) -> int:
@@ -35,6 +39,20 @@ class ForwardContext:
     @property
     def is_decode(self) -> bool:
         return self.max_q_len == 1
+
+    def mask(self) -> torch.Tensor:
+        """The causal mask over the padded batch, built where the tensors live (a prefill of
+        8k tokens would otherwise move a 64 MiB mask per step)."""
+        if self.attn_mask is None:
+            keys = torch.arange(self.max_kv_len, device=self.context_lens.device)
+            if self.query_pos is None:  # decode: the one query sits at context_len - 1
+                self.attn_mask = (keys[None, :] < self.context_lens[:, None])[:, None, None, :]
+            else:
+                pos = self.query_pos[:, :, None]  # [B, max_q, 1]
+                # Padding query rows attend to key 0 only, so softmax stays finite.
+                mask = (keys <= pos) | ((pos < 0) & (keys == 0))
+                self.attn_mask = mask[:, None]
+        return self.attn_mask
 
 
 _CONTEXT: ForwardContext | None = None
@@ -64,38 +82,52 @@ def build_context(
     device: torch.device,
 ) -> ForwardContext:
     """Build the context for a batch. Sequence b has `query_lens[b]` new tokens, the last of which
-    sits at position `context_lens[b] - 1`; its KV lives in the blocks `block_tables[b]`."""
+    sits at position `context_lens[b] - 1`; its KV lives in the blocks `block_tables[b]`.
+    Built on the host with numpy; every tensor is moved to `device` (`to_device`, see
+    `host_context` for building it without the move)."""
+    return to_device(host_context(query_lens, context_lens, block_tables, slot_mapping),
+                     lambda t: t.to(device))
+
+
+def host_context(query_lens: list[int], context_lens: list[int], block_tables: list[list[int]],
+                 slot_mapping: list[int]) -> ForwardContext:
+    """The context with every tensor on the host (CPU): what `build_context` moves."""
     num_seqs = len(query_lens)
-    max_q = max(query_lens)
-    max_kv = max(context_lens)
-    max_blocks = max(len(bt) for bt in block_tables)
-    bt = torch.zeros(num_seqs, max_blocks, dtype=torch.int64)
+    q_lens = np.asarray(query_lens, dtype=np.int64)
+    kv_lens = np.asarray(context_lens, dtype=np.int64)
+    max_q, max_kv = int(q_lens.max()), int(kv_lens.max())
+    bt = np.zeros((num_seqs, max(len(row) for row in block_tables)), dtype=np.int64)
     for i, row in enumerate(block_tables):
-        bt[i, : len(row)] = torch.tensor(row, dtype=torch.int64)
-    q_lens = torch.tensor(query_lens, dtype=torch.int64)
-    kv_lens = torch.tensor(context_lens, dtype=torch.int64)
-    seq_of_token = torch.repeat_interleave(torch.arange(num_seqs), q_lens)
-    starts = torch.cumsum(q_lens, 0) - q_lens
-    offset_in_seq = torch.arange(int(q_lens.sum())) - starts[seq_of_token]
-    padded_index = seq_of_token * max_q + offset_in_seq
-    # Query i of sequence b sits at position kv_len - q_len + i and sees keys at positions <= it.
-    q_pos = (kv_lens - q_lens)[:, None] + torch.arange(max_q)[None, :]  # [B, max_q]
-    k_pos = torch.arange(max_kv)[None, None, :]  # [1, 1, max_kv]
-    mask = k_pos <= q_pos[:, :, None]  # [B, max_q, max_kv]
-    # Padding query rows (i >= q_len) attend to key 0 only, so softmax stays finite.
-    pad_rows = torch.arange(max_q)[None, :] >= q_lens[:, None]
-    mask[pad_rows] = False
-    mask[..., 0] |= pad_rows
-    slots = torch.tensor(slot_mapping, dtype=torch.int64)
+        bt[i, :len(row)] = row
+    slots = np.asarray(slot_mapping, dtype=np.int64)
+    query_pos = None
+    if max_q == 1:
+        padded_index = np.arange(num_seqs, dtype=np.int64)
+    else:
+        seq_of_token = np.repeat(np.arange(num_seqs), q_lens)
+        starts = np.cumsum(q_lens) - q_lens
+        padded_index = seq_of_token * max_q + np.arange(len(seq_of_token)) - starts[seq_of_token]
+        # Query i of sequence b sits at position kv_len - q_len + i and sees keys at positions
+        # <= it; padding rows (i >= q_len) are -1.
+        q_pos = (kv_lens - q_lens)[:, None] + np.arange(max_q)[None, :]  # [B, max_q]
+        q_pos[np.arange(max_q)[None, :] >= q_lens[:, None]] = -1
+        query_pos = torch.from_numpy(q_pos.astype(np.int64))
     valid = slots >= 0
-    write_index = None if bool(valid.all()) else torch.nonzero(valid).flatten().to(device)
+    write_index = None if bool(valid.all()) else torch.from_numpy(np.nonzero(valid)[0])
     return ForwardContext(
-        slot_mapping=slots.to(device),
-        block_tables=bt.to(device),
-        context_lens=kv_lens.to(device),
-        padded_index=padded_index.to(device),
-        attn_mask=mask[:, None].to(device),
+        slot_mapping=torch.from_numpy(slots),
+        block_tables=torch.from_numpy(bt),
+        context_lens=torch.from_numpy(kv_lens),
+        padded_index=torch.from_numpy(padded_index.astype(np.int64)),
+        attn_mask=None,
         max_q_len=max_q,
         max_kv_len=max_kv,
         write_index=write_index,
+        query_pos=query_pos,
     )
+
+
+def to_device(ctx: ForwardContext, move) -> ForwardContext:
+    """`ctx` with `move(t)` applied to each of its tensors."""
+    return replace(ctx, **{f.name: move(getattr(ctx, f.name)) for f in fields(ctx)
+                           if isinstance(getattr(ctx, f.name), torch.Tensor)})
