@@ -30,7 +30,9 @@ def _kernel():
     import triton  # noqa: PLC0415 (deferred: CPU machines have no triton)
     import triton.language as tl
 
-    @triton.jit
+    # NOTE: the split size and count vary with the batch; unspecialized, so a new batch size
+    # (a new CUDA graph) never waits for a compile
+    @triton.jit(do_not_specialize=["split"])
     def decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, acc_ptr, m_ptr, l_ptr, scale,
                       stride_qb, stride_qh, stride_kn, stride_kt, stride_kh, stride_bt,
                       stride_ab, stride_ah, stride_as, stride_mb, stride_mh,
@@ -82,7 +84,7 @@ def _merge_kernel():
     import triton  # noqa: PLC0415
     import triton.language as tl
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["num_splits"])
     def merge_kernel(acc_ptr, m_ptr, l_ptr, out_ptr, stride_ab, stride_ah, stride_as,
                      stride_mb, stride_mh, stride_ob, stride_oh, num_splits,
                      CH: tl.constexpr, D: tl.constexpr):
