@@ -5,14 +5,17 @@ The step's K/V are already in the paged cache (`kernels.rope_cache`, called by t
 layer); each call gathers every sequence's keys through its block table into a padded batch and
 runs one masked `scaled_dot_product_attention` over it. On CUDA, decode steps (one query per sequence) run
 `kernels.paged_decode` instead, a Triton kernel that reads the blocks in place (`PD_ATTENTION=torch`
-keeps the torch path); this module's torch path is the reference for both devices, and the only
-path for sliding-window layers.
+keeps the torch path); prefill chunks of up to 8 sequences on CUDA run one SDPA per sequence,
+causal from the lower right, so that SDPA can pick flash attention (`prefill_per_sequence`).
+This module's padded path is the reference for both devices, and the only path for
+sliding-window layers.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
 
 from kernels.paged_decode import can_use_kernel, paged_decode
 from pd.model.context import get_context
@@ -25,6 +28,31 @@ def window_mask(mask: torch.Tensor, window: int) -> torch.Tensor:
     q_pos = mask.sum(-1, keepdim=True) - 1  # [B, 1, max_q, 1]
     keys = torch.arange(mask.shape[-1], device=mask.device)
     return mask & (keys > q_pos - window)
+
+
+MAX_SEQS_PER_SEQUENCE_PATH = 8  # past this many sequences, one padded SDPA beats a loop
+
+
+def prefill_per_sequence(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                         scale: float, ctx) -> torch.Tensor:
+    """Prefill chunks on CUDA: one SDPA per sequence over its own keys, causal from the lower
+    right (a chunk's queries are the last of its keys), which SDPA runs as flash or
+    memory-efficient attention: no padded batch and no mask tensor."""
+    out = torch.empty_like(q)
+    block = k_cache.shape[1]
+    start = 0
+    for b, (q_len, kv_len) in enumerate(ctx.seq_lens_host):
+        table = ctx.block_tables[b, :-(-kv_len // block)]
+        keys = k_cache[table].flatten(0, 1)[:kv_len]  # [kv_len, H_kv, D]
+        values = v_cache[table].flatten(0, 1)[:kv_len]
+        mask = causal_lower_right(q_len, kv_len) if q_len > 1 else None
+        o = F.scaled_dot_product_attention(
+            q[start:start + q_len].transpose(0, 1)[None],  # [1, H_q, q_len, D]
+            keys.transpose(0, 1)[None].to(q.dtype), values.transpose(0, 1)[None].to(q.dtype),
+            attn_mask=mask, scale=scale, enable_gqa=True)
+        out[start:start + q_len] = o[0].transpose(0, 1)
+        start += q_len
+    return out
 
 
 def paged_attention(
@@ -40,6 +68,9 @@ def paged_attention(
             and can_use_kernel(q, k_cache)):
         return paged_decode(q, k_cache, v_cache, ctx.block_tables, ctx.context_lens, scale,
                             use_kernel=True)
+    if (not ctx.is_decode and q.is_cuda and sliding_window is None
+            and ctx.seq_lens_host is not None and num_seqs <= MAX_SEQS_PER_SEQUENCE_PATH):
+        return prefill_per_sequence(q, k_cache, v_cache, scale, ctx)
     # [B, max_blocks, block_size, H_kv, D] -> [B, max_blocks * block_size, H_kv, D] -> first max_kv
     keys = k_cache[ctx.block_tables].flatten(1, 2)[:, :max_kv]
     values = v_cache[ctx.block_tables].flatten(1, 2)[:, :max_kv]

@@ -31,6 +31,8 @@ class ForwardContext:
     # write_index lists the tokens that are, or is None when every token is.
     write_index: torch.Tensor | None = None
     query_pos: torch.Tensor | None = None  # [B, max_q_len] int64 positions, -1 on padding rows
+    # per sequence (query length, KV length) on the host, where the batch was built there
+    seq_lens_host: tuple[tuple[int, int], ...] | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -124,6 +126,7 @@ def host_context(query_lens: list[int], context_lens: list[int], block_tables: l
         max_kv_len=max_kv,
         write_index=write_index,
         query_pos=query_pos,
+        seq_lens_host=tuple(zip(map(int, q_lens), map(int, kv_lens))),
     )
 
 
