@@ -130,6 +130,8 @@ PARITY_MATRIX = {
                                      attention_bias=True, mlp_bias=True),
     "llama-linear-legacy-type": dict(arch="llama", rope={"rope_type": "linear", "factor": 4.0},
                                      rope_key="rope_scaling:type", rope_theta=500000.0),
+    "qwen2-linear-tied": dict(arch="qwen2", rope={"rope_type": "linear", "factor": 2.0},
+                              tie_word_embeddings=True, max_position_embeddings=32),
     "llama-dynamic": dict(arch="llama", rope={"rope_type": "dynamic", "factor": 4.0},
                           max_position_embeddings=16),
     "qwen2-yarn-legacy-sliding": dict(arch="qwen2", rope=_YARN, rope_key="rope_scaling:type",
