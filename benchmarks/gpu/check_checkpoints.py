@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 import transformers
 
-from pd.testing.hf import PARITY_MATRIX, write_hf_checkpoint
+from pd.testing.hf import PARITY_MATRIX, transformers_greedy, write_hf_checkpoint
 
 transformers.logging.set_verbosity_error()
 transformers.utils.logging.disable_progress_bar()
@@ -27,17 +27,6 @@ transformers.utils.logging.disable_progress_bar()
 PROMPTS = [[5, 17, 42, 99, 3], [100, 200, 300, 400, 500, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20,
                                 21, 22, 23], [7]]
 STEPS = 24
-
-
-def reference(model_dir: Path, prompt: list[int]) -> tuple[list[int], list[float]]:
-    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    with torch.no_grad():
-        out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt),
-                             dtype=torch.long), max_new_tokens=STEPS, min_new_tokens=STEPS,
-                             do_sample=False, eos_token_id=None, pad_token_id=0,
-                             output_logits=True, return_dict_in_generate=True)
-    tokens = out.sequences[0, len(prompt):].tolist()
-    return tokens, [torch.log_softmax(s[0].float(), -1)[t].item() for s, t in zip(out.logits, tokens)]
 
 
 def main() -> int:
@@ -60,7 +49,7 @@ def main() -> int:
         rows = [json.loads(line) for line in out.stdout.splitlines()]
         equal, worst = 0, 0.0
         for prompt, row in zip(PROMPTS, rows):
-            tokens, logprobs = reference(model_dir, prompt)
+            tokens, logprobs = transformers_greedy(model_dir, prompt, STEPS)
             equal += row["token_ids"] == tokens
             worst = max([worst] + [abs(a - b) for a, b in zip(row["logprobs"], logprobs)])
         ok = equal == len(PROMPTS) and worst <= 1e-4

@@ -4,8 +4,10 @@ Starts --num-decode decode nodes and --num-prefill prefill nodes as child proces
 ports (bound to 127.0.0.1), then serves the router in this process on --host:--port. When every
 node answers its heartbeat it prints the URL and a curl line. Ctrl-C (or SIGTERM) stops the
 router and every node, which remove their shared-memory segments on the way out. Model and
-engine flags go to every node; --transport/--queue-timeout/--handoff-timeout to prefill nodes,
---kv-timeout to decode nodes. Every node serves /metrics and /health on a free port of its own,
+engine flags go to every node, and each node flag of `pd.service.flags.NODE_FLAGS` to the nodes
+of its role (--transport, --queue-timeout, --handoff-timeout to prefill nodes; --kv-timeout,
+--no-overlap to decode nodes; --drain-timeout to both). A checkpoint pd would compute wrongly
+is refused before any node starts. Every node serves /metrics and /health on a free port of its own,
 printed on its `node ...` line (`metrics HOST:PORT`); the router's are at the router's URL.
 On the way out every node gets SIGTERM at once and --drain-timeout to end what it still runs.
 The router takes a node out when its connection drops, or when it leaves pings unanswered for
@@ -21,16 +23,13 @@ import signal
 import sys
 import time
 
-from pd.service.flags import add_engine_arguments, add_launch_arguments, model_dir
+from pd.service.flags import add_engine_arguments, add_launch_arguments, launch_flags, model_dir
 
 log = logging.getLogger("pd.cli.launch")
 
 ENGINE_FLAGS = ("dtype", "device", "block_size", "num_blocks", "kv_cache_memory",
                 "gpu_memory_fraction", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
                 "log_level", "num_speculative_tokens", "enforce_eager")
-
-
-ROLE_FLAGS: dict[str, tuple[str, ...]] = {}  # role -> the node flags launch passes on
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -40,7 +39,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("launch")
     g.add_argument("--num-prefill", type=int, default=1, help="prefill nodes to start (default: 1)")
     g.add_argument("--num-decode", type=int, default=1, help="decode nodes to start (default: 1)")
-    ROLE_FLAGS.update(add_launch_arguments(p.add_argument_group("nodes")))
+    add_launch_arguments(p.add_argument_group("nodes"))
     g.add_argument("--heartbeat-timeout", type=float, default=None,
                    help="router: seconds a node may leave a heartbeat unanswered before it is "
                         "taken out and its requests end (default: 3 on CUDA, 10 on CPU, where one "
@@ -63,11 +62,10 @@ def node_args(args: argparse.Namespace, names: tuple[str, ...]) -> list[str]:
 
 
 def main(args: argparse.Namespace) -> int:
-    from pd.service.procs import start_node
-    from pd.wire.security import configure_from_args
-
     from pd.config import ModelConfig
+    from pd.service.procs import start_node
     from pd.wire.sampling_params import generation_defaults
+    from pd.wire.security import configure_from_args
 
     keys = configure_from_args(args)
     args.model = model_dir(args)
@@ -90,11 +88,11 @@ def main(args: argparse.Namespace) -> int:
         for i in range(args.num_decode):
             nodes.append(start_node("decode", [*common, "--port", "0", "--kv-port", "0",
                                                "--node-id", f"decode-{i}",
-                                               *node_args(args, ROLE_FLAGS["decode"])],
+                                               *node_args(args, launch_flags("decode"))],
                                     timeout=args.ready_timeout, die_with_parent=True))
         for i in range(args.num_prefill):
             nodes.append(start_node("prefill", [*common, "--port", "0", "--node-id", f"prefill-{i}",
-                                                *node_args(args, ROLE_FLAGS["prefill"])],
+                                                *node_args(args, launch_flags("prefill"))],
                                     timeout=args.ready_timeout, die_with_parent=True))
         for n in nodes:
             print(f"node {n.info['node_id']} pid {n.pid} control 127.0.0.1:{n.info['port']}"

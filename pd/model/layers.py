@@ -15,7 +15,6 @@ from torch import nn
 
 from kernels.activation import silu_and_mul
 from kernels.rms_norm import rms_norm
-from kernels.rope_cache import rotate_ref
 from pd.model.context import get_context
 
 
@@ -92,8 +91,9 @@ class RotaryEmbedding:
     fix the frequencies at start; dynamic (NTK) recomputes them per token from its sequence's
     length in this forward (`context_lens`), which is what transformers does for one sequence
     (it takes the longest sequence of the batch). A plain object, not a module: its float32
-    `inv_freq` must not follow the model's dtype. The cos/sin tables are computed once per
-    forward (every layer sees the same positions tensor).
+    `inv_freq` must not follow the model's dtype. The cos/sin tables (`tables`) are computed
+    once per forward (every layer sees the same positions tensor); applying them, fused with the
+    KV-cache write, is `kernels.rope_cache`'s.
     """
 
     def __init__(self, head_dim: int, theta: float, scaling: dict | None,
@@ -153,11 +153,6 @@ class RotaryEmbedding:
         """Forget the tables; called at the start of every forward, since a positions tensor
         may be a static buffer refilled between forwards."""
         self._cached = None
-
-    def __call__(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        # q: [T, Hq, D], k: [T, Hkv, D], positions: [T]
-        cos, sin = self.tables(positions, q.dtype)
-        return rotate_ref(q, cos, sin), rotate_ref(k, cos, sin)
 
 
 ACTIVATIONS = {

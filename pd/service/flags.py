@@ -148,15 +148,18 @@ def add_role_arguments(p: argparse.ArgumentParser, role: str) -> None:
             _add(g, flag, role)
 
 
-def add_launch_arguments(group) -> dict[str, tuple[str, ...]]:
-    """The node flags `pd launch` passes on; returns {role: names of its flags}."""
+def add_launch_arguments(group) -> None:
+    """The node flags `pd launch` passes on to its nodes (`launch_flags`)."""
     for flag in NODE_FLAGS:
         if flag.in_launch:
             role = flag.roles[0]
             kw_help = flag.help if len(flag.roles) > 1 else f"{role} nodes: {flag.help}"
             _add(group, NodeFlag(**{**flag.__dict__, "help": kw_help}), role)
-    return {role: tuple(f.name for f in NODE_FLAGS if f.in_launch and role in f.roles)
-            for role in ("prefill", "decode")}
+
+
+def launch_flags(role: str) -> tuple[str, ...]:
+    """The names of the flags `pd launch` passes on to its nodes of `role`."""
+    return tuple(f.name for f in NODE_FLAGS if f.in_launch and role in f.roles)
 
 
 def announce(role: str, node_id: str, **ports) -> None:

@@ -2,7 +2,8 @@
 config class (`AutoModelForCausalLM.from_config`) and writes it (`save_pretrained`), so
 config.json carries what real directories carry (transformers 5 writes `rope_parameters`).
 
-`write_hf_checkpoint` writes one; `PARITY_MATRIX` names the cases the parity tests
+`write_hf_checkpoint` writes one; `transformers_greedy` is the reference the parity checks hold
+pd's greedy tokens and logprobs against; `PARITY_MATRIX` names the cases the parity tests
 (`tests/model/test_checkpoints.py`) and `benchmarks/gpu/check_checkpoints.py` run. Needs
 transformers (a test dependency); the tokenizer files come from `pd.testing.tiny`.
 """
@@ -19,6 +20,25 @@ from pd.testing.tiny import (ARCHS, DTYPES, ENDOFTEXT, IM_END, write_json, tiny_
                              write_tokenizer_files)
 
 MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+
+
+def transformers_greedy(model, prompt: list[int], steps: int) -> tuple[list[int], list[float]]:
+    """transformers' own `generate`: `steps` greedy tokens after `prompt` and their logprobs.
+    `model` is a loaded model, or a directory to load in float32 (a fresh model, since dynamic
+    RoPE keeps state from one call to the next)."""
+    import transformers
+
+    if isinstance(model, (str, Path)):
+        model = transformers.AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+    with torch.no_grad():
+        out = model.generate(
+            torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            max_new_tokens=steps, min_new_tokens=steps, do_sample=False, eos_token_id=None,
+            pad_token_id=0, output_logits=True, return_dict_in_generate=True,
+        )
+    tokens = out.sequences[0, len(prompt):].tolist()
+    logprobs = [torch.log_softmax(step[0].float(), -1)[t].item() for step, t in zip(out.logits, tokens)]
+    return tokens, logprobs
 
 
 def write_hf_checkpoint(

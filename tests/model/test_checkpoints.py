@@ -24,7 +24,7 @@ from pd.config import ModelConfig, ModelConfigError
 from pd.engine.llm import LLM
 from pd.wire.sampling_params import SamplingParams
 from pd.testing.hf import PARITY_MATRIX as MATRIX
-from pd.testing.hf import write_hf_checkpoint
+from pd.testing.hf import transformers_greedy, write_hf_checkpoint
 
 transformers = pytest.importorskip("transformers")
 
@@ -46,26 +46,11 @@ def make_hf(tmp_path_factory):
     return make
 
 
-def hf_greedy(model_dir, prompt: list[int]) -> tuple[list[int], list[float]]:
-    """transformers' greedy tokens and their logprobs; a fresh model per prompt, since dynamic
-    RoPE keeps state across calls."""
-    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    with torch.no_grad():
-        out = model.generate(
-            torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-            max_new_tokens=STEPS, min_new_tokens=STEPS, do_sample=False, eos_token_id=None,
-            pad_token_id=0, output_logits=True, return_dict_in_generate=True,
-        )
-    tokens = out.sequences[0, len(prompt):].tolist()
-    logprobs = [torch.log_softmax(step[0].float(), -1)[t].item() for step, t in zip(out.logits, tokens)]
-    return tokens, logprobs
-
-
 def check_parity(model_dir, llm_dir=None) -> None:
     llm = LLM(llm_dir or model_dir, num_blocks=64, dtype="float32")
     params = SamplingParams(max_tokens=STEPS, temperature=0.0, ignore_eos=True, logprobs=1)
     for prompt, out in zip(PROMPTS, llm.generate(PROMPTS, params)):
-        ref_tokens, ref_logprobs = hf_greedy(model_dir, prompt)
+        ref_tokens, ref_logprobs = transformers_greedy(model_dir, prompt, STEPS)
         assert out.token_ids == ref_tokens
         assert len(set(ref_tokens)) > 2, "degenerate reference: the test would prove little"
         assert out.logprobs == pytest.approx(ref_logprobs, abs=1e-4)

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from pd.engine.llm import LLM
+from pd.testing.hf import transformers_greedy
 from pd.wire.sampling_params import SamplingParams
 
 transformers = pytest.importorskip("transformers")
@@ -31,18 +32,6 @@ VARIANTS = {
 }
 
 
-def hf_greedy(model, prompt: list[int]) -> tuple[list[int], list[float]]:
-    with torch.no_grad():
-        out = model.generate(
-            torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-            max_new_tokens=STEPS, min_new_tokens=STEPS, do_sample=False, eos_token_id=None,
-            pad_token_id=0, output_logits=True, return_dict_in_generate=True,
-        )
-    tokens = out.sequences[0, len(prompt):].tolist()
-    logprobs = [torch.log_softmax(step[0].float(), -1)[t].item() for step, t in zip(out.logits, tokens)]
-    return tokens, logprobs
-
-
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_greedy_matches_transformers(make_tiny_model, variant):
     model_dir = make_tiny_model(**VARIANTS[variant])
@@ -51,7 +40,7 @@ def test_greedy_matches_transformers(make_tiny_model, variant):
     outputs = llm.generate(PROMPTS, params)
     hf_model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     for prompt, out in zip(PROMPTS, outputs):
-        ref_tokens, ref_logprobs = hf_greedy(hf_model, prompt)
+        ref_tokens, ref_logprobs = transformers_greedy(hf_model, prompt, STEPS)
         assert out.token_ids == ref_tokens
         assert len(set(ref_tokens)) > 1, "degenerate reference: the test would prove little"
         assert out.logprobs == pytest.approx(ref_logprobs, abs=1e-4)
