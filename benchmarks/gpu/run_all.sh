@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # Every GPU check and figure of the project in one call of the device machine:
-#   kernels vs their torch twins, MTP engine parity, GPU tests (graphs, KV fast path, P+D on
-#   CUDA), KV transfer, decode/prefill vs floors and HF, CUDA graphs vs eager, overlap on/off (parity of 64 requests, sync
-#   check, throughput and step gap), MTP on/off. Logs go to $OUT (or ./out) and one table each
-#   to stdout.
+#   the checkpoint parity matrix through pd generate --device cuda, kernels vs their torch
+#   twins, MTP engine parity, GPU tests (graphs, fused kernels, KV fast path, P+D on CUDA), KV
+#   transfer, decode/prefill vs floors and HF, CUDA graphs vs eager, the decode step's kernels
+#   and host time (profiler), overlap on/off (parity of 64 requests, sync check, throughput and
+#   step gap), MTP on/off. Logs go to $OUT (or ./out) and one table each to stdout.
 #     bash benchmarks/gpu/run_all.sh [1|2|3]    (1: checks, KV, attention, decode; 2: graphs,
-#                                                 overlap, MTP; 3: the two-GPU mixed load)
+#                                                 profile, overlap, MTP; 3: the two-GPU mixed load)
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-out}
@@ -36,6 +37,7 @@ TAIL=14 step decode python3 benchmarks/gpu/bench_decode.py
 fi
 if [[ $PART == all || $PART == 2 ]]; then
 TAIL=8 step graphs python3 benchmarks/gpu/check_graphs.py
+TAIL=60 step profile python3 benchmarks/gpu/profile_decode.py --batch 1 64 --host 64
 TAIL=9 step overlap_tiny python3 benchmarks/bench_overlap.py --device cuda --parity 64 --check-sync
 TAIL=6 step overlap_small python3 benchmarks/bench_overlap.py --device cuda --synthetic small
 TAIL=6 step overlap_small_eager python3 benchmarks/bench_overlap.py --device cuda --synthetic small --enforce-eager

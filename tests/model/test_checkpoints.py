@@ -1,7 +1,7 @@
 """Real checkpoints load right or are refused.
 
 Every directory here is written by transformers (`from_config(...).save_pretrained`, through
-`pd.testing.tiny.write_hf_checkpoint`), never by hand, so config.json carries what real ones carry
+`pd.testing.hf.write_hf_checkpoint`), never by hand, so config.json carries what real ones carry
 (transformers 5 writes `rope_parameters`). The matrix runs pd's greedy decoding against
 transformers' own `generate` on the same directory: tokens equal, logprobs within 1e-4, for
 each RoPE type in both key styles, tied and untied heads, GQA from 1 to 8 KV heads, biases,
