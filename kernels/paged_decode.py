@@ -30,9 +30,9 @@ def _kernel():
     import triton  # noqa: PLC0415 (deferred: CPU machines have no triton)
     import triton.language as tl
 
-    # NOTE: the split size and count vary with the batch; unspecialized, so a new batch size
-    # (a new CUDA graph) never waits for a compile
-    @triton.jit(do_not_specialize=["split"])
+    # NOTE: the split size and count vary with the batch, the block-table stride with an eager
+    # step's context; unspecialized, so a new batch size or length never waits for a compile
+    @triton.jit(do_not_specialize=["split", "stride_bt"])
     def decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, acc_ptr, m_ptr, l_ptr, scale,
                       stride_qb, stride_qh, stride_kn, stride_kt, stride_kh, stride_bt,
                       stride_ab, stride_ah, stride_as, stride_mb, stride_mh,

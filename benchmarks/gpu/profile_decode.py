@@ -85,7 +85,7 @@ def main() -> None:
     p.add_argument("--batch", type=int, nargs="+", default=[1, 64])
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--host", type=int, nargs="*", default=[],
-                   help="also profile the host (cProfile) at these batch sizes, graphs on")
+                   help="also profile the host (cProfile) at these batch sizes, eager and graphs")
     args = p.parse_args()
     model = str(write_tiny_checkpoint(tempfile.mkdtemp(prefix="pd-llama1b-"), "llama", mtp=False,
                                       dtype="bfloat16", **LLAMA_1B))
@@ -102,10 +102,10 @@ def main() -> None:
                   f"per step")
             for name, t in sorted(times.items(), key=lambda kv: -kv[1])[:14]:
                 print(f"  {t / args.steps / 1e3:8.3f} ms  {counts[name] / args.steps:6.1f}x  {name[:90]}")
-        if not eager:
-            for batch in args.host:
-                for overlap in (True, False):
-                    host_profile(engine, batch, 20, overlap)
+        for batch in args.host:
+            for overlap in ((False,) if eager else (True, False)):
+                print(f"\n({'eager' if eager else 'CUDA graphs'})", end="")
+                host_profile(engine, batch, 20, overlap)
         del engine
         torch.cuda.empty_cache()
 
