@@ -208,7 +208,15 @@ def test_logs_hold_no_prompt(plain, tiny_model_dir):
     text = complete(plain, CANARY)
     ids = Tokenizer.from_dir(tiny_model_dir).encode(CANARY, add_special_tokens=False)
     assert len(ids) >= 5
-    time.sleep(0.5)  # the nodes' last log lines for the request
+    # the nodes' last log lines for the request: wait until their logs stop growing
+    paths = [Path(node.log) for node in nodes(plain).values()]
+    sizes, deadline = None, time.monotonic() + 5
+    while time.monotonic() < deadline:
+        now = [p.stat().st_size for p in paths]
+        if now == sizes:
+            break
+        sizes = now
+        time.sleep(0.1)
     logs = {"router": plain.output()}
     for node in nodes(plain).values():
         assert flag(node.pid, "--log-level") == "debug"
