@@ -90,7 +90,6 @@ class DecodeNode(NodeService):
         self.allocator = engine.allocator
         self.max_queue = max_queue
         self.kv_timeout = kv_timeout
-        self.preemptions_counted = 0  # scheduler preemptions already in the metric
         self.receiver = KVReceiver(f"tcp://{host}:{kv_port}", ctx=self.ctx,
                                    pin_rings=engine.runner.device.type == "cuda")
         self.kv_addr = self.receiver.endpoint
@@ -339,8 +338,7 @@ class DecodeNode(NodeService):
         mt.waiting.set(len(self.scheduler.waiting) + len(self.waiting_blocks))
         mt.running.set(len(self.scheduler.running))
         mt.kv_usage.set(self.allocator.usage)
-        mt.preemptions.inc(self.scheduler.num_preemptions - self.preemptions_counted)
-        self.preemptions_counted = self.scheduler.num_preemptions
+        mt.count_preemptions(self.scheduler.num_preemptions)
         if not self.incoming and not self.loop.has_work:
             self.allocator.check_integrity()
         if now - self.last_gap_log >= GAP_LOG_S:

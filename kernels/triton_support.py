@@ -1,5 +1,7 @@
-"""Whether a tensor's work may go to a Triton kernel: on CUDA, with triton importable, unless
-`PD_TRITON=0` asks for the torch twins everywhere (to compare, or to rule a kernel out)."""
+"""Whether a tensor's work may go to one of the decode layer's Triton kernels (`rms_norm`,
+`rope_cache`, `activation`): on CUDA, with triton importable, unless `PD_TRITON=0` asks for
+their torch twins (to compare, or to rule a kernel out). The decode attention has its own
+switch, `PD_ATTENTION=torch` (`kernels.paged_decode.can_use_kernel`)."""
 
 from __future__ import annotations
 

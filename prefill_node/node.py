@@ -82,7 +82,6 @@ class PrefillNode(NodeService):
         self.handoff_timeout = handoff_timeout
         self.jobs: dict[str, Job] = {}
         self.links: dict[str, DecodeLink] = {}
-        self.preemptions_counted = 0  # scheduler preemptions already in the metric
         self.geometry = engine.geometry(mtp_enabled=engine.spec is not None)
         self.metrics = node_metrics.for_node(self.role, node_id)
 
@@ -262,8 +261,7 @@ class PrefillNode(NodeService):
         mt.running.set(len(self.scheduler.running))
         mt.kv_usage.set(self.engine.allocator.usage)
         mt.transfers_waiting.set(sum(j.state is not JobState.QUEUED for j in self.jobs.values()))
-        mt.preemptions.inc(self.scheduler.num_preemptions - self.preemptions_counted)
-        self.preemptions_counted = self.scheduler.num_preemptions
+        mt.count_preemptions(self.scheduler.num_preemptions)
 
     def may_check_integrity(self) -> None:
         if not self.jobs and not self.scheduler.has_work:

@@ -121,7 +121,7 @@ class RotaryEmbedding:
         self.inv_freq = inv_freq
         self._cached: tuple | None = None
 
-    def _dynamic_inv_freq(self, positions: torch.Tensor) -> torch.Tensor:
+    def _dynamic_inv_freq(self) -> torch.Tensor:
         """[T, D/2]: each token's frequencies from its sequence's length in this forward."""
         ctx = get_context()
         factor, max_len = self.dynamic
@@ -139,7 +139,7 @@ class RotaryEmbedding:
         if self.inv_freq.device != positions.device:
             self.inv_freq = self.inv_freq.to(positions.device)
             self.exponent = self.exponent.to(positions.device)
-        inv_freq = self._dynamic_inv_freq(positions) if self.dynamic else self.inv_freq[None, :]
+        inv_freq = self._dynamic_inv_freq() if self.dynamic else self.inv_freq[None, :]
         freqs = positions.float()[:, None] * inv_freq
         emb = torch.cat((freqs, freqs), dim=-1)
         cos, sin = emb.cos(), emb.sin()

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import argparse
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, replace
 
 from pd.config import EngineConfig, default_model_dir
 from pd.wire import security
@@ -91,7 +91,6 @@ class NodeFlag:
     choices: tuple = ()
     action: str | None = None
     in_launch: bool = True  # pd launch passes it on (flags it owns itself say False)
-    kwargs: dict = field(default_factory=dict)
 
     def default_for(self, role: str):
         return self.default[role] if isinstance(self.default, dict) else self.default
@@ -130,7 +129,7 @@ def default(name: str, role: str):
 
 
 def _add(group, flag: NodeFlag, role: str) -> None:
-    kw = dict(default=flag.default_for(role), help=flag.help, **flag.kwargs)
+    kw = dict(default=flag.default_for(role), help=flag.help)
     if flag.action:
         kw["action"] = flag.action
     else:
@@ -154,7 +153,7 @@ def add_launch_arguments(group) -> None:
         if flag.in_launch:
             role = flag.roles[0]
             kw_help = flag.help if len(flag.roles) > 1 else f"{role} nodes: {flag.help}"
-            _add(group, NodeFlag(**{**flag.__dict__, "help": kw_help}), role)
+            _add(group, replace(flag, help=kw_help), role)
 
 
 def launch_flags(role: str) -> tuple[str, ...]:

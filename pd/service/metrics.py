@@ -54,6 +54,18 @@ _ACCEPTED_POS = Counter("pd_spec_decode_num_accepted_tokens_per_pos",
                         LABELS + ("position",))
 
 
+def _mirror(counter):
+    """`mirror(total)` raises `counter` to a running total kept elsewhere (the scheduler's)."""
+    seen = 0
+
+    def mirror(total: int) -> None:
+        nonlocal seen
+        counter.inc(total - seen)
+        seen = total
+
+    return mirror
+
+
 def for_node(role: str, node_id: str) -> SimpleNamespace:
     lab = {"role": role, "node": node_id}
     return SimpleNamespace(
@@ -63,6 +75,7 @@ def for_node(role: str, node_id: str) -> SimpleNamespace:
         kv_sent_bytes=_KV_SENT.labels(**lab), kv_received_bytes=_KV_RECV.labels(**lab),
         kv_transfer_seconds=_KV_XFER.labels(**lab), transfers_waiting=_HANDOFF.labels(**lab),
         preemptions=_PREEMPT.labels(**lab), first_token_send_seconds=_FIRST_SEND.labels(**lab),
+        count_preemptions=_mirror(_PREEMPT.labels(**lab)),
         batch_size=_BATCH.labels(**lab), step_gap_seconds=_STEP_GAP.labels(**lab),
         spec_drafts=_DRAFTS.labels(**lab), spec_draft_tokens=_DRAFT_TOKENS.labels(**lab),
         spec_accepted_tokens=_ACCEPTED.labels(**lab),

@@ -13,6 +13,7 @@ line naming the field, exit code 2, and no node serving it.
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -168,13 +169,8 @@ REFUSED = {
 def test_unmodelled_config_values_are_refused_by_name(make_hf, tmp_path, case):
     changes, message = REFUSED[case]
     model_dir = _edit_config(make_hf("llama", **MATRIX["llama"]), tmp_path, **changes)
-    with pytest.raises(ModelConfigError, match=_re(message)):
+    with pytest.raises(ModelConfigError, match=re.escape(message)):
         ModelConfig.from_dir(model_dir)
-
-
-def _re(text: str) -> str:
-    import re
-    return re.escape(text)
 
 
 def test_a_tensor_the_model_has_no_place_for_is_refused(make_hf, tmp_path):
