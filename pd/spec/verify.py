@@ -23,6 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields, replace
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
 from kernels import update_status, verify_accept
@@ -32,8 +33,11 @@ from pd.model.context import ForwardContext, build_context, forward_context
 from pd.engine.logprobs import compute_logprobs
 from pd.engine.request import FinishReason, Req
 from pd.engine.runner import ModelRunner, SampledToken
-from pd.engine.sampler import SamplingRow, probs_after_processing, process_logits, step_seed
+from pd.engine.sampler import (GREEDY_EPS, SamplingRow, probs_after_processing, process_logits,
+                               step_seed)
 from pd.engine.scheduler import ScheduledBatch
+from pd.spec.graphs import STOP_WIDTH
+from pd.spec.mtp import MTPDrafter
 
 _UNIFORM_SALT = 0x5BD1E995  # seeded rows draw acceptance uniforms apart from their tokens
 
@@ -128,6 +132,12 @@ class SpecDecoder:
         self._gen = torch.Generator(device=self.device)
         self._gen.manual_seed(seed)
         self._seeded = torch.Generator(device=self.device)
+        self.graphs = None  # CUDA graphs of verify + draft steps, unless --enforce-eager
+        if runner.graphs is not None:
+            from pd.spec.graphs import SpecGraphs  # noqa: PLC0415
+
+            self.graphs = SpecGraphs.for_decode_graphs(runner.model, num_speculative_tokens,
+                                                       runner.graphs, self.device)
 
     # -- host: the step's tensors --------------------------------------------------------------
     def prepare(self, batch: ScheduledBatch) -> SpecStep:
@@ -158,11 +168,7 @@ class SpecDecoder:
             logits_index += [last - nd + j if j <= nd else last for j in range(k + 1)]
             draft_rows.append(req.spec_token_ids + [0] * (k - nd))
             num_drafts.append(nd)
-            base = self.runner.sampling_row(req)
-            for j in range(k + 1):
-                jj = min(j, nd)
-                out = base.output_token_ids + req.spec_token_ids[:jj] if req.params.has_penalties else []
-                rows.append(replace(base, output_token_ids=out, step=base.step + jj))
+            rows += self.sampling_rows(req)
         ctx = build_context(batch.num_new_tokens, context_lens, [r.block_ids for r in batch.reqs],
                             slots, torch.device("cpu"))
         ctx = replace(ctx, **{f.name: dev(getattr(ctx, f.name)) for f in fields(ctx)
@@ -190,36 +196,47 @@ class SpecDecoder:
             max_position=max(positions), num_top=min(max(asked, default=0), self.runner.model_config.vocab_size),
         )
 
+    def sampling_rows(self, req: Req) -> list[SamplingRow]:
+        """The k + 1 sampler rows of a slot: position j sees the drafts before it as output."""
+        base, nd = self.runner.sampling_row(req), len(req.spec_token_ids)
+        rows = []
+        for j in range(self.k + 1):
+            jj = min(j, nd)
+            out = base.output_token_ids + req.spec_token_ids[:jj] if req.params.has_penalties else []
+            rows.append(replace(base, output_token_ids=out, step=base.step + jj))
+        return rows
+
     # -- device: verify, accept, stop, draft -----------------------------------------------------
-    def _uniforms(self, step: SpecStep) -> torch.Tensor:
+    def _uniforms(self, reqs: list[Req]) -> torch.Tensor:
         k = self.k
-        u = torch.empty(len(step.reqs), k, device=self.device)
+        u = torch.empty(len(reqs), k, device=self.device)
         u.uniform_(generator=self._gen)
-        for b, r in enumerate(step.reqs):
+        for b, r in enumerate(reqs):
             if r.params.seed is not None:
                 self._seeded.manual_seed(step_seed(r.params.seed ^ _UNIFORM_SALT, r.num_output_tokens))
                 u[b].uniform_(generator=self._seeded)
         return u
 
-    def _targets(self, step: SpecStep, logits: torch.Tensor):
+    def _targets(self, logits: torch.Tensor, rows: list[SamplingRow], draft_ids: torch.Tensor,
+                 num_drafts: torch.Tensor, greedy: torch.Tensor):
         """(target_ids [S, k+1], p(d_j) [S, k]): the greedy argmax, or for sampled slots the
         residual draw at each position (the bonus draw at n), and the target's probability of
-        each draft."""
-        k, num_slots = self.k, len(step.reqs)
-        greedy_rows = all(r.is_greedy for r in step.rows)
-        x = process_logits(logits, step.rows)
+        each draft. `logits` [S * (k+1), V], `rows` their sampler rows."""
+        k, num_slots = self.k, draft_ids.shape[0]
+        greedy_rows = all(r.is_greedy for r in rows)
+        x = process_logits(logits, rows)
         if greedy_rows:
             target = x.argmax(dim=-1).view(num_slots, k + 1)
             return target, torch.zeros(num_slots, k, device=self.device)
-        probs = probs_after_processing(logits, step.rows).view(num_slots, k + 1, -1)
-        drafts = torch.cat([step.draft_ids, step.draft_ids[:, :1]], dim=1)  # [S, k+1]
+        probs = probs_after_processing(logits, rows).view(num_slots, k + 1, -1)
+        drafts = torch.cat([draft_ids, draft_ids[:, :1]], dim=1)  # [S, k+1]
         p_draft = probs.gather(2, drafts[:, :, None]).squeeze(2)  # [S, k+1]
-        has_draft = torch.arange(k + 1, device=self.device)[None, :] < step.num_drafts[:, None]
+        has_draft = torch.arange(k + 1, device=self.device)[None, :] < num_drafts[:, None]
         residual = probs.clone()
         # NOTE: the drafter's q is one-hot on its draft, so max(p - q, 0) is p without the draft.
         residual.scatter_(2, drafts[:, :, None], torch.where(has_draft, 0.0, p_draft)[:, :, None])
-        drawn = self.runner.sampler.draw(residual.view(num_slots * (k + 1), -1), step.rows)
-        target = torch.where(step.greedy[:, None].bool(), x.argmax(dim=-1).view(num_slots, k + 1),
+        drawn = self.runner.sampler.draw(residual.view(num_slots * (k + 1), -1), rows)
+        target = torch.where(greedy[:, None].bool(), x.argmax(dim=-1).view(num_slots, k + 1),
                              drawn.view(num_slots, k + 1))
         return target, p_draft[:, :k].contiguous()
 
@@ -231,11 +248,12 @@ class SpecDecoder:
         num_slots = len(step.reqs)
         if num_slots:
             logits = model.compute_logits(hidden[step.logits_index])  # [S * (k+1), V]
-            target, p_draft = self._targets(step, logits)
+            target, p_draft = self._targets(logits, step.rows, step.draft_ids, step.num_drafts,
+                                            step.greedy)
             slot_index = torch.arange(num_slots, device=self.device)
             accepted, num_accepted = verify_accept(
                 slot_index, step.num_drafts, step.draft_ids, target, torch.ones_like(p_draft),
-                p_draft, self._uniforms(step), step.greedy)
+                p_draft, self._uniforms(step.reqs), step.greedy)
             num_verified = num_accepted.clone()
             stop_flags = torch.zeros(num_slots, dtype=torch.int32, device=self.device)
             update_status(slot_index, accepted, num_accepted, step.seq_lens.clone(),
@@ -252,19 +270,26 @@ class SpecDecoder:
         return accepted, num_accepted, num_verified, stop_flags, drafts, lp
 
     def run(self, batch: ScheduledBatch) -> dict[int, SpecResult]:
+        key = self.graph_key(batch)
+        if key is not None:
+            return self.run_graphed(batch, key)
         step = self.prepare(batch)
         accepted, num_kept, num_verified, flags, drafts, lp = self.execute(step)
-        accepted, num_kept, num_verified = accepted.tolist(), num_kept.tolist(), num_verified.tolist()
-        flags, drafts = flags.tolist(), drafts.tolist()
+        return self.results(step.sample_batch_index, step.reqs, accepted.tolist(), num_kept.tolist(),
+                            num_verified.tolist(), flags.tolist(), drafts.tolist(), lp)
+
+    def results(self, batch_index: list[int], reqs: list[Req], accepted, num_kept, num_verified,
+                flags, drafts, lp) -> dict[int, SpecResult]:
+        """Host lists of a step's outputs (one entry per sampled slot) -> {batch index: result}."""
         if lp is not None:
             lps, ranks = lp.token_logprobs.tolist(), lp.ranks.tolist()
             top_ids, top_lps = lp.topk_ids.tolist(), lp.topk_logprobs.tolist()
         k1 = self.k + 1
         results = {}
-        for b, (i, req) in enumerate(zip(step.sample_batch_index, step.reqs)):
+        for b, (i, req) in enumerate(zip(batch_index, reqs)):
             tokens = []
+            want = req.params.logprobs
             for j in range(num_kept[b]):
-                want = req.params.logprobs
                 if want is None:
                     tokens.append((accepted[b][j], None, None, None))
                 else:
@@ -276,3 +301,77 @@ class SpecDecoder:
             self.stats.add(nd, num_verified[b] - 1)
             results[i] = SpecResult(tokens, reason, [] if reason else drafts[b], nd, num_verified[b] - 1)
         return results
+
+    # -- the graphed step (`pd.spec.graphs`) -------------------------------------------------------
+    def graph_key(self, batch: ScheduledBatch) -> tuple[int, int] | None:
+        """The graphs' (slots, width) for a batch of verify slots only, else None (eager)."""
+        if self.graphs is None or not isinstance(self.drafter, MTPDrafter):
+            return None  # the graphs run the MTP layer; another drafter runs eagerly
+        for req, n in zip(batch.reqs, batch.num_new_tokens):
+            if (req.num_computed_tokens != req.num_tokens - 1 or n != 1 + len(req.spec_token_ids)
+                    or len(stop_ids_of(req)) > STOP_WIDTH):
+                return None
+        return self.graphs.key(len(batch.reqs), max(len(r.block_ids) for r in batch.reqs))
+
+    @staticmethod
+    def plain_greedy(req: Req) -> bool:
+        """Greedy with nothing between the logits and the argmax at any of its positions."""
+        p = req.params
+        return (p.temperature < GREEDY_EPS and not p.has_penalties
+                and req.num_output_tokens >= p.min_tokens)
+
+    @torch.inference_mode()
+    def run_graphed(self, batch: ScheduledBatch, key: tuple[int, int]) -> dict[int, SpecResult]:
+        k, bs, reqs = self.k, self.runner.block_size, batch.reqs
+        num_slots, width = len(reqs), key[1]
+        g = self.graphs.get(key)
+        host, v = self.graphs.host_inputs(key)
+        nd = np.fromiter((len(r.spec_token_ids) for r in reqs), np.int64, num_slots)
+        for b, r in enumerate(reqs):
+            v["block_tables"][b, :len(r.block_ids)] = r.block_ids
+            v["input_ids"][b, 0] = r.token_ids[-1]
+            v["input_ids"][b, 1:1 + nd[b]] = v["draft_ids"][b, :nd[b]] = r.spec_token_ids
+            stops = stop_ids_of(r)
+            v["stop_ids"][b, :len(stops)] = stops
+        start = np.fromiter((r.num_computed_tokens for r in reqs), np.int64, num_slots)
+        pos = start[:, None] + np.arange(k + 1)[None, :]
+        valid = np.arange(k + 1)[None, :] <= nd[:, None]
+        table_of = np.take_along_axis(v["block_tables"][:num_slots], np.minimum(pos // bs, width - 1), 1)
+        v["positions"][:num_slots] = np.where(valid, pos, 0)
+        v["slot_mapping"][:num_slots] = np.where(valid, table_of * bs + pos % bs,
+                                                 self.graphs.dummy_block * bs)
+        v["context_lens"][:num_slots] = np.where(valid, pos + 1, 1)
+        v["num_drafts"][:num_slots] = nd
+        plain = [self.plain_greedy(r) for r in reqs]
+        v["greedy"][:num_slots] = [r.params.temperature < GREEDY_EPS for r in reqs]
+        v["seq_lens"][:num_slots] = [r.num_tokens for r in reqs]
+        v["num_outputs"][:num_slots] = [r.num_output_tokens for r in reqs]
+        v["max_seq_lens"][:num_slots] = [min(r.num_prompt_tokens + r.params.max_tokens, self.max_model_len)
+                                         for r in reqs]
+        v["min_tokens"][:num_slots] = [r.params.min_tokens for r in reqs]
+        v["slot_index"][:num_slots] = np.arange(num_slots)
+        g.inputs.copy_(host, non_blocking=True)
+        g.verify()
+        logits = g.verified.logits[:num_slots * (k + 1)]
+        if not all(plain):
+            rows = [row for r in reqs for row in self.sampling_rows(r)]
+            target, p_draft = self._targets(logits, rows, g.views["draft_ids"][:num_slots],
+                                            g.views["num_drafts"][:num_slots],
+                                            g.views["greedy"][:num_slots])
+            g.verified.target[:num_slots].copy_(target)
+            g.p_draft[:num_slots].copy_(p_draft)
+            g.uniforms[:num_slots].copy_(self._uniforms(reqs))
+        g.draft()
+        out = torch.empty(num_slots, 2 * k + 4, dtype=torch.int64, pin_memory=self.device.type == "cuda")
+        out.copy_(g.result[:num_slots], non_blocking=True)
+        lp = None
+        asked = [r.params.logprobs for r in reqs if r.params.logprobs is not None]
+        if asked:
+            accepted = g.result[:num_slots, :k + 1].clamp(min=0).reshape(-1)
+            lp = compute_logprobs(logits, accepted, min(max(asked), self.runner.model_config.vocab_size))
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+        rows = out.tolist()
+        return self.results(list(range(num_slots)), reqs, [r[:k + 1] for r in rows],
+                            [r[k + 1] for r in rows], [r[k + 2] for r in rows],
+                            [r[k + 3] for r in rows], [r[k + 4:] for r in rows], lp)

@@ -1,0 +1,234 @@
+"""CUDA graphs of the MTP step: the verify forward and the whole draft chain, per padded batch.
+
+A step whose slots are all decode (verify) slots is laid out at a fixed stride: slot b owns
+query rows b * (k + 1) .. b * (k + 1) + k, its newest token then its n <= k drafts, and rows
+past n are padding (token 0 at position 0, written to the cache's spare block). Every row is
+run as its own one-query sequence over its slot's block table with KV length position + 1, so
+the verify forward is a plain decode forward of S * (k + 1) rows: the same layers and the same
+attention kernel as a plain decode step (`kernels.paged_decode`), and no mask.
+
+Two graphs per (padded slot count, padded block-table width), sharing the decode graphs'
+memory pool:
+- verify: target forward, logits of every row, the greedy target (argmax) of every row;
+- draft: acceptance (`kernels.verify_accept`), stops inside the accepted run
+  (`kernels.update_status`), the MTP layer's inputs (`kernels.draft_preprocess`), its pass over
+  the step's rows and the k - 1 chained single-token passes, each with its argmax, and one
+  packed int64 result [S, 2k + 4] (accepted ids, kept count, verified count, stop flag, drafts)
+  that the host copies back in one transfer.
+Greedy rows without logit processing need nothing between the two replays. Other rows
+(sampling, penalties, min_tokens) overwrite the target ids, the target's draft probabilities
+and the acceptance uniforms between the replays (`pd.spec.verify`); the kernels read them from
+these static buffers. Padding slots have slot index -1: every kernel skips them.
+
+Inputs travel in one int64 buffer per graph, filled by one host-to-device copy (`fill`).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import NamedTuple
+
+import numpy as np
+import torch
+
+from kernels import draft_preprocess, update_status, verify_accept
+from pd.model.context import ForwardContext, forward_context
+
+log = logging.getLogger(__name__)
+
+STOP_WIDTH = 8  # stop ids a graphed slot may carry (EOS ids + stop_token_ids); more: eager
+MAX_ROWS = 1024  # S * (k + 1) rows at most per graph (the logits of every row are kept)
+
+
+def _round_up(n: int, sizes) -> int:
+    return next(s for s in sizes if s >= n)
+
+
+class Layout:
+    """Where each input lives in the flat int64 buffer of one (S, W) graph."""
+
+    def __init__(self, num_slots: int, width: int, k: int) -> None:
+        tokens = num_slots * (k + 1)
+        self.shapes = {
+            "input_ids": (num_slots, k + 1), "positions": (num_slots, k + 1),
+            "slot_mapping": (num_slots, k + 1), "context_lens": (num_slots, k + 1),
+            "block_tables": (num_slots, width), "draft_ids": (num_slots, k),
+            "num_drafts": (num_slots,), "greedy": (num_slots,), "seq_lens": (num_slots,),
+            "num_outputs": (num_slots,), "max_seq_lens": (num_slots,),
+            "min_tokens": (num_slots,), "stop_ids": (num_slots, STOP_WIDTH),
+            "slot_index": (num_slots,),
+        }
+        self.offsets, total = {}, 0
+        for name, shape in self.shapes.items():
+            self.offsets[name] = total
+            total += int(np.prod(shape))
+        self.size, self.num_tokens = total, tokens
+
+    def views(self, flat):
+        """name -> view of `flat` (a numpy array or a torch tensor) in its shape."""
+        out = {}
+        for name, shape in self.shapes.items():
+            start = self.offsets[name]
+            out[name] = flat[start:start + int(np.prod(shape))].reshape(shape)
+        return out
+
+
+class Verified(NamedTuple):
+    hidden: torch.Tensor  # [T, H]
+    logits: torch.Tensor  # [T, V] float32
+    target: torch.Tensor  # [S, k + 1] int64 (argmax; overwritten for sampled rows)
+    context: ForwardContext  # the rows as one-query sequences
+
+
+class StepGraphs:
+    """The two graphs of one (S, W) and their static buffers. Without capture (CPU, where the
+    layout is tested) `verify` and `draft` compute eagerly into the same attributes."""
+
+    def __init__(self, owner: "SpecGraphs", key: tuple[int, int], capture: bool) -> None:
+        num_slots, width = key
+        self.owner, self.width = owner, width
+        self.layout = Layout(num_slots, width, owner.k)
+        host, _ = owner.host_inputs(key)
+        self.inputs = host.to(owner.device)
+        self.views = self.layout.views(self.inputs)
+        self.p_draft = torch.zeros(num_slots, owner.k, device=owner.device)
+        self.uniforms = torch.zeros(num_slots, owner.k, device=owner.device)
+        self.graphs = None
+        self.verified: Verified | None = None
+        self.result: torch.Tensor | None = None  # [S, 2k + 4] int64
+        if capture:
+            self._capture()
+
+    def _capture(self) -> None:
+        owner, dev = self.owner, self.owner.device
+        side = torch.cuda.Stream(dev)
+        side.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(side):  # warm-up outside the capture (allocator, kernel loads)
+            owner._draft(self.views, owner._verify(self.views, self.width), self.p_draft,
+                         self.uniforms, self.width)
+        torch.cuda.current_stream(dev).wait_stream(side)
+        verify, draft = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+        with torch.cuda.graph(verify, pool=owner.pool_owner.pool):
+            self.verified = owner._verify(self.views, self.width)
+        if owner.pool_owner.pool is None:
+            owner.pool_owner.pool = verify.pool()
+        with torch.cuda.graph(draft, pool=owner.pool_owner.pool):
+            self.result = owner._draft(self.views, self.verified, self.p_draft, self.uniforms, self.width)
+        self.graphs = (verify, draft)
+
+    def verify(self) -> None:
+        if self.graphs is not None:
+            self.graphs[0].replay()
+        else:
+            self.verified = self.owner._verify(self.views, self.width)
+
+    def draft(self) -> None:
+        if self.graphs is not None:
+            self.graphs[1].replay()
+        else:
+            self.result = self.owner._draft(self.views, self.verified, self.p_draft, self.uniforms,
+                                            self.width)
+
+
+class SpecGraphs:
+    """`pool_owner`: the decode graphs (`pd.engine.cuda_graph.DecodeGraphs`), whose memory pool
+    these graphs share; None runs the same layout without capture."""
+
+    def __init__(self, model: torch.nn.Module, k: int, *, block_size: int, dummy_block: int,
+                 batch_sizes: tuple[int, ...], block_widths: tuple[int, ...],
+                 device: torch.device, pool_owner=None) -> None:
+        self.model, self.k, self.device = model, k, device
+        self.block_size, self.dummy_block = block_size, dummy_block
+        self.pool_owner = pool_owner
+        self.slot_counts = tuple(s for s in batch_sizes if s == 1 or s * (k + 1) <= MAX_ROWS)
+        self.block_widths = block_widths
+        self.graphs: dict[tuple[int, int], StepGraphs] = {}
+
+    @classmethod
+    def for_decode_graphs(cls, model: torch.nn.Module, k: int, decode, device: torch.device):
+        return cls(model, k, block_size=decode.block_size, dummy_block=decode.dummy_block,
+                   batch_sizes=decode.batch_sizes, block_widths=decode.block_widths,
+                   device=device, pool_owner=decode)
+
+    def key(self, num_slots: int, num_blocks: int) -> tuple[int, int] | None:
+        """(padded slots, padded width) of a step, or None when it is too large for a graph."""
+        if num_slots > self.slot_counts[-1] or num_blocks > self.block_widths[-1]:
+            return None
+        return _round_up(num_slots, self.slot_counts), _round_up(num_blocks, self.block_widths)
+
+    # -- host: the inputs ----------------------------------------------------------------------
+    def host_inputs(self, key: tuple[int, int]) -> tuple[torch.Tensor, dict[str, np.ndarray]]:
+        """A pinned int64 host buffer for `key` with every slot set to padding, and numpy views
+        of it for the caller to fill its slots."""
+        num_slots, width = key
+        layout = Layout(num_slots, width, self.k)
+        host = torch.empty(layout.size, dtype=torch.int64, pin_memory=self.device.type == "cuda")
+        views = layout.views(host.numpy())
+        spare = self.dummy_block * self.block_size
+        for name, value in (("input_ids", 0), ("positions", 0), ("slot_mapping", spare),
+                            ("context_lens", 1), ("block_tables", self.dummy_block),
+                            ("draft_ids", 0), ("num_drafts", 0), ("greedy", 1), ("seq_lens", 0),
+                            ("num_outputs", 0), ("max_seq_lens", 1 << 40), ("min_tokens", 0),
+                            ("stop_ids", -1), ("slot_index", -1)):
+            views[name][...] = value
+        return host, views
+
+    # -- device --------------------------------------------------------------------------------
+    def _verify(self, v: dict[str, torch.Tensor], width: int) -> Verified:
+        num_slots = v["slot_index"].shape[0]
+        k1 = self.k + 1
+        rows = num_slots * k1
+        token_slot = torch.arange(rows, device=self.device) // k1
+        ctx = ForwardContext(
+            slot_mapping=v["slot_mapping"].reshape(rows),
+            block_tables=v["block_tables"][token_slot],
+            context_lens=v["context_lens"].reshape(rows),
+            padded_index=torch.arange(rows, device=self.device),
+            attn_mask=None, max_q_len=1, max_kv_len=width * self.block_size)
+        with forward_context(ctx):
+            hidden = self.model(v["input_ids"].reshape(rows), v["positions"].reshape(rows))
+        logits = self.model.compute_logits(hidden)
+        return Verified(hidden, logits, logits.argmax(dim=-1).view(num_slots, k1), ctx)
+
+    def _draft(self, v: dict[str, torch.Tensor], ver: Verified, p_draft: torch.Tensor,
+               uniforms: torch.Tensor, width: int) -> torch.Tensor:
+        k, model, dev = self.k, self.model, self.device
+        num_slots = v["slot_index"].shape[0]
+        slot_index = v["slot_index"]
+        accepted, num_kept = verify_accept(
+            slot_index, v["num_drafts"].to(torch.int32), v["draft_ids"], ver.target,
+            torch.ones_like(p_draft), p_draft, uniforms, v["greedy"].to(torch.int32))
+        num_verified = num_kept.clone()
+        stop_flags = torch.zeros(num_slots, dtype=torch.int32, device=dev)
+        update_status(slot_index, accepted, num_kept, v["seq_lens"].clone(), v["num_outputs"].clone(),
+                      v["max_seq_lens"], v["min_tokens"], v["stop_ids"], stop_flags)
+        cu = torch.arange(num_slots + 1, device=dev) * (k + 1)
+        positions = v["positions"].reshape(-1)
+        mtp_ids, draft_rows, chain_pos, chain_slots = draft_preprocess(
+            slot_index, cu, v["input_ids"].reshape(-1), positions, accepted, num_verified,
+            torch.zeros(num_slots, dtype=torch.int32, device=dev), v["block_tables"],
+            self.block_size, k - 1)
+        # NOTE: padding slots, and chained positions past the table, write the spare block
+        chain_slots = torch.where(chain_slots < 0, self.dummy_block * self.block_size, chain_slots)
+        with forward_context(ver.context):
+            out = model.mtp_forward(mtp_ids, positions, ver.hidden)
+        prev = out[draft_rows]  # [S, H]
+        drafts = [model.compute_logits(prev).argmax(dim=-1)]
+        for m in range(k - 1):
+            ctx = ForwardContext(
+                slot_mapping=chain_slots[:, m].contiguous(), block_tables=v["block_tables"],
+                context_lens=chain_pos + m + 1, padded_index=torch.arange(num_slots, device=dev),
+                attn_mask=None, max_q_len=1, max_kv_len=width * self.block_size)
+            with forward_context(ctx):
+                prev = model.mtp_forward(drafts[-1], chain_pos + m, prev)
+            drafts.append(model.compute_logits(prev).argmax(dim=-1))
+        counts = torch.stack([num_kept, num_verified, stop_flags], dim=1).long()
+        return torch.cat([accepted, counts, torch.stack(drafts, dim=1)], dim=1)
+
+    def get(self, key: tuple[int, int]) -> StepGraphs:
+        if key not in self.graphs:
+            self.graphs[key] = StepGraphs(self, key, capture=self.pool_owner is not None)
+            if self.pool_owner is not None:
+                log.info("captured MTP CUDA graphs (k=%d): %d slots, %d KV blocks per sequence",
+                         self.k, *key)
+        return self.graphs[key]

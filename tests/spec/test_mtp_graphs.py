@@ -1,0 +1,78 @@
+"""The graphed MTP step (`pd.spec.graphs`): its fixed-stride layout (k + 1 rows per slot, rows
+past a slot's drafts and slots past the batch as padding in a spare block) and the split of
+the step into a verify and a draft part with sampling between them. On CPU the same layout runs
+without capture (torch twins of the kernels); on a CUDA machine the graphs are captured and
+compared with the eager MTP step and with plain decoding."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pd.engine.llm import LLM
+from pd.spec.graphs import SpecGraphs
+from pd.wire.sampling_params import SamplingParams
+from tests.spec.test_mtp import assert_same, mixed_params, prompts
+
+
+def with_layout(llm: LLM) -> int:
+    """Run the engine's verify steps through the graphs' layout without capture (CPU); returns
+    the spare block taken from the allocator for the padding."""
+    engine = llm.engine
+    spare = engine.allocator.allocate(1)[0]
+    engine.spec.graphs = SpecGraphs(engine.runner.model, engine.spec.k, block_size=engine.runner.block_size,
+                                    dummy_block=spare, batch_sizes=(1, 2, 4, 8, 16),
+                                    block_widths=(1, 2, 4, 8, 16, 32), device=engine.runner.device)
+    return spare
+
+
+def sampled_params(n: int) -> list[SamplingParams]:
+    kinds = [dict(temperature=0.9, top_p=0.9, seed=11), dict(temperature=0.0, min_tokens=6),
+             dict(temperature=0.7, top_k=20, repetition_penalty=1.2, seed=5, logprobs=2),
+             dict(temperature=0.0, logprobs=0)]
+    return [SamplingParams(max_tokens=14 + i % 4, ignore_eos=i % 2 == 0, **kinds[i % 4])
+            for i in range(n)]
+
+
+@pytest.mark.parametrize("k", [1, 3, 4])
+def test_layout_greedy_equals_plain_decoding(tiny_model_dir, k):
+    batch = prompts(11, seed=5)  # 11 slots: padded to 16
+    params = mixed_params(len(batch))
+    ref = LLM(tiny_model_dir, num_blocks=256).generate(batch, params)
+    llm = LLM(tiny_model_dir, num_blocks=256, num_speculative_tokens=k)
+    spare = with_layout(llm)
+    assert_same(llm.generate(batch, params), ref)
+    assert set(llm.engine.spec.graphs.graphs) >= {(16, 4)}, "the layout path did not run"
+    llm.engine.allocator.free([spare])
+    llm.engine.allocator.check_integrity()
+    assert llm.engine.allocator.num_free == llm.engine.allocator.num_blocks
+
+
+def test_layout_sampling_equals_eager_step(tiny_model_dir):
+    """Seeded sampling, top-p/top-k, penalties and min_tokens go through the eager sampler
+    between the two parts; the tokens equal the eager MTP step's."""
+    batch = prompts(6, seed=21)
+    params = sampled_params(len(batch))
+    eager = LLM(tiny_model_dir, num_blocks=256, num_speculative_tokens=3).generate(batch, params)
+    llm = LLM(tiny_model_dir, num_blocks=256, num_speculative_tokens=3)
+    with_layout(llm)
+    out = llm.generate(batch, params)
+    for o, e, p in zip(out, eager, params):
+        assert o.token_ids == e.token_ids, p
+    assert llm.engine.spec.graphs.graphs
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
+@pytest.mark.parametrize("k", [1, 3])
+def test_graphs_equal_plain_and_eager_float32(tiny_model_dir, k):
+    batch = prompts(20, seed=3)
+    params = mixed_params(len(batch))
+    ref = LLM(tiny_model_dir, device="cuda", dtype="float32", num_blocks=512).generate(batch, params)
+    llm = LLM(tiny_model_dir, device="cuda", dtype="float32", num_blocks=512, num_speculative_tokens=k)
+    assert_same(llm.generate(batch, params), ref)
+    assert llm.engine.spec.graphs.graphs, "no verify step ran as a graph"
+    sampled = sampled_params(12)
+    eager = LLM(tiny_model_dir, device="cuda", dtype="float32", num_blocks=512,
+                num_speculative_tokens=k, enforce_eager=True).generate(batch[:12], sampled)
+    assert [o.token_ids for o in llm.generate(batch[:12], sampled)] == [o.token_ids for o in eager]
+    llm.engine.allocator.check_integrity()
