@@ -136,14 +136,60 @@ class DecodeLoop:
         return emitted
 
     def spec_step(self) -> list[Req]:
-        """One MTP step, run to the end: verify, keep, stop, draft."""
-        batch = self.scheduler.schedule()
-        self.batch_size = len(batch.reqs) if batch is not None else 0
-        if batch is None:
-            return self.idle()
-        results = self.spec.run(batch)
-        self.scheduler.update_spec(batch, results)
-        return [batch.reqs[i] for i, res in sorted(results.items()) for _ in res.tokens]
+        """One MTP step: verify, keep, stop, draft. With overlap, a graphed step whose slots all
+        continue is followed by the next one, computed on the device from its result
+        (`SpecDecoder.launch_chained`), before the host reads it; anything else (new requests,
+        sampling that needs the host, prefill slots, a batch too big for the graphs) waits for
+        the step in flight, then schedules as usual."""
+        last, emitted = self.last, []
+        if last is not None and not (self.overlap and self.reserve_chain(last)):
+            self.num_syncs += self.overlap
+            emitted, last = self.process(last, None), None
+        if last is not None:
+            cur = self.spec.launch_chained(last)
+            self.num_ahead += 1
+            emitted += self.process(last, cur)
+        else:
+            batch = self.scheduler.schedule()
+            self.batch_size = len(batch.reqs) if batch is not None else 0
+            if batch is None:
+                self.last = None
+                return emitted + self.idle()
+            key = self.spec.graph_key(batch)
+            if key is None:  # eager: run to the end
+                results = self.spec.run(batch)
+                self.scheduler.update_spec(batch, results)
+                self.last = None
+                return emitted + [batch.reqs[i] for i, res in sorted(results.items()) for _ in res.tokens]
+            cur = self.spec.launch_graphed(batch, key)
+        if not self.overlap:
+            emitted += self.process(cur, None)
+            cur = None
+        self.last = cur
+        return emitted
+
+    def reserve_chain(self, last) -> bool:
+        """Whether the step after `last` can be launched before `last` is read, reserving its
+        blocks if so: same requests, all running and greedy without processing, nothing
+        waiting, within the token budget, blocks for `last`'s k + 1 tokens plus this step's
+        1 + k rows and k - 1 chained draft positions, and the same graph."""
+        spec, sched = self.spec, self.scheduler
+        if not last.chainable or sched.waiting:
+            return False
+        live = [r for r, b in last.members.items() if last.rows[b] >= 0]
+        if len(live) != len(sched.running) or any(r.status is not ReqStatus.RUNNING for r in live):
+            return False
+        if len(last.batch.reqs) * (spec.k + 1) > sched.max_num_batched_tokens:
+            return False
+        horizon = 3 * spec.k + 1  # past num_tokens - 1: k + 1 kept, then 1 + k rows and k - 1 chained
+        need = {r: max(0, sched.blocks_needed(r, r.num_tokens + horizon)) for r in live}
+        if sum(need.values()) > sched.allocator.num_free:
+            return False
+        for r, n in need.items():
+            if n:
+                r.block_ids += sched.allocator.allocate(n)
+        width = max(len(r.block_ids) for r in last.batch.reqs)
+        return spec.graphs.key(len(last.batch.reqs), width) == last.key
 
     def drain(self) -> list[Req]:
         """Process the step in flight, launching nothing new."""
@@ -194,6 +240,8 @@ class DecodeLoop:
 
     def process(self, f: InFlight, nxt: InFlight | None) -> list[Req]:
         """Wait for step f's results and apply them; `nxt` is the step launched after it."""
+        if self.spec is not None:
+            return self.process_spec(f, nxt)
         f.out.copy_done.wait()
         self.busy.append(self.executor.busy_seconds(f.out))
         if self.prev_done is not None:
@@ -217,6 +265,23 @@ class DecodeLoop:
         for req in f.free_after:
             self.scheduler.free_blocks(req)
         return emitted
+
+    def process_spec(self, f, nxt) -> list[Req]:
+        """Apply a graphed MTP step's results (`pd.spec.verify.SpecFlight`)."""
+        results = self.spec.collect(f)
+        if f.start is not None:
+            self.busy.append(f.start.elapsed_time(f.end) / 1000.0)
+            if self.prev_done is not None:
+                gap = max(0.0, self.prev_done.elapsed_time(f.start) / 1000.0)
+                self.gaps.add(gap)
+                if self.on_gap is not None:
+                    self.on_gap(gap)
+            self.prev_done = f.end
+        self.scheduler.update_spec(f.batch, results,
+                                   finish=lambda req, reason: self.finish(req, reason, nxt))
+        for req in f.free_after:
+            self.scheduler.free_blocks(req)
+        return [f.batch.reqs[i] for i, res in sorted(results.items()) for _ in res.tokens]
 
     def unpack(self, f: InFlight) -> list[SampledToken]:
         out = f.out.logprobs_cpu

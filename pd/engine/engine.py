@@ -2,10 +2,11 @@
 
 It is the reference the PD path must equal (`pd.LLM`, `pd generate`), and it builds the parts
 each node runs: the model runner, the block allocator, the scheduler and, with
-`num_speculative_tokens` k > 0, the MTP verify step (`pd.spec.verify`, `pd.spec.mtp`). The
-nodes do not call `Engine.step`: a prefill node runs its batches through the runner (or the
-verify step) itself and hands requests off, a decode node runs `pd.engine.decode_loop` over
-imported KV. Tokenization and output formatting are left to `llm.py` and the router.
+`num_speculative_tokens` k > 0, the MTP verify step (`pd.spec.verify`, `pd.spec.mtp`). Its
+steps run through the decode loop (`pd.engine.decode_loop`), the one step pipeline a decode
+node runs too: plain or MTP steps, one step ahead of the device with overlap (on CUDA by
+default) or not. A prefill node runs its batches through the runner (or the verify step) itself
+and hands requests off. Tokenization and output formatting are left to `llm.py` and the router.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import itertools
 import logging
 
 from pd.engine.allocator import BlockAllocator
+from pd.engine.decode_loop import DecodeLoop
 from pd.config import EngineConfig
 from pd.wire.geometry import geometry
 from pd.spec.mtp import MTPDrafter
@@ -28,7 +30,7 @@ log = logging.getLogger(__name__)
 
 class Engine:
     def __init__(self, cfg: EngineConfig, eos_token_ids: tuple[int, ...] = (),
-                 num_speculative_tokens: int = 0) -> None:
+                 num_speculative_tokens: int = 0, overlap: bool | None = None) -> None:
         self.config = cfg
         self.runner = ModelRunner(cfg)
         self.model_config = self.runner.model_config
@@ -47,6 +49,11 @@ class Engine:
             self.spec = SpecDecoder(self.runner, num_speculative_tokens,
                                     MTPDrafter(self.runner, num_speculative_tokens),
                                     self.runner.max_model_len, seed=cfg.seed)
+        # overlap: on CUDA by default (the device runs while the host prepares); on CPU the
+        # plain loop, which keeps the engine single-threaded
+        if overlap is None:
+            overlap = self.runner.device.type == "cuda"
+        self.loop = DecodeLoop(self.runner, self.scheduler, overlap=overlap, spec=self.spec)
         self.requests: dict[str, Req] = {}
         self._ids = itertools.count()
 
@@ -96,24 +103,22 @@ class Engine:
     def abort(self, req_id: str) -> None:
         req = self.requests.pop(req_id, None)
         if req is not None:
-            self.scheduler.abort(req)
+            self.loop.abort(req)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work
+        return self.loop.has_work
 
     def step(self) -> list[Req]:
-        """Run one step; returns the requests that finished in it."""
-        batch = self.scheduler.schedule()
-        if batch is None:
-            if self.scheduler.waiting:
-                raise RuntimeError("no request can be scheduled: the KV cache is too small")
-            return []
-        if self.spec is not None:
-            finished = self.scheduler.update_spec(batch, self.spec.run(batch))
-        else:
-            finished = self.scheduler.update(batch, self.runner.run(batch))
+        """Run one step of the decode loop; returns the requests that finished in it."""
+        emitted = self.loop.step()
+        if not emitted and not self.loop.in_flight and self.scheduler.waiting and not self.scheduler.running:
+            raise RuntimeError("no request can be scheduled: the KV cache is too small")
+        finished = [r for r in dict.fromkeys(emitted) if r.is_finished]
         for req in finished:
             self.requests.pop(req.req_id, None)
-        if not self.scheduler.has_work:
+        if not self.loop.has_work:
             self.allocator.check_integrity()
         return finished
+
+    def close(self) -> None:
+        self.loop.close()

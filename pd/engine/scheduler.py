@@ -155,10 +155,13 @@ class Scheduler:
                 finished.append(req)
         return finished
 
-    def update_spec(self, batch: ScheduledBatch, results: dict) -> list[Req]:
+    def update_spec(self, batch: ScheduledBatch, results: dict, finish=None) -> list[Req]:
         """Advance the batch after a speculative step: `results[i]` (a `SpecResult`) holds the
         kept tokens of each request index that sampled, its finish reason (found inside the
-        accepted run) and its next drafts. Returns the requests that finished this step."""
+        accepted run) and its next drafts. Returns the requests that finished this step.
+        `finish(req, reason)` ends a request instead of `self.finish` (the decode loop's, when
+        a launched step still holds it)."""
+        finish = finish or self.finish
         finished = []
         for i, (req, n) in enumerate(zip(batch.reqs, batch.num_new_tokens)):
             if req.status is not ReqStatus.RUNNING:
@@ -173,7 +176,7 @@ class Scheduler:
             req.num_computed_tokens = req.num_tokens - 1
             req.spec_token_ids = []
             if res.finish_reason is not None:
-                self.finish(req, res.finish_reason)
+                finish(req, res.finish_reason)
                 finished.append(req)
                 continue
             room = min(req.num_prompt_tokens + req.params.max_tokens, self.max_model_len) - req.num_tokens

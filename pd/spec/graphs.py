@@ -48,29 +48,30 @@ class Layout:
     """Where each input lives in the flat int64 buffer of one (S, W) graph."""
 
     def __init__(self, num_slots: int, width: int, k: int) -> None:
-        tokens = num_slots * (k + 1)
-        self.shapes = {
+        shapes = {
+            # what a chained step computes on the device from the previous step's result
             "input_ids": (num_slots, k + 1), "positions": (num_slots, k + 1),
             "slot_mapping": (num_slots, k + 1), "context_lens": (num_slots, k + 1),
-            "block_tables": (num_slots, width), "draft_ids": (num_slots, k),
-            "num_drafts": (num_slots,), "greedy": (num_slots,), "seq_lens": (num_slots,),
-            "num_outputs": (num_slots,), "max_seq_lens": (num_slots,),
-            "min_tokens": (num_slots,), "stop_ids": (num_slots, STOP_WIDTH),
-            "slot_index": (num_slots,),
+            "draft_ids": (num_slots, k), "num_drafts": (num_slots,), "seq_lens": (num_slots,),
+            "num_outputs": (num_slots,),
+            # what the host knows before that result (from `tail` on)
+            "block_tables": (num_slots, width), "greedy": (num_slots,),
+            "max_seq_lens": (num_slots,), "min_tokens": (num_slots,),
+            "stop_ids": (num_slots, STOP_WIDTH), "slot_index": (num_slots,),
         }
-        self.offsets, total = {}, 0
-        for name, shape in self.shapes.items():
-            self.offsets[name] = total
-            total += int(np.prod(shape))
-        self.size, self.num_tokens = total, tokens
+        self.fields, total = [], 0
+        for name, shape in shapes.items():
+            size = int(np.prod(shape))
+            self.fields.append((name, total, total + size, shape))
+            if name == "block_tables":
+                self.tail = total
+            total += size
+        self.size = total
+        self.template: np.ndarray | None = None  # every slot padding (`SpecGraphs.host_inputs`)
 
     def views(self, flat):
         """name -> view of `flat` (a numpy array or a torch tensor) in its shape."""
-        out = {}
-        for name, shape in self.shapes.items():
-            start = self.offsets[name]
-            out[name] = flat[start:start + int(np.prod(shape))].reshape(shape)
-        return out
+        return {name: flat[start:end].reshape(shape) for name, start, end, shape in self.fields}
 
 
 class Verified(NamedTuple):
@@ -87,7 +88,7 @@ class StepGraphs:
     def __init__(self, owner: "SpecGraphs", key: tuple[int, int], capture: bool) -> None:
         num_slots, width = key
         self.owner, self.width = owner, width
-        self.layout = Layout(num_slots, width, owner.k)
+        self.layout = owner.layout(key)
         host, _ = owner.host_inputs(key)
         self.inputs = host.to(owner.device)
         self.views = self.layout.views(self.inputs)
@@ -114,7 +115,15 @@ class StepGraphs:
             owner.pool_owner.pool = verify.pool()
         with torch.cuda.graph(draft, pool=owner.pool_owner.pool):
             self.result = owner._draft(self.views, self.verified, self.p_draft, self.uniforms, self.width)
-        self.graphs = (verify, draft)
+        advance = torch.cuda.CUDAGraph()
+        snapshot = self.inputs.clone()  # the warm-up of `advance` must not move the inputs
+        with torch.cuda.stream(side):
+            owner._advance(self.views, self.result, self.width)
+        torch.cuda.current_stream(dev).wait_stream(side)
+        self.inputs.copy_(snapshot)
+        with torch.cuda.graph(advance, pool=owner.pool_owner.pool):
+            owner._advance(self.views, self.result, self.width)
+        self.graphs = (verify, draft, advance)
 
     def verify(self) -> None:
         if self.graphs is not None:
@@ -128,6 +137,13 @@ class StepGraphs:
         else:
             self.result = self.owner._draft(self.views, self.verified, self.p_draft, self.uniforms,
                                             self.width)
+
+    def advance(self) -> None:
+        """The next step's inputs from this step's result, in place (a chained step)."""
+        if self.graphs is not None:
+            self.graphs[2].replay()
+        else:
+            self.owner._advance(self.views, self.result, self.width)
 
 
 class SpecGraphs:
@@ -143,6 +159,7 @@ class SpecGraphs:
         self.slot_counts = tuple(s for s in batch_sizes if s == 1 or s * (k + 1) <= MAX_ROWS)
         self.block_widths = block_widths
         self.graphs: dict[tuple[int, int], StepGraphs] = {}
+        self.layouts: dict[tuple[int, int], Layout] = {}
 
     @classmethod
     def for_decode_graphs(cls, model: torch.nn.Module, k: int, decode, device: torch.device):
@@ -157,21 +174,30 @@ class SpecGraphs:
         return _round_up(num_slots, self.slot_counts), _round_up(num_blocks, self.block_widths)
 
     # -- host: the inputs ----------------------------------------------------------------------
+    def layout(self, key: tuple[int, int]) -> Layout:
+        layout = self.layouts.get(key)
+        if layout is None:
+            layout = self.layouts[key] = Layout(*key, self.k)
+            template = np.empty(layout.size, dtype=np.int64)
+            views = layout.views(template)
+            spare = self.dummy_block * self.block_size
+            for name, value in (("input_ids", 0), ("positions", 0), ("slot_mapping", spare),
+                                ("context_lens", 1), ("block_tables", self.dummy_block),
+                                ("draft_ids", 0), ("num_drafts", 0), ("greedy", 1),
+                                ("seq_lens", 0), ("num_outputs", 0), ("max_seq_lens", 1 << 40),
+                                ("min_tokens", 0), ("stop_ids", -1), ("slot_index", -1)):
+                views[name][...] = value
+            layout.template = template
+        return layout
+
     def host_inputs(self, key: tuple[int, int]) -> tuple[torch.Tensor, dict[str, np.ndarray]]:
-        """A pinned int64 host buffer for `key` with every slot set to padding, and numpy views
-        of it for the caller to fill its slots."""
-        num_slots, width = key
-        layout = Layout(num_slots, width, self.k)
+        """A host int64 buffer for `key` (pinned on CUDA) with every slot set to padding, and
+        numpy views of it for the caller to fill its slots."""
+        layout = self.layout(key)
         host = torch.empty(layout.size, dtype=torch.int64, pin_memory=self.device.type == "cuda")
-        views = layout.views(host.numpy())
-        spare = self.dummy_block * self.block_size
-        for name, value in (("input_ids", 0), ("positions", 0), ("slot_mapping", spare),
-                            ("context_lens", 1), ("block_tables", self.dummy_block),
-                            ("draft_ids", 0), ("num_drafts", 0), ("greedy", 1), ("seq_lens", 0),
-                            ("num_outputs", 0), ("max_seq_lens", 1 << 40), ("min_tokens", 0),
-                            ("stop_ids", -1), ("slot_index", -1)):
-            views[name][...] = value
-        return host, views
+        flat = host.numpy()
+        flat[:] = layout.template
+        return host, layout.views(flat)
 
     # -- device --------------------------------------------------------------------------------
     def _verify(self, v: dict[str, torch.Tensor], width: int) -> Verified:
@@ -224,6 +250,34 @@ class SpecGraphs:
             drafts.append(model.compute_logits(prev).argmax(dim=-1))
         counts = torch.stack([num_kept, num_verified, stop_flags], dim=1).long()
         return torch.cat([accepted, counts, torch.stack(drafts, dim=1)], dim=1)
+
+    def _advance(self, v: dict[str, torch.Tensor], result: torch.Tensor, width: int) -> None:
+        """Step N + 1's device-dependent inputs from step N's `result`, for the same slots:
+        each live slot moves past the n tokens it kept; its newest token and its drafts (as many
+        as its length budget leaves, as the scheduler cuts them) become the next rows. A slot
+        that stopped in N, or was invalid in it, becomes invalid (slot index -1) and padding.
+        The host has already written the known part (`Layout.tail`) for N + 1."""
+        k, bs = self.k, self.block_size
+        k1 = k + 1
+        accepted, kept, flags, drafts = result[:, :k1], result[:, k1], result[:, k1 + 2], result[:, k1 + 3:]
+        seq = v["seq_lens"] + kept
+        start = v["positions"][:, 0] + kept  # the newest token's position
+        live = (v["slot_index"] >= 0) & (flags == 0)
+        num_drafts = torch.where(live, (v["max_seq_lens"] - seq - 1).clamp(0, k), 0)
+        newest = accepted.gather(1, (kept - 1).clamp(min=0)[:, None])
+        j = torch.arange(k1, device=self.device)[None, :]
+        valid = (j <= num_drafts[:, None]) & live[:, None]
+        pos = start[:, None] + j
+        table_of = v["block_tables"].gather(1, (pos // bs).clamp(0, width - 1))
+        v["input_ids"].copy_(torch.where(valid, torch.cat([newest, drafts], dim=1), 0))
+        v["positions"].copy_(torch.where(valid, pos, 0))
+        v["slot_mapping"].copy_(torch.where(valid, table_of * bs + pos % bs, self.dummy_block * bs))
+        v["context_lens"].copy_(torch.where(valid, pos + 1, 1))
+        v["draft_ids"].copy_(torch.where(j[:, :k] < num_drafts[:, None], drafts, 0))
+        v["num_drafts"].copy_(num_drafts)
+        v["seq_lens"].copy_(seq)
+        v["num_outputs"].add_(kept)
+        v["slot_index"].copy_(torch.where(live, v["slot_index"], -1))
 
     def get(self, key: tuple[int, int]) -> StepGraphs:
         if key not in self.graphs:

@@ -279,8 +279,9 @@ class SpecDecoder:
                             num_verified.tolist(), flags.tolist(), drafts.tolist(), lp)
 
     def results(self, batch_index: list[int], reqs: list[Req], accepted, num_kept, num_verified,
-                flags, drafts, lp) -> dict[int, SpecResult]:
-        """Host lists of a step's outputs (one entry per sampled slot) -> {batch index: result}."""
+                flags, drafts, lp, lp_slots: list[int] | None = None) -> dict[int, SpecResult]:
+        """Host lists of a step's outputs (one entry per sampled slot) -> {batch index: result}.
+        `lp` holds k + 1 rows per slot; `lp_slots[b]` is entry b's slot there (default b)."""
         if lp is not None:
             lps, ranks = lp.token_logprobs.tolist(), lp.ranks.tolist()
             top_ids, top_lps = lp.topk_ids.tolist(), lp.topk_logprobs.tolist()
@@ -293,7 +294,7 @@ class SpecDecoder:
                 if want is None:
                     tokens.append((accepted[b][j], None, None, None))
                 else:
-                    r = b * k1 + j
+                    r = (b if lp_slots is None else lp_slots[b]) * k1 + j
                     tokens.append((accepted[b][j], lps[r], ranks[r],
                                    list(zip(top_ids[r][:want], top_lps[r][:want]))))
             reason = {STOP: FinishReason.STOP, LENGTH: FinishReason.LENGTH}.get(flags[b])
@@ -320,19 +321,36 @@ class SpecDecoder:
         return (p.temperature < GREEDY_EPS and not p.has_penalties
                 and req.num_output_tokens >= p.min_tokens)
 
-    @torch.inference_mode()
     def run_graphed(self, batch: ScheduledBatch, key: tuple[int, int]) -> dict[int, SpecResult]:
+        return self.collect(self.launch_graphed(batch, key))
+
+    def _host_inputs(self, reqs: list[Req], key: tuple[int, int], rows: list[int]):
+        """The host buffer of a step over `reqs` with the known part (`Layout.tail` on) filled;
+        `rows[b]` < 0 marks slot b invalid."""
+        num_slots = len(reqs)
+        host, v = self.graphs.host_inputs(key)
+        for b, r in enumerate(reqs):
+            v["block_tables"][b, :len(r.block_ids)] = r.block_ids
+            stops = stop_ids_of(r)
+            v["stop_ids"][b, :len(stops)] = stops
+        v["greedy"][:num_slots] = [r.params.temperature < GREEDY_EPS for r in reqs]
+        v["max_seq_lens"][:num_slots] = [min(r.num_prompt_tokens + r.params.max_tokens, self.max_model_len)
+                                         for r in reqs]
+        v["min_tokens"][:num_slots] = [r.params.min_tokens for r in reqs]
+        v["slot_index"][:num_slots] = [b if i >= 0 else -1 for b, i in enumerate(rows)]
+        return host, v
+
+    @torch.inference_mode()
+    def launch_graphed(self, batch: ScheduledBatch, key: tuple[int, int]) -> "SpecFlight":
+        """Queue a step of verify slots (`graph_key`) on the device; `collect` waits for it."""
         k, bs, reqs = self.k, self.runner.block_size, batch.reqs
         num_slots, width = len(reqs), key[1]
         g = self.graphs.get(key)
-        host, v = self.graphs.host_inputs(key)
+        host, v = self._host_inputs(reqs, key, list(range(num_slots)))
         nd = np.fromiter((len(r.spec_token_ids) for r in reqs), np.int64, num_slots)
         for b, r in enumerate(reqs):
-            v["block_tables"][b, :len(r.block_ids)] = r.block_ids
             v["input_ids"][b, 0] = r.token_ids[-1]
             v["input_ids"][b, 1:1 + nd[b]] = v["draft_ids"][b, :nd[b]] = r.spec_token_ids
-            stops = stop_ids_of(r)
-            v["stop_ids"][b, :len(stops)] = stops
         start = np.fromiter((r.num_computed_tokens for r in reqs), np.int64, num_slots)
         pos = start[:, None] + np.arange(k + 1)[None, :]
         valid = np.arange(k + 1)[None, :] <= nd[:, None]
@@ -342,36 +360,94 @@ class SpecDecoder:
                                                  self.graphs.dummy_block * bs)
         v["context_lens"][:num_slots] = np.where(valid, pos + 1, 1)
         v["num_drafts"][:num_slots] = nd
-        plain = [self.plain_greedy(r) for r in reqs]
-        v["greedy"][:num_slots] = [r.params.temperature < GREEDY_EPS for r in reqs]
         v["seq_lens"][:num_slots] = [r.num_tokens for r in reqs]
         v["num_outputs"][:num_slots] = [r.num_output_tokens for r in reqs]
-        v["max_seq_lens"][:num_slots] = [min(r.num_prompt_tokens + r.params.max_tokens, self.max_model_len)
-                                         for r in reqs]
-        v["min_tokens"][:num_slots] = [r.params.min_tokens for r in reqs]
-        v["slot_index"][:num_slots] = np.arange(num_slots)
+        start_event = self._event()
         g.inputs.copy_(host, non_blocking=True)
         g.verify()
-        logits = g.verified.logits[:num_slots * (k + 1)]
+        plain = [self.plain_greedy(r) for r in reqs]
         if not all(plain):
             rows = [row for r in reqs for row in self.sampling_rows(r)]
-            target, p_draft = self._targets(logits, rows, g.views["draft_ids"][:num_slots],
+            target, p_draft = self._targets(g.verified.logits[:num_slots * (k + 1)], rows,
+                                            g.views["draft_ids"][:num_slots],
                                             g.views["num_drafts"][:num_slots],
                                             g.views["greedy"][:num_slots])
             g.verified.target[:num_slots].copy_(target)
             g.p_draft[:num_slots].copy_(p_draft)
             g.uniforms[:num_slots].copy_(self._uniforms(reqs))
         g.draft()
+        return self._finish_launch(batch, key, g, start_event, list(range(num_slots)), all(plain))
+
+    @torch.inference_mode()
+    def launch_chained(self, prev: "SpecFlight") -> "SpecFlight":
+        """Queue the step after `prev` (not yet collected) for the same slots: its inputs are
+        computed on the device from prev's result (`SpecGraphs._advance`). The caller has made
+        sure it may (`DecodeLoop`): every slot greedy without logit processing, blocks for
+        prev's k + 1 tokens and this step's k + 1 and k draft positions reserved, no width change."""
+        reqs = prev.batch.reqs
+        host, _ = self._host_inputs(reqs, prev.key, prev.rows)
+        g, tail = prev.graphs, prev.graphs.layout.tail
+        start_event = self._event()
+        g.inputs[tail:].copy_(host[tail:], non_blocking=True)
+        g.advance()
+        g.verify()
+        g.draft()
+        batch = ScheduledBatch(list(reqs), [0] * len(reqs))  # counts: set from the drafts on update
+        return self._finish_launch(batch, prev.key, g, start_event,
+                                   [b if i >= 0 else -1 for b, i in enumerate(prev.rows)], True)
+
+    def _event(self):
+        if self.device.type != "cuda":
+            return None
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def _finish_launch(self, batch, key, g, start_event, rows: list[int],
+                       chainable: bool) -> "SpecFlight":
+        """Queue the result's copy to the host (and the logprobs of the accepted tokens)."""
+        k, reqs = self.k, batch.reqs
+        num_slots = len(reqs)
         out = torch.empty(num_slots, 2 * k + 4, dtype=torch.int64, pin_memory=self.device.type == "cuda")
         out.copy_(g.result[:num_slots], non_blocking=True)
         lp = None
         asked = [r.params.logprobs for r in reqs if r.params.logprobs is not None]
         if asked:
             accepted = g.result[:num_slots, :k + 1].clamp(min=0).reshape(-1)
-            lp = compute_logprobs(logits, accepted, min(max(asked), self.runner.model_config.vocab_size))
-        if self.device.type == "cuda":
-            torch.cuda.current_stream(self.device).synchronize()
-        rows = out.tolist()
-        return self.results(list(range(num_slots)), reqs, [r[:k + 1] for r in rows],
-                            [r[k + 1] for r in rows], [r[k + 2] for r in rows],
-                            [r[k + 3] for r in rows], [r[k + 4:] for r in rows], lp)
+            lp = compute_logprobs(g.verified.logits[:num_slots * (k + 1)], accepted,
+                                  min(max(asked), self.runner.model_config.vocab_size))
+            if self.device.type == "cuda":
+                lp = type(lp)(*(torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(
+                    t, non_blocking=True) for t in lp))
+        end_event = self._event()
+        return SpecFlight(batch, key, g, out, lp, start_event, end_event, rows,
+                          {r: b for b, r in enumerate(reqs)}, [], chainable)
+
+    def collect(self, f: "SpecFlight") -> dict[int, SpecResult]:
+        """Wait for a launched step and read its results; slots made invalid since (`rows`
+        -1) are dropped."""
+        if f.end is not None:
+            f.end.synchronize()
+        k = self.k
+        live = [b for b, i in enumerate(f.rows) if i >= 0]
+        rows = f.out.tolist()
+        return self.results([f.rows[b] for b in live], [f.batch.reqs[b] for b in live],
+                            [rows[b][:k + 1] for b in live], [rows[b][k + 1] for b in live],
+                            [rows[b][k + 2] for b in live], [rows[b][k + 3] for b in live],
+                            [rows[b][k + 4:] for b in live], f.lp, [b for b in live])
+
+
+class SpecFlight(NamedTuple):
+    """A graphed MTP step launched and not yet collected (`pd.engine.decode_loop` holds it)."""
+
+    batch: ScheduledBatch
+    key: tuple[int, int]
+    graphs: object  # pd.spec.graphs.StepGraphs
+    out: torch.Tensor  # [S, 2k + 4] host copy of the result
+    lp: object  # host Logprobs of the verified rows, or None
+    start: object  # CUDA events (None on CPU)
+    end: object
+    rows: list[int]  # batch index of each slot; -1: invalid, its result dropped
+    members: dict  # request -> slot
+    free_after: list[Req]  # finished while in flight: blocks freed once this step is done
+    chainable: bool  # the next step may be computed from this one on the device

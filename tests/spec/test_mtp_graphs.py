@@ -15,7 +15,7 @@ from pd.wire.sampling_params import SamplingParams
 from tests.spec.test_mtp import assert_same, mixed_params, prompts
 
 
-def with_layout(llm: LLM) -> int:
+def with_layout(llm) -> int:
     """Run the engine's verify steps through the graphs' layout without capture (CPU); returns
     the spare block taken from the allocator for the padding."""
     engine = llm.engine

@@ -1,0 +1,70 @@
+"""Where an MTP step's time goes on the GPU: cProfile of LLM.generate with MTP (host functions
+by own time), and the device time of the verify and draft graphs from CUDA events.
+
+    python benchmarks/gpu/profile_mtp.py [--k 3] [--batch 1] [--top 25]
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import os
+import pstats
+import sys
+import time
+
+import torch
+
+from pd.engine.llm import LLM
+from pd.wire.sampling_params import SamplingParams
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench_mtp import PROMPTS  # noqa: E402
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--k", type=int, default=3)
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--top", type=int, default=25)
+    args = p.parse_args()
+    llm = LLM(device="cuda", num_speculative_tokens=args.k, num_blocks=1024)
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(args.batch)]
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
+    llm.generate(prompts, params)  # warm-up and capture
+    spec = llm.engine.spec
+    steps = []
+    orig = spec.run_graphed
+
+    def timed(batch, key):
+        t0 = time.perf_counter()
+        out = orig(batch, key)
+        steps.append(time.perf_counter() - t0)
+        return out
+
+    spec.run_graphed = timed
+    torch.cuda.synchronize()
+    prof = cProfile.Profile()
+    t0 = time.perf_counter()
+    prof.enable()
+    outs = llm.generate(prompts, params)
+    prof.disable()
+    wall = time.perf_counter() - t0
+    tokens = sum(len(o.token_ids) for o in outs)
+    print(f"k={args.k} batch {args.batch}: {tokens} tokens in {wall * 1e3:.1f} ms, "
+          f"{len(steps)} graphed steps, run_graphed mean {sum(steps) / max(1, len(steps)) * 1e6:.0f} us "
+          f"(wall per graphed step incl. the device wait)")
+    g = next(iter(spec.graphs.graphs.values()))
+    ev = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
+    for _ in range(3):
+        ev[0].record(); g.verify(); ev[1].record(); g.draft(); ev[2].record()
+    torch.cuda.synchronize()
+    print(f"device: verify graph {ev[0].elapsed_time(ev[1]) * 1e3:.0f} us, draft graph "
+          f"{ev[1].elapsed_time(ev[2]) * 1e3:.0f} us (slots x width {next(iter(spec.graphs.graphs))})")
+    stats = pstats.Stats(prof)
+    stats.sort_stats("tottime").print_stats(args.top)
+
+
+if __name__ == "__main__":
+    main()
