@@ -1,10 +1,13 @@
 """MTP speculative decoding in one process: tokens/s and mean acceptance length with and without
-MTP, per batch size and logprobs setting (off, top_logprobs 0, top_logprobs 5).
+MTP, per batch size, logprobs setting (off, top_logprobs 0, top_logprobs 5) and decode loop
+(overlap on / off).
 
 Greedy decoding of code prompts with the shipped model (trained MTP layer) by default, every
 request generating exactly --max-tokens tokens (ignore_eos). The figures are end-to-end
-`LLM.generate` wall time, prefill included; speedup is against k = 0 at the same batch size and
-logprobs setting. Mean acceptance length = 1 + accepted drafts / verify steps (vLLM's meaning).
+`LLM.generate` wall time, prefill included; speedup is against k = 0 at the same batch size,
+logprobs setting and overlap; "vs off" is overlap on against off for the same k. Mean
+acceptance length = 1 + accepted drafts / verify steps (vLLM's meaning). gap p50: the device's
+idle time between steps (CUDA events), median over the run.
 
     python benchmarks/bench_mtp.py                      # CPU
     python benchmarks/bench_mtp.py --device cuda        # GPU (bfloat16)
@@ -37,21 +40,24 @@ LOGPROBS = {"off": None, "top0": 0, "top5": 5}
 def run(llm: LLM, batch: int, logprobs: int | None, max_tokens: int, repeats: int):
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(batch)]
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, logprobs=logprobs)
-    best, tokens = float("inf"), 0
+    best, tokens, gap = float("inf"), 0, 0.0
     spec = llm.engine.spec
     for _ in range(repeats):
         if spec is not None:
             spec.stats = SpecStats()
+        llm.engine.loop.gaps.window.clear()
         if llm.engine.runner.device.type == "cuda":
             torch.cuda.synchronize()
         start = time.perf_counter()
         outs = llm.generate(prompts, params)
         if llm.engine.runner.device.type == "cuda":
             torch.cuda.synchronize()
-        best = min(best, time.perf_counter() - start)
+        secs = time.perf_counter() - start
+        if secs < best:
+            best, gap = secs, llm.engine.loop.gaps.quantile(0.5)
         tokens = sum(len(o.token_ids) for o in outs)
     mal = spec.stats.mean_acceptance_length if spec is not None else 1.0
-    return tokens, best, mal
+    return tokens, best, mal, gap
 
 
 def main() -> None:
@@ -65,38 +71,44 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=2, help="runs per cell; the fastest counts")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    p.add_argument("--overlap", default="on,off", help="decode loops to run: on, off or both")
     p.add_argument("--enforce-eager", action="store_true",
-                   help="CUDA: plain decode steps eager too (MTP verify steps always are)")
+                   help="CUDA: no CUDA graphs (plain decode and MTP steps eager)")
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     ks = [int(k) for k in args.ks.split(",")]
     sizes = [int(b) for b in args.batch_sizes.split(",")]
     modes = args.logprobs.split(",")
+    overlaps = [o == "on" for o in args.overlap.split(",")]
     results = {}
     for k in ks:
-        llm = LLM(args.model, num_speculative_tokens=k, device=args.device, dtype=args.dtype,
-                  enforce_eager=args.enforce_eager,
-                  num_blocks=1024)
-        llm.generate(PROMPTS[:2], SamplingParams(max_tokens=8, temperature=0.0))  # warm-up
-        for b in sizes:
-            for mode in modes:
-                results[k, b, mode] = run(llm, b, LOGPROBS[mode], args.max_tokens, args.repeats)
-        del llm
+        for overlap in overlaps:
+            llm = LLM(args.model, num_speculative_tokens=k, device=args.device, dtype=args.dtype,
+                      enforce_eager=args.enforce_eager, num_blocks=1024, overlap=overlap)
+            llm.generate(PROMPTS[:2], SamplingParams(max_tokens=8, temperature=0.0))  # warm-up
+            for b in sizes:
+                for mode in modes:
+                    results[k, overlap, b, mode] = run(llm, b, LOGPROBS[mode], args.max_tokens, args.repeats)
+            llm.engine.close()
+            del llm
     print(f"device {args.device}{' (eager)' if args.enforce_eager else ''}, dtype "
           f"{args.dtype or 'default'}, max_tokens {args.max_tokens}, "
           f"greedy, best of {args.repeats}, torch threads {torch.get_num_threads()}")
-    print(f"{'batch':>5} {'logprobs':>8} {'k':>2} {'tokens':>7} {'seconds':>8} {'tok/s':>9} "
-          f"{'speedup':>7} {'accept_len':>10}")
+    print(f"{'batch':>5} {'logprobs':>8} {'overlap':>7} {'k':>2} {'tokens':>7} {'seconds':>8} "
+          f"{'tok/s':>9} {'speedup':>7} {'vs off':>6} {'accept_len':>10} {'gap p50':>8}")
     for b in sizes:
         for mode in modes:
-            base = results.get((0, b, mode))
-            for k in ks:
-                tokens, secs, mal = results[k, b, mode]
-                speed = f"{(tokens / secs) / (base[0] / base[1]):.2f}x" if base else "-"
-                print(f"{b:>5} {mode:>8} {k:>2} {tokens:>7} {secs:>8.3f} {tokens / secs:>9.1f} "
-                      f"{speed:>7} {mal:>10.2f}")
-
+            for overlap in overlaps:
+                base = results.get((0, overlap, b, mode))
+                for k in ks:
+                    tokens, secs, mal, gap = results[k, overlap, b, mode]
+                    speed = f"{(tokens / secs) / (base[0] / base[1]):.2f}x" if base else "-"
+                    off = results.get((k, False, b, mode))
+                    vs_off = f"{off[1] / secs:.2f}x" if overlap and off else "-"
+                    print(f"{b:>5} {mode:>8} {'on' if overlap else 'off':>7} {k:>2} {tokens:>7} "
+                          f"{secs:>8.3f} {tokens / secs:>9.1f} {speed:>7} {vs_off:>6} {mal:>10.2f} "
+                          f"{gap * 1e6:>6.0f}us")
 
 if __name__ == "__main__":
     main()

@@ -32,12 +32,15 @@ import numpy as np
 import torch
 
 from kernels import draft_preprocess, update_status, verify_accept
+from kernels.launch import use_kernels
+from pd.engine.logprobs import Logprobs, compute_logprobs
 from pd.model.context import ForwardContext, forward_context
 
 log = logging.getLogger(__name__)
 
 STOP_WIDTH = 8  # stop ids a graphed slot may carry (EOS ids + stop_token_ids); more: eager
 MAX_ROWS = 1024  # S * (k + 1) rows at most per graph (the logits of every row are kept)
+LOGPROB_GRAPH_ELEMENTS = 1 << 25  # logits larger than this compute their logprobs eagerly
 
 
 def _round_up(n: int, sizes) -> int:
@@ -95,6 +98,7 @@ class StepGraphs:
         self.p_draft = torch.zeros(num_slots, owner.k, device=owner.device)
         self.uniforms = torch.zeros(num_slots, owner.k, device=owner.device)
         self.graphs = None
+        self.lp_graphs: dict[int, tuple[torch.cuda.CUDAGraph, Logprobs]] = {}
         self.verified: Verified | None = None
         self.result: torch.Tensor | None = None  # [S, 2k + 4] int64
         if capture:
@@ -104,10 +108,13 @@ class StepGraphs:
         owner, dev = self.owner, self.owner.device
         side = torch.cuda.Stream(dev)
         side.wait_stream(torch.cuda.current_stream(dev))
+        snapshot = self.inputs.clone()  # the warm-up of `advance` moves the inputs
         with torch.cuda.stream(side):  # warm-up outside the capture (allocator, kernel loads)
-            owner._draft(self.views, owner._verify(self.views, self.width), self.p_draft,
-                         self.uniforms, self.width)
+            result = owner._draft(self.views, owner._verify(self.views, self.width), self.p_draft,
+                                  self.uniforms, self.width)
+            owner._advance(self.views, result, self.width)
         torch.cuda.current_stream(dev).wait_stream(side)
+        self.inputs.copy_(snapshot)
         verify, draft = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
         with torch.cuda.graph(verify, pool=owner.pool_owner.pool):
             self.verified = owner._verify(self.views, self.width)
@@ -116,11 +123,6 @@ class StepGraphs:
         with torch.cuda.graph(draft, pool=owner.pool_owner.pool):
             self.result = owner._draft(self.views, self.verified, self.p_draft, self.uniforms, self.width)
         advance = torch.cuda.CUDAGraph()
-        snapshot = self.inputs.clone()  # the warm-up of `advance` must not move the inputs
-        with torch.cuda.stream(side):
-            owner._advance(self.views, self.result, self.width)
-        torch.cuda.current_stream(dev).wait_stream(side)
-        self.inputs.copy_(snapshot)
         with torch.cuda.graph(advance, pool=owner.pool_owner.pool):
             owner._advance(self.views, self.result, self.width)
         self.graphs = (verify, draft, advance)
@@ -137,6 +139,28 @@ class StepGraphs:
         else:
             self.result = self.owner._draft(self.views, self.verified, self.p_draft, self.uniforms,
                                             self.width)
+
+    def logprobs(self, num_top: int) -> Logprobs:
+        """Raw logprobs of each row's accepted token with `num_top` top columns, from the
+        verified logits and the result [S * (k + 1) rows]; a graph per `num_top` where the
+        logits are small enough to keep the temporaries (`LOGPROB_GRAPH_ELEMENTS`)."""
+        accepted = lambda: self.result[:, :self.owner.k + 1].clamp(min=0).reshape(-1)  # noqa: E731
+        if self.graphs is None or self.verified.logits.numel() > LOGPROB_GRAPH_ELEMENTS:
+            return compute_logprobs(self.verified.logits, accepted(), num_top)
+        if num_top not in self.lp_graphs:
+            dev = self.owner.device
+            side = torch.cuda.Stream(dev)
+            side.wait_stream(torch.cuda.current_stream(dev))
+            with torch.cuda.stream(side):
+                compute_logprobs(self.verified.logits, accepted(), num_top)
+            torch.cuda.current_stream(dev).wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.owner.pool_owner.pool):
+                out = compute_logprobs(self.verified.logits, accepted(), num_top)
+            self.lp_graphs[num_top] = (graph, out)
+        graph, out = self.lp_graphs[num_top]
+        graph.replay()
+        return out
 
     def advance(self) -> None:
         """The next step's inputs from this step's result, in place (a chained step)."""
@@ -159,6 +183,10 @@ class SpecGraphs:
         self.slot_counts = tuple(s for s in batch_sizes if s == 1 or s * (k + 1) <= MAX_ROWS)
         self.block_widths = block_widths
         self.graphs: dict[tuple[int, int], StepGraphs] = {}
+        # NOTE: a benchmark hook (benchmarks/gpu/bench_mtp_mechanism.py): the greedy
+        # continuation every slot shares [L], proposed as the drafts after the MTP layer ran, to
+        # time the machinery with every draft accepted. Set before the first capture.
+        self.oracle: torch.Tensor | None = None
         self.layouts: dict[tuple[int, int], Layout] = {}
 
     @classmethod
@@ -168,8 +196,11 @@ class SpecGraphs:
                    device=device, pool_owner=decode)
 
     def key(self, num_slots: int, num_blocks: int) -> tuple[int, int] | None:
-        """(padded slots, padded width) of a step, or None when it is too large for a graph."""
+        """(padded slots, padded width) of a step, or None when it is too large for a graph
+        or the bookkeeping runs as torch twins (PD_KERNELS=torch: they wait on the host)."""
         if num_slots > self.slot_counts[-1] or num_blocks > self.block_widths[-1]:
+            return None
+        if self.pool_owner is not None and not use_kernels(self.pool_owner.input_ids):
             return None
         return _round_up(num_slots, self.slot_counts), _round_up(num_blocks, self.block_widths)
 
@@ -248,8 +279,13 @@ class SpecGraphs:
             with forward_context(ctx):
                 prev = model.mtp_forward(drafts[-1], chain_pos + m, prev)
             drafts.append(model.compute_logits(prev).argmax(dim=-1))
+        drafts = torch.stack(drafts, dim=1)
+        if self.oracle is not None:  # the benchmark's perfect drafter, after the real work
+            done = v["num_outputs"] + num_kept.long()
+            index = done[:, None] + torch.arange(k, device=dev)[None, :]
+            drafts = self.oracle[index.clamp(max=self.oracle.shape[0] - 1)]
         counts = torch.stack([num_kept, num_verified, stop_flags], dim=1).long()
-        return torch.cat([accepted, counts, torch.stack(drafts, dim=1)], dim=1)
+        return torch.cat([accepted, counts, drafts], dim=1)
 
     def _advance(self, v: dict[str, torch.Tensor], result: torch.Tensor, width: int) -> None:
         """Step N + 1's device-dependent inputs from step N's `result`, for the same slots:

@@ -413,9 +413,8 @@ class SpecDecoder:
         lp = None
         asked = [r.params.logprobs for r in reqs if r.params.logprobs is not None]
         if asked:
-            accepted = g.result[:num_slots, :k + 1].clamp(min=0).reshape(-1)
-            lp = compute_logprobs(g.verified.logits[:num_slots * (k + 1)], accepted,
-                                  min(max(asked), self.runner.model_config.vocab_size))
+            lp = g.logprobs(min(max(asked), self.runner.model_config.vocab_size))
+            lp = type(lp)(*(t[:num_slots * (k + 1)] for t in lp))
             if self.device.type == "cuda":
                 lp = type(lp)(*(torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(
                     t, non_blocking=True) for t in lp))

@@ -1,0 +1,93 @@
+"""On a CUDA machine: what the MTP machinery itself costs, on the Llama-3.2-1B shape (random
+bf16 weights, where real acceptance is meaningless). A perfect drafter proposes the target's
+own greedy continuation (`SpecGraphs.oracle`, set after the MTP layer has run, so its cost is
+counted), so every verify step can keep k + 1 tokens; tokens/s with MTP k against plain
+decoding of the same prompt in the same run, overlap on, CUDA graphs.
+
+    python benchmarks/gpu/bench_mtp_mechanism.py [--ks 1 3] [--batch 1] [--max-tokens 256]
+
+The ratio is at most k + 1 (k + 1 tokens per step). Where bf16 verify rows round differently
+from plain decode rows, a draft can be rejected: the mean acceptance length shows it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_decode import LLAMA_1B  # noqa: E402
+
+from pd.engine.llm import LLM  # noqa: E402
+from pd.spec.verify import SpecStats  # noqa: E402
+from pd.testing.tiny import write_tiny_checkpoint  # noqa: E402
+from pd.wire.sampling_params import SamplingParams  # noqa: E402
+
+
+def timed_generate(llm: LLM, prompts, params, repeats: int):
+    best, outs = float("inf"), None
+    for _ in range(repeats):
+        if llm.engine.spec is not None:
+            llm.engine.spec.stats = SpecStats()
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        outs = llm.generate(prompts, params)
+        torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - start)
+    return best, outs
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--ks", type=int, nargs="+", default=[1, 3])
+    p.add_argument("--batch", type=int, nargs="+", default=[1, 16])
+    p.add_argument("--prompt-len", type=int, default=64)
+    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--repeats", type=int, default=3)
+    args = p.parse_args()
+    model = str(write_tiny_checkpoint(tempfile.mkdtemp(prefix="pd-llama1b-mtp-"), "llama", mtp=True,
+                                      dtype="bfloat16", **LLAMA_1B))
+    gen = torch.Generator().manual_seed(0)
+    prompt = torch.randint(3, 32000, (args.prompt_len,), generator=gen).tolist()
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
+    common = dict(device="cuda", dtype="bfloat16", num_blocks=4096, max_num_seqs=64)
+    plain = LLM(model, **common)
+    plain.generate([prompt], SamplingParams(max_tokens=8, temperature=0.0))  # warm-up
+    print(f"Llama-3.2-1B shape, bf16, {torch.cuda.get_device_name()}, prompt {args.prompt_len} "
+          f"tokens, {args.max_tokens} new tokens, greedy, best of {args.repeats}, overlap on")
+    print(f"{'batch':>5} {'k':>2} {'tok/s':>9} {'vs plain':>8} {'accept_len':>10} {'same tokens':>11}")
+    rows, continuation = {}, {}
+    for batch in args.batch:
+        secs, outs = timed_generate(plain, [prompt] * batch, params, args.repeats)
+        continuation[batch] = outs[0].token_ids
+        rows[batch, 0] = (batch * args.max_tokens / secs, 1.0, True)
+    del plain
+    torch.cuda.empty_cache()
+    for k in args.ks:
+        llm = LLM(model, num_speculative_tokens=k, **common)
+        oracle = torch.tensor(continuation[args.batch[0]], dtype=torch.int64, device="cuda")
+        llm.engine.spec.graphs.oracle = oracle
+        llm.generate([prompt], SamplingParams(max_tokens=8, temperature=0.0))  # warm-up
+        for batch in args.batch:
+            # NOTE: bf16 rows of another batch size may round to another continuation
+            oracle.copy_(torch.tensor(continuation[batch], dtype=torch.int64))
+            secs, outs = timed_generate(llm, [prompt] * batch, params, args.repeats)
+            same = all(o.token_ids == continuation[batch] for o in outs)
+            rows[batch, k] = (batch * args.max_tokens / secs,
+                              llm.engine.spec.stats.mean_acceptance_length, same)
+        del llm
+        torch.cuda.empty_cache()
+    for batch in args.batch:
+        base = rows[batch, 0][0]
+        for k in [0] + args.ks:
+            tps, mal, same = rows[batch, k]
+            print(f"{batch:>5} {k:>2} {tps:>9.1f} {tps / base:>7.2f}x {mal:>10.2f} {str(same):>11}")
+
+
+if __name__ == "__main__":
+    main()
