@@ -83,6 +83,7 @@ class DecodeNode(NodeService):
     def __init__(self, node_id: str, engine: Engine, *, host: str, port: int, kv_port: int,
                  metrics_port: int | None, max_queue: int = default("max_queue", "decode"),
                  kv_timeout: float = default("kv_timeout", "decode"), overlap: bool = True,
+                 spec_fallback: str = default("spec_fallback", "decode"),
                  drain_timeout: float = default("drain_timeout", "decode")) -> None:
         super().__init__(node_id, host, port, metrics_port, drain_timeout)
         self.engine = engine
@@ -102,8 +103,10 @@ class DecodeNode(NodeService):
         self.waiting_blocks: deque[Incoming] = deque()
         self.reply_to: dict[str, str] = {}  # running request -> router event endpoint
         self.metrics = node_metrics.for_node(self.role, node_id)
+        fallback = {"on": True, "off": False}.get(spec_fallback, engine.runner.device.type == "cuda")
         self.loop = make_decode_loop(engine.runner, self.scheduler, overlap,
-                                     on_gap=self.metrics.step_gap_seconds.observe, spec=engine.spec)
+                                     on_gap=self.metrics.step_gap_seconds.observe, spec=engine.spec,
+                                     spec_fallback=fallback)
         self.spec_seen = SpecStats()  # MTP counters already exported
         self.last_gap_log = time.monotonic()
 
@@ -273,6 +276,8 @@ class DecodeNode(NodeService):
         self.may_reserve()
         if self.engine.spec is not None:
             self.spec_seen = self.engine.spec.stats.export(self.metrics, self.spec_seen)
+            if self.loop.choice is not None:
+                self.metrics.count_spec_plain_steps(self.loop.choice.num_plain_steps)
 
     def stream(self, reply_to: str, req: Req, n: int, finish_reason: str | None) -> None:
         """Send the request's last n tokens (with logprobs when asked) to the router."""

@@ -27,6 +27,7 @@ work runs is the executor's business (`pd.engine.executor`); streaming the token
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
 from typing import Callable, NamedTuple
 
@@ -84,12 +85,63 @@ class StepGaps:
         return text
 
 
+class SpecChoice:
+    """Whether MTP steps or plain steps serve the current batch size better, from measurement
+    alone: per batch-size bucket (powers of two) the wall time per emitted token over the last
+    `window` processed steps of each kind. MTP runs first; once it has `probe` steps, plain
+    runs `probe` steps; then the faster kind runs, and every `explore` steps the slower one
+    runs `probe` steps again to stay measured. The first step after a switch is not measured
+    (it waited for the previous kind's step)."""
+
+    def __init__(self, probe: int = 8, explore: int = 256, window: int = 32) -> None:
+        self.probe, self.explore, self.window = probe, explore, window
+        self.buckets: dict[int, dict] = {}
+        self.num_plain_steps = 0  # plain steps run because MTP measured slower
+
+    @staticmethod
+    def bucket(batch_size: int) -> int:
+        return 1 << max(0, batch_size - 1).bit_length()
+
+    def _state(self, batch_size: int) -> dict:
+        b = self.bucket(batch_size)
+        if b not in self.buckets:
+            self.buckets[b] = {True: deque(maxlen=self.window), False: deque(maxlen=self.window),
+                               "steps": 0}
+        return self.buckets[b]
+
+    def per_token(self, batch_size: int, mtp: bool) -> float | None:
+        xs = self._state(batch_size)[mtp]
+        tokens = sum(n for _, n in xs)
+        return sum(t for t, _ in xs) / tokens if len(xs) >= self.probe and tokens else None
+
+    def use_mtp(self, batch_size: int) -> bool:
+        st = self._state(batch_size)
+        st["steps"] += 1
+        mtp, plain = self.per_token(batch_size, True), self.per_token(batch_size, False)
+        if mtp is None or plain is None:
+            choice = mtp is None
+        else:
+            best = mtp <= plain
+            choice = (not best) if st["steps"] % self.explore < self.probe else best
+        if not choice and mtp is not None and plain is not None and plain < mtp:
+            self.num_plain_steps += 1
+        return choice
+
+    def record(self, batch_size: int, mtp: bool, seconds: float, tokens: int) -> None:
+        if tokens:
+            self._state(batch_size)[mtp].append((seconds, tokens))
+
+
 class DecodeLoop:
     def __init__(self, runner: ModelRunner, scheduler: Scheduler, *, overlap: bool = True,
                  executor=None, on_gap: Callable[[float], None] | None = None,
-                 spec=None) -> None:
+                 spec=None, spec_fallback: bool = False) -> None:
         self.runner = runner
         self.spec = spec
+        # with MTP: plain steps where they measure faster for the batch size (`SpecChoice`)
+        self.choice = SpecChoice() if spec is not None and spec_fallback else None
+        self.mtp_mode = True  # the kind of the step in flight / last run
+        self.last_done = 0.0  # wall clock of the last processed step, for `choice`
         self.scheduler = scheduler
         self.overlap = overlap
         self.executor = executor or make_executor(runner.device, overlap)
@@ -116,15 +168,18 @@ class DecodeLoop:
         """Launch the next step and process the previous one (or, without overlap, run one step
         to the end). Returns the requests that got a token, in row order; those that finished
         have their finish_reason set."""
+        emitted = []
         if self.spec is not None:
-            return self.spec_step()
+            mtp, emitted = self.choose_kind()
+            if mtp:
+                return emitted + self.spec_step()
         if not self.overlap:
             cur = self.launch(None)
-            return self.process(cur, None) if cur is not None else self.idle()
-        last, emitted = self.last, []
+            return emitted + (self.process(cur, None) if cur is not None else self.idle())
+        last = self.last
         if last is not None and not self.can_predict(last):
             self.num_syncs += 1
-            emitted, last = self.process(last, None), None
+            emitted, last = emitted + self.process(last, None), None
         cur = self.launch(last)
         if last is not None:
             # NOTE: step N+1 is already queued behind step N; only now does the host wait for N.
@@ -134,6 +189,33 @@ class DecodeLoop:
         if cur is None:
             self.idle()
         return emitted
+
+    def choose_kind(self) -> tuple[bool, list[Req]]:
+        """MTP (True) or plain for the next step, and the tokens of a step drained by a switch. A switch drains the step in flight first;
+        switching to plain drops the requests' drafts (their MTP-layer KV for the plain steps'
+        positions is not written: later drafts may be accepted less often, never wrongly)."""
+        if self.choice is None:
+            return True, []
+        mtp = self.choice.use_mtp(max(1, len(self.scheduler.running)))
+        drained = []
+        if mtp != self.mtp_mode:
+            drained = self.drain()
+            self.last_done = 0.0
+            self.prev_done = None  # no step gap across kinds
+            self.mtp_mode = mtp
+        if not mtp:  # requests handed over since carry drafts too
+            for req in (*self.scheduler.running, *self.scheduler.waiting):
+                req.spec_token_ids = []
+        return mtp, drained
+
+    def measure(self, mtp: bool, batch_size: int, tokens: int) -> None:
+        """Feed `choice` the wall time since the previous processed step of the same kind."""
+        if self.choice is None:
+            return
+        now = time.perf_counter()
+        if self.last_done:
+            self.choice.record(batch_size, mtp, now - self.last_done, tokens)
+        self.last_done = now
 
     def spec_step(self) -> list[Req]:
         """One MTP step: verify, keep, stop, draft. With overlap, a graphed step whose slots all
@@ -160,7 +242,9 @@ class DecodeLoop:
                 results = self.spec.run(batch)
                 self.scheduler.update_spec(batch, results)
                 self.last = None
-                return emitted + [batch.reqs[i] for i, res in sorted(results.items()) for _ in res.tokens]
+                done = [batch.reqs[i] for i, res in sorted(results.items()) for _ in res.tokens]
+                self.measure(True, len(batch.reqs), len(done))
+                return emitted + done
             cur = self.spec.launch_graphed(batch, key)
         if not self.overlap:
             emitted += self.process(cur, None)
@@ -240,7 +324,7 @@ class DecodeLoop:
 
     def process(self, f: InFlight, nxt: InFlight | None) -> list[Req]:
         """Wait for step f's results and apply them; `nxt` is the step launched after it."""
-        if self.spec is not None:
+        if not isinstance(f, InFlight):
             return self.process_spec(f, nxt)
         f.out.copy_done.wait()
         self.busy.append(self.executor.busy_seconds(f.out))
@@ -264,6 +348,7 @@ class DecodeLoop:
                     self.finish(req, reason, nxt)
         for req in f.free_after:
             self.scheduler.free_blocks(req)
+        self.measure(False, len(f.batch.reqs), len(emitted))
         return emitted
 
     def process_spec(self, f, nxt) -> list[Req]:
@@ -281,7 +366,9 @@ class DecodeLoop:
                                    finish=lambda req, reason: self.finish(req, reason, nxt))
         for req in f.free_after:
             self.scheduler.free_blocks(req)
-        return [f.batch.reqs[i] for i, res in sorted(results.items()) for _ in res.tokens]
+        emitted = [f.batch.reqs[i] for i, res in sorted(results.items()) for _ in res.tokens]
+        self.measure(True, len(f.batch.reqs), len(emitted))
+        return emitted
 
     def unpack(self, f: InFlight) -> list[SampledToken]:
         out = f.out.logprobs_cpu
@@ -322,8 +409,10 @@ class DecodeLoop:
 
 
 def make_decode_loop(runner: ModelRunner, scheduler: Scheduler, overlap: bool,
-                     on_gap: Callable[[float], None] | None = None, spec=None) -> DecodeLoop:
-    loop = DecodeLoop(runner, scheduler, overlap=overlap, on_gap=on_gap, spec=spec)
+                     on_gap: Callable[[float], None] | None = None, spec=None,
+                     spec_fallback: bool = False) -> DecodeLoop:
+    loop = DecodeLoop(runner, scheduler, overlap=overlap, on_gap=on_gap, spec=spec,
+                      spec_fallback=spec_fallback)
     log.info("decode loop: overlap %s (executor %s)", "on" if overlap else "off", loop.executor.name)
     return loop
 

@@ -30,7 +30,8 @@ log = logging.getLogger(__name__)
 
 class Engine:
     def __init__(self, cfg: EngineConfig, eos_token_ids: tuple[int, ...] = (),
-                 num_speculative_tokens: int = 0, overlap: bool | None = None) -> None:
+                 num_speculative_tokens: int = 0, overlap: bool | None = None,
+                 spec_fallback: bool | None = None) -> None:
         self.config = cfg
         self.runner = ModelRunner(cfg)
         self.model_config = self.runner.model_config
@@ -50,10 +51,12 @@ class Engine:
                                     MTPDrafter(self.runner, num_speculative_tokens),
                                     self.runner.max_model_len, seed=cfg.seed)
         # overlap: on CUDA by default (the device runs while the host prepares); on CPU the
-        # plain loop, which keeps the engine single-threaded
-        if overlap is None:
-            overlap = self.runner.device.type == "cuda"
-        self.loop = DecodeLoop(self.runner, self.scheduler, overlap=overlap, spec=self.spec)
+        # plain loop, which keeps the engine single-threaded. spec_fallback (with MTP): plain
+        # steps where they measure faster, by default on CUDA (on CPU timing would make which
+        # kind runs vary from run to run; the tokens would not)
+        cuda = self.runner.device.type == "cuda"
+        self.loop = DecodeLoop(self.runner, self.scheduler, overlap=cuda if overlap is None else overlap,
+                               spec=self.spec, spec_fallback=cuda if spec_fallback is None else spec_fallback)
         self.requests: dict[str, Req] = {}
         self._ids = itertools.count()
 

@@ -51,13 +51,14 @@ class LLM:
 
     def __init__(self, model: str | Path | None = None, num_speculative_tokens: int = 0,
                  generation_config: str = "auto", overlap: bool | None = None,
-                 **engine_kwargs) -> None:
+                 spec_fallback: bool | None = None, **engine_kwargs) -> None:
         model = Path(model) if model is not None else default_model_dir()
         self.tokenizer = Tokenizer.from_dir(model)
         self.sampling_defaults = generation_defaults(model, generation_config)
         self.engine = Engine(EngineConfig(model=str(model), **engine_kwargs),
                              eos_token_ids=tuple(self.tokenizer.eos_token_ids),
-                             num_speculative_tokens=num_speculative_tokens, overlap=overlap)
+                             num_speculative_tokens=num_speculative_tokens, overlap=overlap,
+                             spec_fallback=spec_fallback)
 
     def encode(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):

@@ -119,6 +119,9 @@ NODE_FLAGS = (
     NodeFlag("no_overlap", False, "run the plain decode loop (wait for each step before "
              "scheduling the next) instead of the overlap scheduler; PD_DISABLE_OVERLAP=1 does "
              "the same", ("decode",), action="store_true"),
+    NodeFlag("spec_fallback", "auto", "with MTP: run plain decode steps for batch sizes where "
+             "they measure faster than MTP steps (auto: on CUDA; on, off) (default: %(default)s)",
+             ("decode",), choices=("auto", "on", "off")),
 )
 _BY_NAME = {f.name: f for f in NODE_FLAGS}
 

@@ -49,6 +49,9 @@ _STEP_GAP = Histogram("pd_decode_step_gap_seconds",
 _DRAFTS = Counter("pd_spec_decode_num_drafts", "MTP draft proposals verified", LABELS)
 _DRAFT_TOKENS = Counter("pd_spec_decode_num_draft_tokens", "MTP draft tokens proposed", LABELS)
 _ACCEPTED = Counter("pd_spec_decode_num_accepted_tokens", "MTP draft tokens accepted", LABELS)
+_SPEC_PLAIN = Counter("pd_spec_decode_plain_steps",
+                      "Decode steps run without MTP because plain steps measured faster for "
+                      "that batch size (--spec-fallback)", LABELS)
 _ACCEPTED_POS = Counter("pd_spec_decode_num_accepted_tokens_per_pos",
                         "MTP draft tokens accepted, by draft position (0-based)",
                         LABELS + ("position",))
@@ -79,6 +82,7 @@ def for_node(role: str, node_id: str) -> SimpleNamespace:
         batch_size=_BATCH.labels(**lab), step_gap_seconds=_STEP_GAP.labels(**lab),
         spec_drafts=_DRAFTS.labels(**lab), spec_draft_tokens=_DRAFT_TOKENS.labels(**lab),
         spec_accepted_tokens=_ACCEPTED.labels(**lab),
+        count_spec_plain_steps=_mirror(_SPEC_PLAIN.labels(**lab)),
         spec_accepted_at=lambda pos: _ACCEPTED_POS.labels(role=role, node=node_id, position=str(pos)),
         refused=lambda reason: _REFUSED.labels(role=role, node=node_id, reason=reason),
     )

@@ -184,9 +184,11 @@ class SpecGraphs:
         self.block_widths = block_widths
         self.graphs: dict[tuple[int, int], StepGraphs] = {}
         # NOTE: a benchmark hook (benchmarks/gpu/bench_mtp_mechanism.py): the greedy
-        # continuation every slot shares [L], proposed as the drafts after the MTP layer ran, to
-        # time the machinery with every draft accepted. Set before the first capture.
+        # continuation every slot shares [L], proposed as the drafts (after the MTP layer ran,
+        # or instead of it with oracle_only), to time the machinery with every draft accepted.
+        # Set before the first capture.
         self.oracle: torch.Tensor | None = None
+        self.oracle_only = False
         self.layouts: dict[tuple[int, int], Layout] = {}
 
     @classmethod
@@ -249,7 +251,7 @@ class SpecGraphs:
 
     def _draft(self, v: dict[str, torch.Tensor], ver: Verified, p_draft: torch.Tensor,
                uniforms: torch.Tensor, width: int) -> torch.Tensor:
-        k, model, dev = self.k, self.model, self.device
+        k, dev = self.k, self.device
         num_slots = v["slot_index"].shape[0]
         slot_index = v["slot_index"]
         accepted, num_kept = verify_accept(
@@ -259,10 +261,24 @@ class SpecGraphs:
         stop_flags = torch.zeros(num_slots, dtype=torch.int32, device=dev)
         update_status(slot_index, accepted, num_kept, v["seq_lens"].clone(), v["num_outputs"].clone(),
                       v["max_seq_lens"], v["min_tokens"], v["stop_ids"], stop_flags)
+        if self.oracle is None or not self.oracle_only:
+            drafts = self._mtp_drafts(v, ver, accepted, num_verified, width)
+        if self.oracle is not None:  # the benchmark's perfect drafter
+            done = v["num_outputs"] + num_kept.long()
+            index = done[:, None] + torch.arange(k, device=dev)[None, :]
+            drafts = self.oracle[index.clamp(max=self.oracle.shape[0] - 1)]
+        counts = torch.stack([num_kept, num_verified, stop_flags], dim=1).long()
+        return torch.cat([accepted, counts, drafts], dim=1)
+
+    def _mtp_drafts(self, v: dict[str, torch.Tensor], ver: Verified, accepted: torch.Tensor,
+                    num_verified: torch.Tensor, width: int) -> torch.Tensor:
+        """The MTP layer's pass over the step's rows, then its k - 1 chained passes: [S, k]."""
+        k, model, dev = self.k, self.model, self.device
+        num_slots = v["slot_index"].shape[0]
         cu = torch.arange(num_slots + 1, device=dev) * (k + 1)
         positions = v["positions"].reshape(-1)
         mtp_ids, draft_rows, chain_pos, chain_slots = draft_preprocess(
-            slot_index, cu, v["input_ids"].reshape(-1), positions, accepted, num_verified,
+            v["slot_index"], cu, v["input_ids"].reshape(-1), positions, accepted, num_verified,
             torch.zeros(num_slots, dtype=torch.int32, device=dev), v["block_tables"],
             self.block_size, k - 1)
         # NOTE: padding slots, and chained positions past the table, write the spare block
@@ -279,13 +295,7 @@ class SpecGraphs:
             with forward_context(ctx):
                 prev = model.mtp_forward(drafts[-1], chain_pos + m, prev)
             drafts.append(model.compute_logits(prev).argmax(dim=-1))
-        drafts = torch.stack(drafts, dim=1)
-        if self.oracle is not None:  # the benchmark's perfect drafter, after the real work
-            done = v["num_outputs"] + num_kept.long()
-            index = done[:, None] + torch.arange(k, device=dev)[None, :]
-            drafts = self.oracle[index.clamp(max=self.oracle.shape[0] - 1)]
-        counts = torch.stack([num_kept, num_verified, stop_flags], dim=1).long()
-        return torch.cat([accepted, counts, drafts], dim=1)
+        return torch.stack(drafts, dim=1)
 
     def _advance(self, v: dict[str, torch.Tensor], result: torch.Tensor, width: int) -> None:
         """Step N + 1's device-dependent inputs from step N's `result`, for the same slots:

@@ -145,3 +145,44 @@ def test_seeded_sampling_is_the_same_with_and_without_overlap(reference):
     off, _, _ = drive(3, False, prompts, params, arrivals)
     on, _, _ = drive(3, True, prompts, params, arrivals)
     assert [r.output_token_ids for r in on] == [r.output_token_ids for r in off]
+
+
+def test_spec_choice_follows_the_measurement():
+    from pd.engine.decode_loop import SpecChoice
+
+    c = SpecChoice(probe=2, explore=10, window=4)
+    assert c.use_mtp(5) and c.bucket(5) == c.bucket(8) == 8 and c.bucket(1) == 1
+    for _ in range(2):
+        c.record(5, True, 0.004, 2)  # MTP: 2 ms per token
+    assert not c.use_mtp(6)  # plain is not measured yet
+    for _ in range(2):
+        c.record(6, False, 0.001, 1)  # plain: 1 ms per token
+    kinds = [c.use_mtp(7) for _ in range(20)]
+    assert kinds.count(False) > kinds.count(True) > 0  # plain wins, MTP probed now and then
+    assert c.num_plain_steps == kinds.count(False)
+    assert c.use_mtp(1)  # another bucket starts with MTP
+    for _ in range(4):
+        c.record(8, True, 0.001, 4)  # MTP got faster: it wins again
+    assert [c.use_mtp(8) for _ in range(5)].count(True) >= 4
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_switching_between_mtp_and_plain_steps_keeps_the_tokens(reference, overlap):
+    prompts, params, arrivals = workload(24, seed=8, reference=reference)
+    expected = reference.generate(prompts, params)
+    lp = Loop(3, overlap)
+    from pd.engine.decode_loop import SpecChoice
+
+    lp.loop.choice = SpecChoice(probe=2, explore=5, window=4)  # switch often
+    reqs = [Req(str(i), p, sp, eos_token_ids=lp.eos) for i, (p, sp) in enumerate(zip(prompts, params))]
+    step = i = 0
+    while i < len(reqs) or lp.loop.has_work:
+        while i < len(reqs) and arrivals[i] <= step:
+            lp.engine.scheduler.add(reqs[i])
+            i += 1
+        lp.loop.step()
+        step += 1
+    lp.close()
+    assert_equal(reqs, expected)
+    measured = lp.loop.choice.buckets.values()
+    assert any(st[True] for st in measured) and any(st[False] for st in measured)
