@@ -72,6 +72,9 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=2, help="runs per cell; the fastest counts")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     p.add_argument("--overlap", default="on,off", help="decode loops to run: on, off or both")
+    p.add_argument("--spec-fallback", choices=("on", "off"), default="off",
+                   help="plain steps where they measure faster (off: MTP steps only, what MTP "
+                        "itself gives; bench_mtp_mechanism.py shows the fallback)")
     p.add_argument("--enforce-eager", action="store_true",
                    help="CUDA: no CUDA graphs (plain decode and MTP steps eager)")
     args = p.parse_args()
@@ -85,7 +88,8 @@ def main() -> None:
     for k in ks:
         for overlap in overlaps:
             llm = LLM(args.model, num_speculative_tokens=k, device=args.device, dtype=args.dtype,
-                      enforce_eager=args.enforce_eager, num_blocks=1024, overlap=overlap)
+                      enforce_eager=args.enforce_eager, num_blocks=1024, overlap=overlap,
+                      spec_fallback=args.spec_fallback == "on")
             llm.generate(PROMPTS[:2], SamplingParams(max_tokens=8, temperature=0.0))  # warm-up
             for b in sizes:
                 for mode in modes:
@@ -93,7 +97,8 @@ def main() -> None:
             llm.engine.close()
             del llm
     print(f"device {args.device}{' (eager)' if args.enforce_eager else ''}, dtype "
-          f"{args.dtype or 'default'}, max_tokens {args.max_tokens}, "
+          f"{args.dtype or 'default'}, max_tokens {args.max_tokens}, spec fallback "
+          f"{args.spec_fallback}, "
           f"greedy, best of {args.repeats}, torch threads {torch.get_num_threads()}")
     print(f"{'batch':>5} {'logprobs':>8} {'overlap':>7} {'k':>2} {'tokens':>7} {'seconds':>8} "
           f"{'tok/s':>9} {'speedup':>7} {'vs off':>6} {'accept_len':>10} {'gap p50':>8}")

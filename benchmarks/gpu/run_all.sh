@@ -4,7 +4,8 @@
 #   twins, MTP engine parity, GPU tests (graphs, fused kernels, KV fast path, P+D on CUDA), KV
 #   transfer, decode/prefill vs floors and HF, CUDA graphs vs eager, the decode step's kernels
 #   and host time (profiler), overlap on/off (parity of 64 requests, sync check, throughput and
-#   step gap), MTP on/off. Logs go to $OUT (or ./out) and one table each to stdout.
+#   step gap), MTP on/off (graphed, overlap on/off, logprobs) and the MTP machinery on the 1B
+#   shape. Logs go to $OUT (or ./out) and one table each to stdout.
 #     bash benchmarks/gpu/run_all.sh [1|2|3]    (1: checks, KV, attention, decode; 2: graphs,
 #                                                 profile, overlap, MTP; 3: the two-GPU mixed load)
 set -uo pipefail
@@ -41,8 +42,9 @@ TAIL=60 step profile python3 benchmarks/gpu/profile_decode.py --batch 1 64 --hos
 TAIL=9 step overlap_tiny python3 benchmarks/bench_overlap.py --device cuda --parity 64 --check-sync
 TAIL=6 step overlap_small python3 benchmarks/bench_overlap.py --device cuda --synthetic small
 TAIL=6 step overlap_small_eager python3 benchmarks/bench_overlap.py --device cuda --synthetic small --enforce-eager
-TAIL=32 step mtp python3 benchmarks/bench_mtp.py --device cuda
-TAIL=32 step mtp_eager python3 benchmarks/bench_mtp.py --device cuda --enforce-eager
+TAIL=64 step mtp python3 benchmarks/bench_mtp.py --device cuda --ks 0,1,3 --max-tokens 256 --repeats 3
+TAIL=24 step mtp_eager python3 benchmarks/bench_mtp.py --device cuda --enforce-eager --ks 0,3 --overlap on
+TAIL=36 step mtp_mechanism python3 benchmarks/gpu/bench_mtp_mechanism.py
 fi
 if [[ $PART == 3 ]]; then  # needs two GPUs: P on cuda:0, D on cuda:1
 TAIL=8 step mixed python3 benchmarks/gpu/bench_mixed.py

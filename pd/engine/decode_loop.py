@@ -142,6 +142,7 @@ class DecodeLoop:
         self.choice = SpecChoice() if spec is not None and spec_fallback else None
         self.mtp_mode = True  # the kind of the step in flight / last run
         self.last_done = 0.0  # wall clock of the last processed step, for `choice`
+        self.skip_measure = 0  # steps after a switch that `choice` does not measure
         self.scheduler = scheduler
         self.overlap = overlap
         self.executor = executor or make_executor(runner.device, overlap)
@@ -200,7 +201,7 @@ class DecodeLoop:
         drained = []
         if mtp != self.mtp_mode:
             drained = self.drain()
-            self.last_done = 0.0
+            self.last_done, self.skip_measure = 0.0, 2
             self.prev_done = None  # no step gap across kinds
             self.mtp_mode = mtp
         if not mtp:  # requests handed over since carry drafts too
@@ -208,14 +209,18 @@ class DecodeLoop:
                 req.spec_token_ids = []
         return mtp, drained
 
-    def measure(self, mtp: bool, batch_size: int, tokens: int) -> None:
-        """Feed `choice` the wall time since the previous processed step of the same kind."""
+    def measure(self, mtp: bool, batch: ScheduledBatch | None, tokens: int) -> None:
+        """Feed `choice` the wall time since the previous processed step, for steps of decode
+        rows only (`batch` None: a step not to measure, such as an eager MTP step with prompt
+        chunks), and not the first two after a switch (the drafts refill)."""
         if self.choice is None:
             return
         now = time.perf_counter()
-        if self.last_done:
-            self.choice.record(batch_size, mtp, now - self.last_done, tokens)
-        self.last_done = now
+        decode = batch is not None and all(r.num_output_tokens > 1 for r in batch.reqs)
+        if decode and self.last_done and self.skip_measure <= 0:
+            self.choice.record(len(batch.reqs), mtp, now - self.last_done, tokens)
+        self.skip_measure -= 1
+        self.last_done = now if decode else 0.0
 
     def spec_step(self) -> list[Req]:
         """One MTP step: verify, keep, stop, draft. With overlap, a graphed step whose slots all
@@ -243,7 +248,7 @@ class DecodeLoop:
                 self.scheduler.update_spec(batch, results)
                 self.last = None
                 done = [batch.reqs[i] for i, res in sorted(results.items()) for _ in res.tokens]
-                self.measure(True, len(batch.reqs), len(done))
+                self.measure(True, None, len(done))
                 return emitted + done
             cur = self.spec.launch_graphed(batch, key)
         if not self.overlap:
@@ -348,7 +353,7 @@ class DecodeLoop:
                     self.finish(req, reason, nxt)
         for req in f.free_after:
             self.scheduler.free_blocks(req)
-        self.measure(False, len(f.batch.reqs), len(emitted))
+        self.measure(False, f.batch, len(emitted))
         return emitted
 
     def process_spec(self, f, nxt) -> list[Req]:
@@ -367,7 +372,7 @@ class DecodeLoop:
         for req in f.free_after:
             self.scheduler.free_blocks(req)
         emitted = [f.batch.reqs[i] for i, res in sorted(results.items()) for _ in res.tokens]
-        self.measure(True, len(f.batch.reqs), len(emitted))
+        self.measure(True, f.batch, len(emitted))
         return emitted
 
     def unpack(self, f: InFlight) -> list[SampledToken]:
