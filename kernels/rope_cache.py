@@ -6,7 +6,8 @@ q [T, Hq, D], k and v [T, Hkv, D] (strided views of the QKV projection are fine)
 Non-interleaved (rotate-half) RoPE: out = x * cos + cat(-x2, x1) * sin, each product rounded to
 the dtype before the sum as the torch reference does. Rotated q is returned; rotated k and v go
 to cache slot `slot_mapping[t]` (caches [num_blocks, block_size, Hkv, D]; a negative slot is
-not written). One program per (token, head); on the current stream, capturable in a CUDA graph.
+not written). One program per token, over all its heads (a program per (token, head) was 10x
+slower than the bandwidth at prefill sizes); on the current stream, capturable in a CUDA graph.
 `triton` is imported on first use; CPU machines run the twin.
 """
 
@@ -25,44 +26,49 @@ def _kernel():
     import triton.language as tl
 
     @triton.jit
-    def _rotate(base, c1, c2, s1, s2, offs, HALF: tl.constexpr):
-        x1 = tl.load(base + offs)
-        x2 = tl.load(base + HALF + offs)
+    def _rotate(base, stride_h, heads, c1, c2, s1, s2, offs, HALF: tl.constexpr,
+                H_P2: tl.constexpr):
+        """Rows 0..heads-1 of [H_P2, HALF] tiles at base + h * stride_h (padding rows masked)."""
+        h = tl.arange(0, H_P2)[:, None]
+        mask = (h < heads) & (offs[None, :] < HALF)
+        ptr = base + h * stride_h + offs[None, :]
+        x1 = tl.load(ptr, mask=mask, other=0.0)
+        x2 = tl.load(ptr + HALF, mask=mask, other=0.0)
         dt = x1.dtype
         f1, f2 = x1.to(tl.float32), x2.to(tl.float32)
         o1 = ((f1 * c1).to(dt).to(tl.float32) + (-f2 * s1).to(dt).to(tl.float32)).to(dt)
         o2 = ((f2 * c2).to(dt).to(tl.float32) + (f1 * s2).to(dt).to(tl.float32)).to(dt)
-        return o1, o2
+        return o1, o2, h, mask
 
     @triton.jit
     def rope_cache_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, slot_ptr, qo_ptr, kc_ptr, vc_ptr,
                           stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
                           stride_ct, stride_ot, stride_oh, stride_cs, stride_ch,
-                          HQ: tl.constexpr, HALF: tl.constexpr):
+                          HQ: tl.constexpr, HKV: tl.constexpr, HQ_P2: tl.constexpr,
+                          HKV_P2: tl.constexpr, HALF: tl.constexpr):
         t = tl.program_id(0).to(tl.int64)
-        h = tl.program_id(1)
         offs = tl.arange(0, HALF)
-        c1 = tl.load(cos_ptr + t * stride_ct + offs).to(tl.float32)
-        c2 = tl.load(cos_ptr + t * stride_ct + HALF + offs).to(tl.float32)
-        s1 = tl.load(sin_ptr + t * stride_ct + offs).to(tl.float32)
-        s2 = tl.load(sin_ptr + t * stride_ct + HALF + offs).to(tl.float32)
-        if h < HQ:
-            o1, o2 = _rotate(q_ptr + t * stride_qt + h * stride_qh, c1, c2, s1, s2, offs, HALF)
-            out = qo_ptr + t * stride_ot + h * stride_oh
-            tl.store(out + offs, o1)
-            tl.store(out + HALF + offs, o2)
-        else:
-            kh = h - HQ
-            slot = tl.load(slot_ptr + t)
-            if slot >= 0:
-                o1, o2 = _rotate(k_ptr + t * stride_kt + kh * stride_kh, c1, c2, s1, s2, offs, HALF)
-                dst = slot * stride_cs + kh * stride_ch
-                tl.store(kc_ptr + dst + offs, o1.to(kc_ptr.dtype.element_ty))
-                tl.store(kc_ptr + dst + HALF + offs, o2.to(kc_ptr.dtype.element_ty))
-                vsrc = v_ptr + t * stride_vt + kh * stride_vh
-                tl.store(vc_ptr + dst + offs, tl.load(vsrc + offs).to(vc_ptr.dtype.element_ty))
-                tl.store(vc_ptr + dst + HALF + offs,
-                         tl.load(vsrc + HALF + offs).to(vc_ptr.dtype.element_ty))
+        c1 = tl.load(cos_ptr + t * stride_ct + offs).to(tl.float32)[None, :]
+        c2 = tl.load(cos_ptr + t * stride_ct + HALF + offs).to(tl.float32)[None, :]
+        s1 = tl.load(sin_ptr + t * stride_ct + offs).to(tl.float32)[None, :]
+        s2 = tl.load(sin_ptr + t * stride_ct + HALF + offs).to(tl.float32)[None, :]
+        o1, o2, h, mask = _rotate(q_ptr + t * stride_qt, stride_qh, HQ, c1, c2, s1, s2, offs,
+                                  HALF, HQ_P2)
+        out = qo_ptr + t * stride_ot + h * stride_oh + offs[None, :]
+        tl.store(out, o1, mask=mask)
+        tl.store(out + HALF, o2, mask=mask)
+        slot = tl.load(slot_ptr + t)
+        if slot >= 0:
+            # NOTE: new names: triton refuses a variable that changes shape inside an if
+            k1, k2, hk, kmask = _rotate(k_ptr + t * stride_kt, stride_kh, HKV, c1, c2, s1, s2,
+                                        offs, HALF, HKV_P2)
+            dst = slot * stride_cs + hk * stride_ch + offs[None, :]
+            tl.store(kc_ptr + dst, k1.to(kc_ptr.dtype.element_ty), mask=kmask)
+            tl.store(kc_ptr + dst + HALF, k2.to(kc_ptr.dtype.element_ty), mask=kmask)
+            vsrc = v_ptr + t * stride_vt + hk * stride_vh + offs[None, :]
+            tl.store(vc_ptr + dst, tl.load(vsrc, mask=kmask).to(vc_ptr.dtype.element_ty), mask=kmask)
+            tl.store(vc_ptr + dst + HALF,
+                     tl.load(vsrc + HALF, mask=kmask).to(vc_ptr.dtype.element_ty), mask=kmask)
 
     return rope_cache_kernel
 
@@ -107,10 +113,12 @@ def rope_and_cache(q, k, v, cos, sin, k_cache, v_cache, slot_mapping,
     if any(t.stride(-1) != 1 for t in (q, k, v, cos, k_cache)) or slot_mapping.shape != (tokens,):
         raise ValueError("q, k, v, cos and the caches need a contiguous last dimension")
     out = torch.empty(tokens, num_heads, head_dim, dtype=q.dtype, device=q.device)
-    _kernel()[(tokens, num_heads + kv_heads)](
+    p2 = lambda n: 1 << (n - 1).bit_length()  # noqa: E731
+    _kernel()[(tokens,)](
         q, k, v, cos, sin, slot_mapping, out, k_cache, v_cache,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         cos.stride(0), out.stride(0), out.stride(1), k_cache.stride(1), k_cache.stride(2),
-        HQ=num_heads, HALF=head_dim // 2, num_warps=1,
+        HQ=num_heads, HKV=kv_heads, HQ_P2=p2(num_heads), HKV_P2=p2(kv_heads), HALF=head_dim // 2,
+        num_warps=4 if num_heads * head_dim >= 1024 else 1,
         enable_fp_fusion=False)  # NOTE: no fma, so each product rounds as in the twin
     return out

@@ -115,3 +115,79 @@ class DecodeGraphs:
         self.block_tables[:n, :m].copy_(ctx.block_tables, non_blocking=True)
         graph.replay()
         return out[:n]
+
+
+PREFILL_SIZES = (256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096, 6144, 8192, 12288, 16384)
+
+
+class PrefillGraphs:
+    """CUDA graphs of one prompt prefilled from position 0 (the common first chunk), per token
+    count rounded up to `PREFILL_SIZES`: eager, such a prefill is bound by the host launching
+    its few hundred kernels (a 1k-token prompt of a 1B model: 5.6 ms on the GPU, 16 ms of wall
+    time). Padding rows sit after the prompt, write the spare block, and are causally invisible
+    to it (`ForwardContext.causal_self`); the graph returns the hidden states of every row.
+    Captured on first use of a size; they share the decode graphs' memory pool."""
+
+    def __init__(self, model: torch.nn.Module, decode: DecodeGraphs, max_tokens: int,
+                 device: torch.device) -> None:
+        self.model, self.decode, self.device = model, decode, device
+        self.sizes = tuple(s for s in PREFILL_SIZES if s < max_tokens) + (
+            _round_up(max_tokens, PREFILL_SIZES + (max_tokens,)),)
+        long = dict(dtype=torch.int64, device=device)
+        top = self.sizes[-1]
+        self.input_ids = torch.zeros(top, **long)
+        self.positions = torch.zeros(top, **long)
+        self.slot_mapping = torch.zeros(top, **long)
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.enabled = not any(getattr(m, "sliding_window", None) for m in model.modules())
+
+    def can_run(self, ctx: ForwardContext) -> bool:
+        if not self.enabled or ctx.seq_lens_host is None or len(ctx.seq_lens_host) != 1:
+            return False
+        q_len, kv_len = ctx.seq_lens_host[0]
+        return q_len == kv_len > 1 and q_len <= self.sizes[-1] and ctx.write_index is None
+
+    def _forward(self, size: int) -> torch.Tensor:
+        ctx = ForwardContext(
+            slot_mapping=self.slot_mapping[:size], block_tables=self.decode.block_tables[:1, :1],
+            context_lens=torch.full((1,), size, dtype=torch.int64, device=self.device),
+            padded_index=torch.arange(size, device=self.device), attn_mask=None,
+            max_q_len=size, max_kv_len=size, causal_self=True)
+        with forward_context(ctx):
+            return self.model(self.input_ids[:size], self.positions[:size])
+
+    def _capture(self, size: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        self.input_ids[:size].zero_()
+        self.positions[:size].copy_(torch.arange(size, device=self.device))
+        self.slot_mapping[:size].fill_(self.decode.dummy_block * self.decode.block_size)
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            self._forward(size)  # warm-up outside the capture
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.decode.pool):
+            out = self._forward(size)
+        if self.decode.pool is None:
+            self.decode.pool = graph.pool()
+        log.info("captured a prefill CUDA graph: %d tokens", size)
+        return graph, out
+
+    @torch.inference_mode()
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """Hidden states [n, H] of the prompt (a view of the graph's output, valid until the
+        next replay of that size)."""
+        n = ctx.seq_lens_host[0][0]
+        size = _round_up(n, self.sizes)
+        if size not in self.graphs:
+            self.graphs[size] = self._capture(size)
+        graph, out = self.graphs[size]
+        self.input_ids[:n].copy_(input_ids, non_blocking=True)
+        self.positions[:n].copy_(positions, non_blocking=True)
+        self.slot_mapping[:n].copy_(ctx.slot_mapping, non_blocking=True)
+        # padding rows: after the prompt, writing the spare block
+        self.input_ids[n:size].zero_()
+        self.positions[n:size].fill_(n)
+        self.slot_mapping[n:size].fill_(self.decode.dummy_block * self.decode.block_size)
+        graph.replay()
+        return out[:n]

@@ -18,10 +18,15 @@ first: a running request with penalties (the sampler builds their token sets on 
 batch that might preempt (preemption frees blocks that step N still writes). Without overlap,
 each step is launched and waited for at once. Both produce the same tokens. With MTP (a
 `pd.spec.verify.SpecDecoder` given as `spec`), each step verifies the requests' drafts and
-proposes the next ones; such a step is run to the end before the next is scheduled (how many
-tokens a step keeps is known only from its results), so overlap on and off run the same plain
-loop and give the same tokens. A request is emitted once per kept token. Where the device
-work runs is the executor's business (`pd.engine.executor`); streaming the tokens is the node's.
+proposes the next ones. A graphed MTP step (`pd.spec.graphs`) whose requests all continue
+greedily is followed, with overlap, by the next one before the host reads it: how many tokens a
+step keeps is known only on the device, so the next step's inputs are computed there from its
+result (`SpecDecoder.launch_chained`), with blocks reserved for the most both steps can take.
+Anything else (new requests, sampled rows, prompt chunks, eager steps) waits for the step in
+flight. With `spec_fallback` the loop also runs plain steps where they measure faster
+(`SpecChoice`). A request is emitted once per kept token. Where a plain step's device work runs
+is the executor's business (`pd.engine.executor`; MTP steps run on the current stream);
+streaming the tokens is the node's.
 """
 
 from __future__ import annotations
@@ -308,9 +313,12 @@ class DecodeLoop:
                 if req is not None and req.status is ReqStatus.RUNNING:
                     pending.append(req)
                     req.token_ids.append(-(row + 1))
+        # a request whose pending token is its last by length sits the next step out
+        done = frozenset(r for r in pending if r.num_output_tokens >= r.params.max_tokens
+                         or r.num_tokens >= self.max_model_len)
         preemptions = self.scheduler.num_preemptions
         try:
-            batch = self.scheduler.schedule()
+            batch = self.scheduler.schedule(done)
             self.batch_size = len(batch.reqs) if batch is not None else 0
             if batch is None:
                 return None

@@ -14,6 +14,8 @@ from __future__ import annotations
 import itertools
 import logging
 
+import numpy as np
+
 from pd.engine.allocator import BlockAllocator
 from pd.engine.decode_loop import DecodeLoop
 from pd.config import EngineConfig
@@ -71,7 +73,15 @@ class Engine:
         if not prompt_token_ids:
             raise ValueError("empty prompt: at least one token is needed")
         vocab = self.model_config.vocab_size
-        bad = [t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < vocab]
+        try:
+            ids = np.asarray(prompt_token_ids)
+        except ValueError:  # ragged nesting
+            ids = None
+        if ids is not None and ids.dtype.kind == "i" and ids.ndim == 1 and (
+                ids.min() >= 0 and ids.max() < vocab):
+            bad = []  # the common case, checked without Python per token
+        else:
+            bad = [t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < vocab]
         if bad:
             raise ValueError(f"prompt token id(s) outside the vocabulary [0, {vocab}): {bad[:8]}")
         if len(prompt_token_ids) >= self.max_model_len:

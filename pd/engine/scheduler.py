@@ -82,7 +82,9 @@ class Scheduler:
         return -(-num_slots // self.block_size) - len(req.block_ids)
 
     # -- one step ----------------------------------------------------------------------------
-    def schedule(self) -> ScheduledBatch | None:
+    def schedule(self, skip: frozenset = frozenset()) -> ScheduledBatch | None:
+        """The next step's batch. Running requests in `skip` sit this step out (the decode
+        loop's requests that the step in flight is sure to finish)."""
         budget = self.max_num_batched_tokens
         reqs: list[Req] = []
         counts: list[int] = []
@@ -90,6 +92,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
+            if req in skip:
+                i += 1
+                continue
             n = min(req.num_tokens + len(req.spec_token_ids) - req.num_computed_tokens, budget)
             if req.spec_token_ids:  # drafts that do not fit the budget are dropped
                 del req.spec_token_ids[max(0, n - (req.num_tokens - req.num_computed_tokens)):]

@@ -6,7 +6,9 @@ layer); each call gathers every sequence's keys through its block table into a p
 runs one masked `scaled_dot_product_attention` over it. On CUDA, decode steps (one query per sequence) run
 `kernels.paged_decode` instead, a Triton kernel that reads the blocks in place (`PD_ATTENTION=torch`
 keeps the torch path); prefill chunks of up to 8 sequences on CUDA run one SDPA per sequence,
-causal from the lower right, so that SDPA can pick flash attention (`prefill_per_sequence`).
+causal from the lower right, so that SDPA can pick flash attention (`prefill_per_sequence`); a
+prompt prefilled from position 0 in a CUDA graph attends causally over its own keys
+(`ForwardContext.causal_self`).
 This module's padded path is the reference for both devices, and the only path for
 sliding-window layers.
 """
@@ -64,6 +66,15 @@ def paged_attention(
     ctx = get_context()
     num_seqs, max_q, max_kv = ctx.num_seqs, ctx.max_q_len, ctx.max_kv_len
     num_tokens, num_heads, head_dim = q.shape
+    if ctx.causal_self and sliding_window is None:
+        # the step's keys, read back from their slots (padding rows read the spare block; the
+        # causal mask keeps every real row off them)
+        keys = k_cache.view(-1, *k_cache.shape[2:])[ctx.slot_mapping]  # [T, H_kv, D]
+        values = v_cache.view(-1, *v_cache.shape[2:])[ctx.slot_mapping]
+        out = F.scaled_dot_product_attention(
+            q.transpose(0, 1)[None], keys.transpose(0, 1)[None].to(q.dtype),
+            values.transpose(0, 1)[None].to(q.dtype), is_causal=True, scale=scale, enable_gqa=True)
+        return out[0].transpose(0, 1)
     if (ctx.is_decode and q.is_cuda and sliding_window is None
             and can_use_kernel(q, k_cache)):
         return paged_decode(q, k_cache, v_cache, ctx.block_tables, ctx.context_lens, scale,

@@ -33,6 +33,10 @@ class ForwardContext:
     query_pos: torch.Tensor | None = None  # [B, max_q_len] int64 positions, -1 on padding rows
     # per sequence (query length, KV length) on the host, where the batch was built there
     seq_lens_host: tuple[tuple[int, int], ...] | None = None
+    # NOTE: one sequence whose keys are exactly this step's tokens, in order (a prompt from
+    # position 0, possibly followed by padding rows): attention is causal over the step's own
+    # keys, with no table and no mask (the prefill CUDA graphs, `pd.engine.cuda_graph`)
+    causal_self: bool = False
 
     @property
     def num_seqs(self) -> int:

@@ -13,9 +13,13 @@ q_j, 0)), and a run with every draft kept draws its bonus token from p_n. p_j is
 final distribution for that position (`probs_after_processing`, with the step counter and the
 output tokens of a request that had drafts 0..j-1 accepted), so the output distribution is the
 target's. The per-slot bookkeeping runs in `kernels` (RawKernels on CUDA, their torch twins on
-CPU); `execute` queues device work only, and `run` reads the results on the host once per step,
-so a decode loop runs these steps one at a time (`pd.engine.decode_loop`, overlap on or off). Which
-requests run is the scheduler's; the wire format of drafts is the nodes'.
+CPU). Two ways to run a step:
+- eager (`prepare` + `execute`, read by `run`): any mix of slots, any drafter;
+- graphed (`launch_graphed`, read by `collect`): verify slots only, with the MTP drafter, through
+  `pd.spec.graphs` (CUDA graphs; on CPU the same layout without capture). `launch_chained`
+  queues the step after a launched one from its result on the device (the overlap loop's MTP
+  step, `pd.engine.decode_loop`).
+Which requests run is the scheduler's; the wire format of drafts is the nodes'.
 """
 
 from __future__ import annotations

@@ -25,3 +25,27 @@ def test_per_sequence_prefill_equals_the_padded_batch(q_lens, kv_lens):
         padded = paged_attention(q, k_cache, v_cache, head_dim ** -0.5)
         per_sequence = prefill_per_sequence(q, k_cache, v_cache, head_dim ** -0.5, ctx)
     assert (padded - per_sequence).abs().max() < 1e-5
+
+
+def test_causal_self_over_a_padded_prompt_equals_the_padded_batch():
+    """A prompt from position 0 followed by padding rows (the prefill CUDA graphs' layout):
+    causal attention over the step's own keys, read back from their slots, gives the prompt's
+    rows what the reference gives the prompt alone."""
+    from dataclasses import replace
+
+    g = torch.Generator().manual_seed(3)
+    block, kv_heads, q_heads, head_dim, n, size = 16, 2, 8, 32, 37, 64
+    k_cache = torch.randn(9, block, kv_heads, head_dim, generator=g)  # block 8: the spare one
+    v_cache = torch.randn(9, block, kv_heads, head_dim, generator=g)
+    table = [5, 2, 7]
+    slots = [table[p // block] * block + p % block for p in range(n)]
+    q = torch.randn(size, q_heads, head_dim, generator=g)
+    ref_ctx = build_context([n], [n], [table], slots, torch.device("cpu"))
+    with forward_context(ref_ctx):
+        ref = paged_attention(q[:n], k_cache, v_cache, head_dim ** -0.5)
+    padded = replace(ref_ctx, slot_mapping=torch.tensor(slots + [8 * block] * (size - n)),
+                     max_q_len=size, max_kv_len=size, causal_self=True)
+    with forward_context(padded):
+        out = paged_attention(q, k_cache, v_cache, head_dim ** -0.5)
+    assert out.shape == q.shape
+    assert (out[:n] - ref).abs().max() < 1e-5
