@@ -7,7 +7,8 @@ head. The kernel runs one program per (sequence, KV head, split of the block tab
 program walks its blocks through the block table with an online softmax for the G query heads
 of its KV head and writes an unnormalized partial (accumulator, running max, running sum); a
 second small kernel merges the partials with a log-sum-exp. Splitting the sequence keeps the
-GPU busy for long contexts at small batch. Everything is on the current stream and capturable
+GPU busy for long contexts at small batch; the split is a fixed SPLIT_TOKENS keys, so a
+sequence's output does not depend on the batch it is in (batch-invariant). Everything is on the current stream and capturable
 in a CUDA graph (shapes depend only on the batch and the block-table width). Writing the step's
 own K/V into the cache before the call is `kernels.rope_cache`'s job.
 
@@ -21,8 +22,7 @@ import os
 
 import torch
 
-MAX_SPLIT_BLOCKS = 16  # cache blocks per program, at most
-PROGRAMS_PER_SM = 4  # splits are made small enough to give each SM about this many programs
+SPLIT_TOKENS = 128  # keys per program: fixed, so a sequence's result is the same in any batch
 
 
 @functools.cache
@@ -112,15 +112,6 @@ def _merge_kernel():
     return merge_kernel
 
 
-@functools.cache
-def _sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
-def _target_programs(q: torch.Tensor) -> int:
-    return PROGRAMS_PER_SM * _sm_count(q.device.index or 0)
-
-
 def can_use_kernel(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
     """CUDA, triton importable, a block size and head dim `tl.dot` takes, unless
     `PD_ATTENTION=torch` asks for the torch path."""
@@ -176,9 +167,11 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     block_tables = block_tables.contiguous()
     group = num_heads // kv_heads
     width = block_tables.shape[1]
-    # NOTE: split the table finely when few sequences x heads would leave SMs idle (batch 1
-    # reads its context in 1-block pieces); a function of the shapes alone, so graph-safe
-    per_split = min(MAX_SPLIT_BLOCKS, max(1, -(-width * num_seqs * kv_heads // _target_programs(q))))
+    # NOTE: the split is a fixed number of blocks, never a function of the batch or of the
+    # table's width: a sequence's keys are then reduced in the same order in every batch (a
+    # plain step of B sequences and an MTP verify step of B * (k + 1) rows give bit-equal
+    # rows), and splits past its end add exact zeros in the merge
+    per_split = max(1, SPLIT_TOKENS // block)
     splits = -(-width // per_split)
     acc = torch.empty(num_seqs, num_heads, splits, head_dim, dtype=torch.float32, device=q.device)
     m = torch.empty(num_seqs, num_heads, splits, dtype=torch.float32, device=q.device)

@@ -68,3 +68,19 @@ def test_kernel_equals_twin(dtype, tol, num_seqs, kv_heads, group, head_dim, max
     assert torch.isfinite(got).all()
     err = (got.float() - want.float()).norm() / want.float().norm()
     assert err < tol, f"relative error {err:.2e}"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the Triton kernel needs a CUDA device")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_kernel_is_batch_invariant(dtype):
+    """A sequence's output is bit-equal alone, in a large batch, and with a wider block table:
+    what makes an MTP verify step's rows equal to plain decode steps' rows in bfloat16."""
+    q, k_cache, v_cache, tables, lens = case(7, 48, 8, 4, 64, 16, 3000, dtype, "cuda")
+    scale = 64 ** -0.5
+    lens_t = torch.tensor(lens, device="cuda")
+    batch = paged_decode(q, k_cache, v_cache, padded(tables, "cuda"), lens_t, scale)
+    for b in (0, 5, 47):
+        for width in (len(tables[b]), 256):
+            alone = paged_decode(q[b:b + 1], k_cache, v_cache, padded([tables[b]], "cuda", width),
+                                 lens_t[b:b + 1], scale)
+            assert torch.equal(alone[0], batch[b]), (b, width)
