@@ -2,7 +2,8 @@
 # Every GPU check and figure of the project in one call of the device machine:
 #   the checkpoint parity matrix through pd generate --device cuda, kernels vs their torch
 #   twins, MTP engine parity, GPU tests (graphs, fused kernels, KV fast path, P+D on CUDA), KV
-#   transfer, decode/prefill vs floors and HF, CUDA graphs vs eager, the decode step's kernels
+#   transfer, decode/prefill vs floors and HF, where a prefill's time goes, CUDA graphs vs
+#   eager, the decode step's kernels
 #   and host time (profiler), overlap on/off (parity of 64 requests, sync check, throughput and
 #   step gap), MTP on/off (graphed, overlap on/off, logprobs) and the MTP machinery on the 1B
 #   shape. Logs go to $OUT (or ./out) and one table each to stdout.
@@ -35,6 +36,7 @@ TAIL=4 step pd_path env PD_TEST_DEVICE=cuda python3 -m pytest -q -p no:cacheprov
 TAIL=6 step kv python3 benchmarks/gpu/bench_kv.py
 TAIL=8 step attention python3 benchmarks/gpu/bench_attention.py
 TAIL=14 step decode python3 benchmarks/gpu/bench_decode.py
+TAIL=22 step profile_prefill python3 benchmarks/gpu/profile_prefill.py --top 8
 fi
 if [[ $PART == all || $PART == 2 ]]; then
 TAIL=8 step graphs python3 benchmarks/gpu/check_graphs.py
@@ -45,6 +47,7 @@ TAIL=6 step overlap_small_eager python3 benchmarks/bench_overlap.py --device cud
 TAIL=64 step mtp python3 benchmarks/bench_mtp.py --device cuda --ks 0,1,3 --max-tokens 256 --repeats 3
 TAIL=24 step mtp_eager python3 benchmarks/bench_mtp.py --device cuda --enforce-eager --ks 0,3 --overlap on
 TAIL=36 step mtp_mechanism python3 benchmarks/gpu/bench_mtp_mechanism.py
+TAIL=14 step profile_mtp python3 benchmarks/gpu/profile_mtp.py --k 3 --batch 16 --top 8
 fi
 if [[ $PART == 3 ]]; then  # needs two GPUs: P on cuda:0, D on cuda:1
 TAIL=8 step mixed python3 benchmarks/gpu/bench_mixed.py

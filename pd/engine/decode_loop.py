@@ -95,8 +95,8 @@ class SpecChoice:
     alone: per batch-size bucket (powers of two) the wall time per emitted token over the last
     `window` processed steps of each kind. MTP runs first; once it has `probe` steps, plain
     runs `probe` steps; then the faster kind runs, and every `explore` steps the slower one
-    runs `probe` steps again to stay measured. The first step after a switch is not measured
-    (it waited for the previous kind's step)."""
+    runs `probe` steps again to stay measured. The decode loop leaves out of the measurement
+    the two steps after a switch (the first waited for the other kind's step; drafts refill)."""
 
     def __init__(self, probe: int = 8, explore: int = 256, window: int = 32) -> None:
         self.probe, self.explore, self.window = probe, explore, window
@@ -197,9 +197,10 @@ class DecodeLoop:
         return emitted
 
     def choose_kind(self) -> tuple[bool, list[Req]]:
-        """MTP (True) or plain for the next step, and the tokens of a step drained by a switch. A switch drains the step in flight first;
-        switching to plain drops the requests' drafts (their MTP-layer KV for the plain steps'
-        positions is not written: later drafts may be accepted less often, never wrongly)."""
+        """MTP (True) or plain for the next step, and the tokens of the step a switch drained
+        (a switch waits for the step in flight). Plain steps drop the requests' drafts; the MTP
+        layer's KV of their positions is not written, so later drafts may be accepted less
+        often, never wrongly."""
         if self.choice is None:
             return True, []
         mtp = self.choice.use_mtp(max(1, len(self.scheduler.running)))

@@ -7,20 +7,25 @@ run as its own one-query sequence over its slot's block table with KV length pos
 the verify forward is a plain decode forward of S * (k + 1) rows: the same layers and the same
 attention kernel as a plain decode step (`kernels.paged_decode`), and no mask.
 
-Two graphs per (padded slot count, padded block-table width), sharing the decode graphs'
-memory pool:
+Graphs per (padded slot count, padded block-table width), sharing the decode graphs' memory
+pool:
 - verify: target forward, logits of every row, the greedy target (argmax) of every row;
 - draft: acceptance (`kernels.verify_accept`), stops inside the accepted run
   (`kernels.update_status`), the MTP layer's inputs (`kernels.draft_preprocess`), its pass over
   the step's rows and the k - 1 chained single-token passes, each with its argmax, and one
   packed int64 result [S, 2k + 4] (accepted ids, kept count, verified count, stop flag, drafts)
-  that the host copies back in one transfer.
+  that the host copies back in one transfer;
+- advance: the next step's inputs from that result, on the device, for a step launched before
+  the host has read this one (`SpecGraphs._advance`, the overlap loop);
+- logprobs: the raw logprobs of every row's accepted token, one graph per top-k width.
 Greedy rows without logit processing need nothing between the two replays. Other rows
 (sampling, penalties, min_tokens) overwrite the target ids, the target's draft probabilities
 and the acceptance uniforms between the replays (`pd.spec.verify`); the kernels read them from
 these static buffers. Padding slots have slot index -1: every kernel skips them.
 
-Inputs travel in one int64 buffer per graph, filled by one host-to-device copy (`fill`).
+Inputs travel in one int64 buffer per (S, W), filled by one host-to-device copy (`host_inputs`
+builds it; a chained step copies only the part the host knows, `Layout.tail`). On CPU the same
+layout runs without capture (`pool_owner` None), which is how the tests check it.
 """
 
 from __future__ import annotations
@@ -41,6 +46,13 @@ log = logging.getLogger(__name__)
 STOP_WIDTH = 8  # stop ids a graphed slot may carry (EOS ids + stop_token_ids); more: eager
 MAX_ROWS = 1024  # S * (k + 1) rows at most per graph (the logits of every row are kept)
 LOGPROB_GRAPH_ELEMENTS = 1 << 25  # logits larger than this compute their logprobs eagerly
+
+
+def pack_logprobs(lp: Logprobs) -> torch.Tensor:
+    """[R, 2 + 2K] float32: token logprob, rank, K top ids, K top logprobs: one host copy. Ids
+    and ranks are exact in float32 below 2**24 (`SpecDecoder` refuses larger vocabularies)."""
+    return torch.cat([lp.token_logprobs[:, None], lp.ranks[:, None].float(), lp.topk_ids.float(),
+                      lp.topk_logprobs], dim=1)
 
 
 def _round_up(n: int, sizes) -> int:
@@ -98,7 +110,7 @@ class StepGraphs:
         self.p_draft = torch.zeros(num_slots, owner.k, device=owner.device)
         self.uniforms = torch.zeros(num_slots, owner.k, device=owner.device)
         self.graphs = None
-        self.lp_graphs: dict[int, tuple[torch.cuda.CUDAGraph, Logprobs]] = {}
+        self.lp_graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.verified: Verified | None = None
         self.result: torch.Tensor | None = None  # [S, 2k + 4] int64
         if capture:
@@ -140,23 +152,27 @@ class StepGraphs:
             self.result = self.owner._draft(self.views, self.verified, self.p_draft, self.uniforms,
                                             self.width)
 
-    def logprobs(self, num_top: int) -> Logprobs:
+    def logprobs(self, num_top: int) -> torch.Tensor:
         """Raw logprobs of each row's accepted token with `num_top` top columns, from the
-        verified logits and the result [S * (k + 1) rows]; a graph per `num_top` where the
-        logits are small enough to keep the temporaries (`LOGPROB_GRAPH_ELEMENTS`)."""
-        accepted = lambda: self.result[:, :self.owner.k + 1].clamp(min=0).reshape(-1)  # noqa: E731
+        verified logits and the result, packed (`pack_logprobs`) [S * (k + 1), 2 + 2 num_top];
+        a graph per `num_top` where the logits are small enough to keep the temporaries
+        (`LOGPROB_GRAPH_ELEMENTS`)."""
+        def packed() -> torch.Tensor:
+            accepted = self.result[:, :self.owner.k + 1].clamp(min=0).reshape(-1)
+            return pack_logprobs(compute_logprobs(self.verified.logits, accepted, num_top))
+
         if self.graphs is None or self.verified.logits.numel() > LOGPROB_GRAPH_ELEMENTS:
-            return compute_logprobs(self.verified.logits, accepted(), num_top)
+            return packed()
         if num_top not in self.lp_graphs:
             dev = self.owner.device
             side = torch.cuda.Stream(dev)
             side.wait_stream(torch.cuda.current_stream(dev))
             with torch.cuda.stream(side):
-                compute_logprobs(self.verified.logits, accepted(), num_top)
+                packed()
             torch.cuda.current_stream(dev).wait_stream(side)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.owner.pool_owner.pool):
-                out = compute_logprobs(self.verified.logits, accepted(), num_top)
+                out = packed()
             self.lp_graphs[num_top] = (graph, out)
         graph, out = self.lp_graphs[num_top]
         graph.replay()

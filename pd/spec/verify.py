@@ -40,7 +40,7 @@ from pd.engine.runner import ModelRunner, SampledToken
 from pd.engine.sampler import (GREEDY_EPS, SamplingRow, probs_after_processing, process_logits,
                                step_seed)
 from pd.engine.scheduler import ScheduledBatch
-from pd.spec.graphs import STOP_WIDTH
+from pd.spec.graphs import STOP_WIDTH, pack_logprobs
 from pd.spec.mtp import MTPDrafter
 
 _UNIFORM_SALT = 0x5BD1E995  # seeded rows draw acceptance uniforms apart from their tokens
@@ -129,6 +129,8 @@ class SpecDecoder:
                  max_model_len: int, seed: int = 0) -> None:
         if not 1 <= num_speculative_tokens <= 4:
             raise ValueError(f"num_speculative_tokens={num_speculative_tokens} must be in 1..4")
+        if runner.model_config.vocab_size >= 1 << 24:  # logprob ids travel as float32
+            raise ValueError(f"MTP needs a vocabulary below 2**24 tokens, not {runner.model_config.vocab_size}")
         self.runner, self.k, self.drafter = runner, num_speculative_tokens, drafter
         self.max_model_len = max_model_len
         self.device = runner.device
@@ -265,7 +267,7 @@ class SpecDecoder:
                           step.stop_ids, stop_flags)
             lp = None
             if step.num_top or any(r.params.logprobs is not None for r in step.reqs):
-                lp = compute_logprobs(logits, accepted.clamp(min=0).view(-1), step.num_top)
+                lp = pack_logprobs(compute_logprobs(logits, accepted.clamp(min=0).view(-1), step.num_top))
         else:
             accepted = torch.zeros(0, k + 1, dtype=torch.int64, device=self.device)
             num_accepted = num_verified = stop_flags = torch.zeros(0, dtype=torch.int32, device=self.device)
@@ -285,10 +287,10 @@ class SpecDecoder:
     def results(self, batch_index: list[int], reqs: list[Req], accepted, num_kept, num_verified,
                 flags, drafts, lp, lp_slots: list[int] | None = None) -> dict[int, SpecResult]:
         """Host lists of a step's outputs (one entry per sampled slot) -> {batch index: result}.
-        `lp` holds k + 1 rows per slot; `lp_slots[b]` is entry b's slot there (default b)."""
+        `lp` (`pack_logprobs`) holds k + 1 rows per slot; `lp_slots[b]` is entry b's slot there
+        (default b)."""
         if lp is not None:
-            lps, ranks = lp.token_logprobs.tolist(), lp.ranks.tolist()
-            top_ids, top_lps = lp.topk_ids.tolist(), lp.topk_logprobs.tolist()
+            table, width = lp.tolist(), (lp.shape[1] - 2) // 2
         k1 = self.k + 1
         results = {}
         for b, (i, req) in enumerate(zip(batch_index, reqs)):
@@ -298,9 +300,9 @@ class SpecDecoder:
                 if want is None:
                     tokens.append((accepted[b][j], None, None, None))
                 else:
-                    r = (b if lp_slots is None else lp_slots[b]) * k1 + j
-                    tokens.append((accepted[b][j], lps[r], ranks[r],
-                                   list(zip(top_ids[r][:want], top_lps[r][:want]))))
+                    row = table[(b if lp_slots is None else lp_slots[b]) * k1 + j]
+                    tokens.append((accepted[b][j], row[0], int(row[1]),
+                                   list(zip(map(int, row[2:2 + want]), row[2 + width:2 + width + want]))))
             reason = {STOP: FinishReason.STOP, LENGTH: FinishReason.LENGTH}.get(flags[b])
             nd = len(req.spec_token_ids)
             self.stats.add(nd, num_verified[b] - 1)
@@ -417,11 +419,9 @@ class SpecDecoder:
         lp = None
         asked = [r.params.logprobs for r in reqs if r.params.logprobs is not None]
         if asked:
-            lp = g.logprobs(min(max(asked), self.runner.model_config.vocab_size))
-            lp = type(lp)(*(t[:num_slots * (k + 1)] for t in lp))
+            lp = g.logprobs(min(max(asked), self.runner.model_config.vocab_size))[:num_slots * (k + 1)]
             if self.device.type == "cuda":
-                lp = type(lp)(*(torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(
-                    t, non_blocking=True) for t in lp))
+                lp = torch.empty(lp.shape, dtype=lp.dtype, pin_memory=True).copy_(lp, non_blocking=True)
         end_event = self._event()
         return SpecFlight(batch, key, g, out, lp, start_event, end_event, rows,
                           {r: b for b, r in enumerate(reqs)}, [], chainable)
@@ -447,7 +447,7 @@ class SpecFlight(NamedTuple):
     key: tuple[int, int]
     graphs: object  # pd.spec.graphs.StepGraphs
     out: torch.Tensor  # [S, 2k + 4] host copy of the result
-    lp: object  # host Logprobs of the verified rows, or None
+    lp: torch.Tensor | None  # host copy of the verified rows' packed logprobs (`pack_logprobs`)
     start: object  # CUDA events (None on CPU)
     end: object
     rows: list[int]  # batch index of each slot; -1: invalid, its result dropped
