@@ -344,6 +344,7 @@ class DecodeNode(NodeService):
         mt.running.set(len(self.scheduler.running))
         mt.kv_usage.set(self.allocator.usage)
         mt.count_preemptions(self.scheduler.num_preemptions)
+        mt.count_steps_ahead(self.loop.num_ahead)
         if not self.incoming and not self.loop.has_work:
             self.allocator.check_integrity()
         if now - self.last_gap_log >= GAP_LOG_S:

@@ -18,6 +18,7 @@ is awaited is the executor's business (`pd.engine.executor`).
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import fields, replace
 from typing import NamedTuple
 
@@ -78,8 +79,11 @@ class ModelRunner:
                                  mc.max_context_len)
         num_blocks = num_blocks_for(mc, cfg, self.dtype)
         use_graphs = self.device.type == "cuda" and not cfg.enforce_eager
+        # the spare block takes graphs' padding writes (and the MTP layout's on CPU,
+        # PD_SPEC_LAYOUT=1, `pd.spec.graphs`)
+        spare = use_graphs or os.environ.get("PD_SPEC_LAYOUT") == "1"
         self.kv_cache = KVCache(mc, num_blocks, cfg.block_size, self.dtype, self.device,
-                                spare_blocks=1 if use_graphs else 0)
+                                spare_blocks=1 if spare else 0)
         self.kv_cache.bind(self.model.attention_layers())
         self.graphs = self.prefill_graphs = None
         if use_graphs:

@@ -49,6 +49,9 @@ _STEP_GAP = Histogram("pd_decode_step_gap_seconds",
 _DRAFTS = Counter("pd_spec_decode_num_drafts", "MTP draft proposals verified", LABELS)
 _DRAFT_TOKENS = Counter("pd_spec_decode_num_draft_tokens", "MTP draft tokens proposed", LABELS)
 _ACCEPTED = Counter("pd_spec_decode_num_accepted_tokens", "MTP draft tokens accepted", LABELS)
+_AHEAD = Counter("pd_decode_steps_ahead",
+                 "Decode steps launched before the host had read the previous step (overlap)",
+                 LABELS)
 _SPEC_PLAIN = Counter("pd_spec_decode_plain_steps",
                       "Decode steps run without MTP because plain steps measured faster for "
                       "that batch size (--spec-fallback)", LABELS)
@@ -79,6 +82,7 @@ def for_node(role: str, node_id: str) -> SimpleNamespace:
         kv_transfer_seconds=_KV_XFER.labels(**lab), transfers_waiting=_HANDOFF.labels(**lab),
         preemptions=_PREEMPT.labels(**lab), first_token_send_seconds=_FIRST_SEND.labels(**lab),
         count_preemptions=_mirror(_PREEMPT.labels(**lab)),
+        count_steps_ahead=_mirror(_AHEAD.labels(**lab)),
         batch_size=_BATCH.labels(**lab), step_gap_seconds=_STEP_GAP.labels(**lab),
         spec_drafts=_DRAFTS.labels(**lab), spec_draft_tokens=_DRAFT_TOKENS.labels(**lab),
         spec_accepted_tokens=_ACCEPTED.labels(**lab),

@@ -46,6 +46,9 @@ log = logging.getLogger(__name__)
 STOP_WIDTH = 8  # stop ids a graphed slot may carry (EOS ids + stop_token_ids); more: eager
 MAX_ROWS = 1024  # S * (k + 1) rows at most per graph (the logits of every row are kept)
 LOGPROB_GRAPH_ELEMENTS = 1 << 25  # logits larger than this compute their logprobs eagerly
+# PD_SPEC_LAYOUT=1: on CPU, run MTP steps through this layout without capture (how the tests
+# check the chained steps through real processes; slower than the eager step on CPU)
+LAYOUT_ENV = "PD_SPEC_LAYOUT"
 
 
 def pack_logprobs(lp: Logprobs) -> torch.Tensor:
@@ -212,6 +215,18 @@ class SpecGraphs:
         return cls(model, k, block_size=decode.block_size, dummy_block=decode.dummy_block,
                    batch_sizes=decode.batch_sizes, block_widths=decode.block_widths,
                    device=device, pool_owner=decode)
+
+    @classmethod
+    def uncaptured(cls, model: torch.nn.Module, k: int, runner) -> "SpecGraphs":
+        """The layout without capture, for a runner with a spare block (`LAYOUT_ENV`)."""
+        from pd.engine.cuda_graph import BATCH_SIZES  # noqa: PLC0415
+
+        max_blocks = -(-runner.max_model_len // runner.block_size)
+        sizes = tuple(s for s in BATCH_SIZES if s < runner.config.max_num_seqs) + (
+            runner.config.max_num_seqs,)
+        widths = tuple(1 << i for i in range((max_blocks - 1).bit_length() + 1))
+        return cls(model, k, block_size=runner.block_size, dummy_block=runner.kv_cache.dummy_block,
+                   batch_sizes=sizes, block_widths=widths, device=runner.device)
 
     def key(self, num_slots: int, num_blocks: int) -> tuple[int, int] | None:
         """(padded slots, padded width) of a step, or None when it is too large for a graph

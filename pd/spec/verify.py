@@ -24,6 +24,7 @@ Which requests run is the scheduler's; the wire format of drafts is the nodes'.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field, fields, replace
 from typing import NamedTuple
 
@@ -40,7 +41,7 @@ from pd.engine.runner import ModelRunner, SampledToken
 from pd.engine.sampler import (GREEDY_EPS, SamplingRow, probs_after_processing, process_logits,
                                step_seed)
 from pd.engine.scheduler import ScheduledBatch
-from pd.spec.graphs import STOP_WIDTH, pack_logprobs
+from pd.spec.graphs import LAYOUT_ENV, STOP_WIDTH, pack_logprobs
 from pd.spec.mtp import MTPDrafter
 
 _UNIFORM_SALT = 0x5BD1E995  # seeded rows draw acceptance uniforms apart from their tokens
@@ -144,6 +145,10 @@ class SpecDecoder:
 
             self.graphs = SpecGraphs.for_decode_graphs(runner.model, num_speculative_tokens,
                                                        runner.graphs, self.device)
+        elif os.environ.get(LAYOUT_ENV) == "1" and runner.kv_cache.dummy_block is not None:
+            from pd.spec.graphs import SpecGraphs  # noqa: PLC0415
+
+            self.graphs = SpecGraphs.uncaptured(runner.model, num_speculative_tokens, runner)
 
     # -- host: the step's tensors --------------------------------------------------------------
     def prepare(self, batch: ScheduledBatch) -> SpecStep:

@@ -41,9 +41,10 @@ class Cluster:
         self.tmp_path = tmp_path
         self.nodes = []
 
-    def decode(self, *extra: str, model: str | None = None):
+    def decode(self, *extra: str, model: str | None = None, env: dict | None = None):
         node = start_node("decode", ["--model", model or self.model_dir, "--port", "0", "--kv-port", "0",
-                                     "--num-blocks", "256", *DEVICE_ARGS, *extra], log_dir=str(self.tmp_path))
+                                     "--num-blocks", "256", *DEVICE_ARGS, *extra], log_dir=str(self.tmp_path),
+                          env=env)
         node.addr = f"tcp://127.0.0.1:{node.info['port']}"
         node.kv_addr = node.info["kv_addr"]
         self.nodes.append(node)

@@ -58,6 +58,42 @@ def test_pd_with_mtp_equals_single_process(cluster, client, reference, k, overla
     assert metric(text, "pd_messages_refused_total") == 0
 
 
+def test_chained_mtp_steps_through_pd_equal_single_process(cluster, client, reference):
+    """The decode node runs MTP steps through the graphs' layout (PD_SPEC_LAYOUT=1: on CPU,
+    without capture) with overlap, so steps are chained on the device while requests arrive at
+    random times: greedy output, logprobs of width 0/1/5 and stops inside accepted runs equal
+    the single process without MTP."""
+    import time
+
+    spec = ("--num-speculative-tokens", "3")
+    decode = cluster.decode(*spec, "--metrics-port", "0", env={"PD_SPEC_LAYOUT": "1"})
+    prefill = cluster.prefill(*spec, "--transport", "zmq")
+    rng = random.Random(11)
+    batch = prompts(48, seed=11)
+    free = reference.generate(batch, SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True))
+    params = [SamplingParams(max_tokens=rng.randrange(4, 24), temperature=0.0, ignore_eos=True,
+                             logprobs=[None, 0, 1, 5][i % 4],
+                             stop_token_ids=[free[i].token_ids[rng.randrange(2, 12)]] if i % 3 == 0 else ())
+              for i in range(len(batch))]
+    ids = []
+    for p, sp in zip(batch, params):
+        ids.append(client.submit(prefill.addr, decode.kv_addr, p, sp))
+        time.sleep(rng.random() * 0.03)
+    results = client.wait(ids, timeout=120)
+    expected = reference.generate(batch, params)
+    assert any(r.finish_reason == "stop" for r in expected)
+    for res, ref, sp in zip(results, expected, params):
+        assert res.error is None
+        assert res.token_ids == ref.token_ids
+        assert res.finish_reason == ref.finish_reason
+        if sp.logprobs is not None:
+            assert res.logprobs == pytest.approx(ref.logprobs, abs=1e-4)
+            assert [[t for t, _ in got] for got in res.top_logprobs] == \
+                [[t for t, _ in want] for want in ref.top_logprobs]
+    text = httpx.get(f"http://127.0.0.1:{decode.info['metrics_port']}/metrics", timeout=10).text
+    assert metric(text, "pd_decode_steps_ahead_total") > 0, "no MTP step was chained"
+
+
 def metric(text: str, name: str) -> float:
     """The sum of a metric's samples in a Prometheus text page."""
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
