@@ -45,6 +45,7 @@ from pd.spec.graphs import LAYOUT_ENV, STOP_WIDTH, pack_logprobs
 from pd.spec.mtp import MTPDrafter
 
 _UNIFORM_SALT = 0x5BD1E995  # seeded rows draw acceptance uniforms apart from their tokens
+_REASONS = {STOP: FinishReason.STOP, LENGTH: FinishReason.LENGTH}
 
 
 class SpecStep(NamedTuple):
@@ -299,16 +300,19 @@ class SpecDecoder:
         k1 = self.k + 1
         results = {}
         for b, (i, req) in enumerate(zip(batch_index, reqs)):
-            tokens = []
-            want = req.params.logprobs
-            for j in range(num_kept[b]):
-                if want is None:
-                    tokens.append((accepted[b][j], None, None, None))
+            want, kept = req.params.logprobs, accepted[b][:num_kept[b]]
+            if want is None:
+                tokens = [(t, None, None, None) for t in kept]
+            else:
+                first = (b if lp_slots is None else lp_slots[b]) * k1
+                rows = table[first:first + len(kept)]
+                if want == 0:
+                    tokens = [(t, row[0], int(row[1]), []) for t, row in zip(kept, rows)]
                 else:
-                    row = table[(b if lp_slots is None else lp_slots[b]) * k1 + j]
-                    tokens.append((accepted[b][j], row[0], int(row[1]),
-                                   list(zip(map(int, row[2:2 + want]), row[2 + width:2 + width + want]))))
-            reason = {STOP: FinishReason.STOP, LENGTH: FinishReason.LENGTH}.get(flags[b])
+                    tokens = [(t, row[0], int(row[1]), list(zip(map(int, row[2:2 + want]),
+                                                                row[2 + width:2 + width + want])))
+                              for t, row in zip(kept, rows)]
+            reason = _REASONS.get(flags[b])
             nd = len(req.spec_token_ids)
             self.stats.add(nd, num_verified[b] - 1)
             results[i] = SpecResult(tokens, reason, [] if reason else drafts[b], nd, num_verified[b] - 1)
