@@ -100,8 +100,9 @@ class Verified(NamedTuple):
 
 
 class StepGraphs:
-    """The two graphs of one (S, W) and their static buffers. Without capture (CPU, where the
-    layout is tested) `verify` and `draft` compute eagerly into the same attributes."""
+    """The graphs of one (S, W) (verify, draft, advance; logprobs per top-k width) and their
+    static buffers. Without capture (CPU, where the layout is tested) each computes eagerly into
+    the same attributes."""
 
     def __init__(self, owner: "SpecGraphs", key: tuple[int, int], capture: bool) -> None:
         num_slots, width = key

@@ -446,7 +446,7 @@ class SpecDecoder:
         return self.results([f.rows[b] for b in live], [f.batch.reqs[b] for b in live],
                             [rows[b][:k + 1] for b in live], [rows[b][k + 1] for b in live],
                             [rows[b][k + 2] for b in live], [rows[b][k + 3] for b in live],
-                            [rows[b][k + 4:] for b in live], f.lp, [b for b in live])
+                            [rows[b][k + 4:] for b in live], f.lp, live)
 
 
 class SpecFlight(NamedTuple):
