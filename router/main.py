@@ -57,9 +57,11 @@ def add_router_arguments(p, with_nodes: bool = True) -> None:
                         "most free KV blocks; power of two choices among equals), "
                         "'round_robin' or 'random' (default: %(default)s)")
     p.add_argument("--max-running", type=int, default=512,
-                   help="requests in flight to the nodes at once (default: %(default)s)")
+                   help="sequences in flight to the nodes at once: a request counts its "
+                        "prompts x n; one that asks for more is refused with HTTP 400 "
+                        "(default: %(default)s)")
     p.add_argument("--max-queue", type=int, default=1024,
-                   help="requests waiting beyond --max-running before new ones get HTTP 429 "
+                   help="requests waiting for --max-running before new ones get HTTP 429 "
                         "(default: %(default)s)")
     p.add_argument("--api-key", default=os.environ.get("PD_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on /v1/* (default: $PD_API_KEY; "

@@ -26,7 +26,7 @@ from typing import Callable, Protocol, Sequence
 
 from aiohttp import web
 
-from router.admission import Admission, QueueFull
+from router.admission import Admission, QueueFull, TooLarge
 from router.backend import Backend, BackendOverloaded, BackendUnavailable, GenerateRequest
 from router.choice import Choice, Delta
 from router.errors import (APIError, bad_param, model_not_found, overloaded, server_error,
@@ -39,6 +39,8 @@ from router.responses import Accumulator, ResponseFormat, usage
 
 log = logging.getLogger(__name__)
 CLIENT_GONE = web.RequestKey("pd_client_gone", bool)  # left while its answer was written
+MAX_BYTES_PER_TOKEN = 64  # no token of a real vocabulary is longer (characters or bytes)
+MAX_BODY = 64 * 2**20  # a request body is never larger than this, whatever the context
 _SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                 "X-Accel-Buffering": "no"}
 
@@ -84,8 +86,13 @@ class RouterServer:
         self.admission = Admission(config.max_running, config.max_queue)
         self._created = int(time.time())
 
+    def body_limit(self) -> int:
+        """Bytes a request body may have: enough for prompts filling the context several times
+        over (MAX_BYTES_PER_TOKEN a token), checked by aiohttp before anything is parsed."""
+        return min(MAX_BODY, max(2**20, 4 * MAX_BYTES_PER_TOKEN * self.backend.max_model_len()))
+
     def app(self) -> web.Application:
-        app = web.Application(middlewares=[self._middleware], client_max_size=64 * 2**20)
+        app = web.Application(middlewares=[self._middleware], client_max_size=self.body_limit())
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat)
         app.router.add_get("/v1/models", self.models)
@@ -102,9 +109,15 @@ class RouterServer:
         try:
             if self.config.api_key and request.path.startswith("/v1/"):
                 given = request.headers.get("Authorization", "")
-                if not hmac.compare_digest(given.encode(),
+                # NOTE: a header of bytes that are not UTF-8 arrives with surrogates
+                if not hmac.compare_digest(given.encode("utf-8", "surrogateescape"),
                                            f"Bearer {self.config.api_key}".encode()):
                     raise unauthorized()
+            if (request.method == "POST" and request.match_info.route.resource is not None
+                    and request.content_type != "application/json"):
+                # a web page may post text/plain to a local server without a preflight
+                raise APIError(415, f"Content-Type must be application/json, not "
+                                    f"{request.content_type or 'none'}", code="unsupported_media_type")
             resp = await handler(request)
             status = 499 if request.get(CLIENT_GONE) else resp.status
             return resp
@@ -149,6 +162,21 @@ class RouterServer:
     async def _body(self, request: web.Request) -> dict:
         return decode_body(await request.read())
 
+    def _check_text_length(self, req: ApiRequest) -> None:
+        """Refuse text that cannot fit the context whatever it tokenizes to, before tokenizing
+        it (a token is never longer than MAX_BYTES_PER_TOKEN characters here)."""
+        limit = self.backend.max_model_len()
+        if req.endpoint == "chat":
+            texts = [json.dumps(req.messages, ensure_ascii=False)]
+        else:
+            texts = [p for p in req.prompts if isinstance(p, str)]
+        for text in texts:
+            if len(text) > limit * MAX_BYTES_PER_TOKEN:
+                raise bad_param("messages" if req.endpoint == "chat" else "prompt",
+                                f"this model's maximum context length is {limit} tokens; the "
+                                f"prompt has {len(text)} characters, more than {limit} tokens "
+                                f"can hold", "context_length_exceeded")
+
     def _prompts(self, req: ApiRequest) -> list[list[int]]:
         tok = self.tokenizer
         if req.endpoint == "chat":
@@ -190,7 +218,9 @@ class RouterServer:
         req = parse(await self._body(request))
         if req.model != self.config.served_model_name:
             raise model_not_found(req.model, self.config.served_model_name)
-        prompts = self._prompts(req)
+        self._check_text_length(req)
+        # NOTE: tokenizing and templating run in a worker thread, not on the event loop
+        prompts = await asyncio.to_thread(self._prompts, req)
         choices, greqs = [], []
         for p, ids in enumerate(prompts):
             max_tokens = self._max_tokens(req, len(ids))
@@ -216,11 +246,13 @@ class RouterServer:
         try:
             self.metrics.waiting.inc()
             try:
-                waited = await self.admission.acquire()
+                waited = await self.admission.acquire(len(greqs))
             finally:
                 self.metrics.waiting.dec()
         except QueueFull as e:
             raise overloaded(str(e))
+        except TooLarge as e:
+            raise bad_param("n", str(e), "too_many_sequences")
         self.metrics.queue_time.observe(waited)
         self.metrics.running.inc()
         m = self.metrics
@@ -236,7 +268,7 @@ class RouterServer:
             if not released:
                 released = True
                 m.running.dec()
-                self.admission.release()
+                self.admission.release(len(greqs))
 
         try:
             gen.start()

@@ -24,12 +24,14 @@ import zmq.asyncio
 
 from pd.wire import messages as m
 from pd.wire import security
+from pd.wire.refusals import RefusalLog
 from router.backend import Backend, BackendUnavailable, GenerateRequest, TokenEvent
 from router.metrics import BACKEND_RETRIES, MESSAGES_REFUSED
 from router.policy import make_policy
 from router.registry import Node, NodeRegistry, Role
 
 log = logging.getLogger(__name__)
+_REFUSALS = RefusalLog(log)  # rate-limited: a flood of garbage must not flood the log
 _LOAD = {"queue_len": "queue_len", "num_running": "running", "free_kv_blocks": "free_blocks",
          "total_kv_blocks": "total_blocks",
          "outstanding_prefill_tokens": "outstanding_prefill_tokens"}  # registry <- Pong stats
@@ -37,7 +39,7 @@ _LOAD = {"queue_len": "queue_len", "num_running": "running", "free_kv_blocks": "
 
 def _refuse(socket: str, message: str) -> None:
     MESSAGES_REFUSED.labels(socket).inc()
-    log.error("refused a message on the %s socket: %s", socket, message)
+    _REFUSALS("refused a message on the %s socket: %s", socket, message)
 
 
 @dataclass(eq=False)

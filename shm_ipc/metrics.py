@@ -10,7 +10,10 @@ import logging
 
 from prometheus_client import REGISTRY, Counter
 
+from pd.wire.refusals import RefusalLog
+
 log = logging.getLogger("shm_ipc")
+_REFUSALS = RefusalLog(log)  # rate-limited: a flood of garbage must not flood the log
 
 RECORDS_REFUSED = Counter(
     "pd_ring_records_refused",
@@ -22,7 +25,7 @@ RECORDS_REFUSED = Counter(
 def refuse(reason: str, message: str) -> None:
     """Count one refused record under `reason` and log why; the reader then carries on."""
     RECORDS_REFUSED.labels(reason=reason).inc()
-    log.error("refused record (%s): %s", reason, message)
+    _REFUSALS("refused record (%s): %s", reason, message)
 
 
 def refused_count(reason: str) -> float:

@@ -33,8 +33,10 @@ from pd.wire import messages
 
 from pd.wire import security
 from pd.wire.messages import MessageError, Ping, Pong, TokenStream
+from pd.wire.refusals import RefusalLog
 
 log = logging.getLogger(__name__)
+_REFUSALS = RefusalLog(log)  # rate-limited: a flood of garbage must not flood the log
 
 MESSAGES_REFUSED = Counter(
     "pd_messages_refused", "Control messages refused by a node (malformed, unknown, too large)",
@@ -207,7 +209,7 @@ class NodeService:
 
     def refuse(self, socket_name: str, error: Exception) -> None:
         MESSAGES_REFUSED.labels(self.role, self.node_id, socket_name).inc()
-        log.error("%s node %s refused a message on its %s socket: %s",
+        _REFUSALS("%s node %s refused a message on its %s socket: %s",
                   self.role, self.node_id, socket_name, error)
 
     @property

@@ -203,3 +203,68 @@ def test_error_mid_stream_is_an_error_event(tokenizer, make_server):
         s.client().completions.create(model=MODEL, prompt="x")
     r = httpx.post(s.url + "/v1/completions", json={**CMPL, "stream": True})
     assert r.text.rstrip().endswith("data: [DONE]") and '"error"' in r.text
+
+
+def test_bodies_must_be_json(server):
+    """text/plain (which a web page may post to a local server without a preflight) and bodies
+    without a type are refused with 415; a charset parameter is fine."""
+    raw = b'{"model": "tiny", "prompt": "hi", "max_tokens": 2}'
+    for ctype in ("text/plain", "application/x-www-form-urlencoded", None):
+        r = httpx.post(server.url + "/v1/completions", content=raw,
+                       headers={"Content-Type": ctype} if ctype else {})
+        assert r.status_code == 415 and r.json()["error"]["code"] == "unsupported_media_type", ctype
+    r = httpx.post(server.url + "/v1/completions", content=raw,
+                   headers={"Content-Type": "application/json; charset=utf-8"})
+    assert r.status_code == 200
+
+
+def test_authorization_that_is_not_utf8_is_401(tokenizer, make_server):
+    backend = ScriptedBackend(lambda req: [7, 8], tokenizer.eos_token_id)
+    s = make_server(backend, api_key="sekrit")
+    r = httpx.post(s.url + "/v1/completions", json={**CMPL, "max_tokens": 2},
+                   headers={"Authorization": b"Bearer \xff\xfe\xc3"})
+    assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+    r = httpx.post(s.url + "/v1/completions", json={**CMPL, "max_tokens": 2},
+                   headers={"Authorization": "Bearer sekrit"})
+    assert r.status_code == 200
+
+
+def test_text_longer_than_any_context_is_refused_before_tokenizing(tokenizer, make_server):
+    backend = ScriptedBackend(lambda req: [7, 8], tokenizer.eos_token_id, max_len=256)
+    s = make_server(backend)
+    assert s.server.body_limit() == 2**20
+    t0 = time.monotonic()
+    r = _post(s, "/v1/completions", {**CMPL, "prompt": "a" * (256 * 64 + 1)})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+    r = _post(s, "/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": "b" * 20000}]})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+    r = _post(s, "/v1/completions", {**CMPL, "prompt": "c" * (3 * 2**20)})  # over the body limit
+    assert r.status_code == 413 and r.json()["error"]["message"]
+    assert time.monotonic() - t0 < 5
+    assert not backend.requests  # nothing reached the nodes
+    assert _post(s, "/v1/completions", {**CMPL, "max_tokens": 2}).status_code == 200
+
+
+def test_admission_counts_sequences(tokenizer, make_server):
+    """A request takes prompts x n slots of --max-running: more than all of them is a 400 naming
+    the limit; two requests that do not fit together run one after the other."""
+    backend = ScriptedBackend(lambda req: [7] * 20, tokenizer.eos_token_id, delay=0.02)
+    s = make_server(backend, max_running=4, max_queue=4)
+    r = _post(s, "/v1/completions", {**CMPL, "n": 5, "max_tokens": 2})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "too_many_sequences"
+    assert "--max-running" in r.json()["error"]["message"]
+    results = []
+    body = {**CMPL, "n": 3, "max_tokens": 20}
+    first = threading.Thread(target=lambda: results.append(_post(s, "/v1/completions", body)))
+    first.start()
+    assert backend.started.wait(5)
+    second = threading.Thread(target=lambda: results.append(_post(s, "/v1/completions", body)))
+    second.start()
+    deadline = time.monotonic() + 5
+    while s.server.admission.num_waiting < 1 and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert s.server.admission.num_waiting == 1 and s.server.admission.num_running == 3
+    first.join(10)
+    second.join(10)
+    assert [x.status_code for x in results] == [200, 200]
+    assert s.server.admission.num_running == 0
