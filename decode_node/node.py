@@ -264,6 +264,7 @@ class DecodeNode(NodeService):
             self.metrics.batch_size.observe(self.loop.batch_size)
         self.metrics.step_seconds.observe(time.perf_counter() - start)
         self.metrics.generation_tokens.inc(len(emitted))
+        self.metrics.count_steps_ahead(self.loop.num_ahead)
         counts = Counter(emitted)  # with MTP a request is emitted once per kept token
         for req in counts:
             reply_to = self.reply_to.get(req.req_id)
@@ -344,7 +345,6 @@ class DecodeNode(NodeService):
         mt.running.set(len(self.scheduler.running))
         mt.kv_usage.set(self.allocator.usage)
         mt.count_preemptions(self.scheduler.num_preemptions)
-        mt.count_steps_ahead(self.loop.num_ahead)
         if not self.incoming and not self.loop.has_work:
             self.allocator.check_integrity()
         if now - self.last_gap_log >= GAP_LOG_S:
