@@ -65,7 +65,10 @@ def add_router_arguments(p, with_nodes: bool = True) -> None:
                         "(default: %(default)s)")
     p.add_argument("--api-key", default=os.environ.get("PD_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on /v1/* (default: $PD_API_KEY; "
-                        "none: open)")
+                        "none: open). On the command line every local user can read it (ps): "
+                        "prefer PD_API_KEY or --api-key-file")
+    p.add_argument("--api-key-file", default=None, metavar="PATH",
+                   help="read the API key from the first line of PATH (instead of --api-key)")
     p.add_argument("--generation-config", default="auto", metavar="auto|vllm|DIR",
                    help="sampling defaults for requests that omit temperature, top_p, top_k, "
                         "min_p or repetition_penalty: 'auto' takes them from the model's "
@@ -74,6 +77,23 @@ def add_router_arguments(p, with_nodes: bool = True) -> None:
     p.add_argument("--log-requests", action="store_true",
                    help="log each request's id, prompt length and sampling parameters")
     security.add_arguments(p)
+
+
+def api_key(args: argparse.Namespace) -> str | None:
+    """The key from --api-key-file, PD_API_KEY or --api-key; warns when it was given in argv."""
+    log = logging.getLogger("router")
+    if args.api_key_file:
+        if args.api_key and args.api_key != os.environ.get("PD_API_KEY"):
+            raise SystemExit("give the API key once: --api-key or --api-key-file, not both")
+        lines = Path(args.api_key_file).read_text().splitlines()
+        key = lines[0].strip() if lines else ""
+        if not key:
+            raise SystemExit(f"--api-key-file {args.api_key_file}: the first line is empty")
+        return key
+    if args.api_key and args.api_key != os.environ.get("PD_API_KEY"):
+        log.warning("--api-key on the command line is visible to every local user (ps); "
+                    "prefer PD_API_KEY or --api-key-file")
+    return args.api_key
 
 
 def server_config(args: argparse.Namespace) -> ServerConfig:
@@ -85,7 +105,7 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
         logging.getLogger("router").info("sampling defaults from the generation config: %s",
                                          defaults)
     return ServerConfig(served_model_name=name, max_running=args.max_running,
-                        max_queue=args.max_queue, api_key=args.api_key,
+                        max_queue=args.max_queue, api_key=api_key(args),
                         log_requests=args.log_requests, sampling_defaults=defaults)
 
 

@@ -35,3 +35,28 @@ def test_help_explains_every_flag(capsys):
     for flag in ("--host", "--port", "--model", "--served-model-name", "--prefill", "--decode",
                  "--policy", "--max-queue", "--api-key", "--log-level", "--log-requests"):
         assert flag in out
+
+
+def test_api_key_from_a_file_or_the_environment_not_argv(tmp_path, monkeypatch, caplog):
+    model = tmp_path / "m"
+    model.mkdir()
+    monkeypatch.delenv("PD_API_KEY", raising=False)
+    with caplog.at_level("WARNING", logger="router"):
+        assert server_config(build_parser().parse_args(["--model", str(model), "--api-key", "k"])).api_key == "k"
+    assert "visible to every local user" in caplog.text
+    caplog.clear()
+    key_file = tmp_path / "key"
+    key_file.write_text("s3cret\n")
+    with caplog.at_level("WARNING", logger="router"):
+        args = build_parser().parse_args(["--model", str(model), "--api-key-file", str(key_file)])
+        assert server_config(args).api_key == "s3cret"
+    monkeypatch.setenv("PD_API_KEY", "from-env")
+    with caplog.at_level("WARNING", logger="router"):
+        assert server_config(build_parser().parse_args(["--model", str(model)])).api_key == "from-env"
+    assert "visible" not in caplog.text
+    with pytest.raises(SystemExit, match="once"):
+        server_config(build_parser().parse_args(["--model", str(model), "--api-key", "x",
+                                                 "--api-key-file", str(key_file)]))
+    key_file.write_text("\n")
+    with pytest.raises(SystemExit, match="empty"):
+        server_config(build_parser().parse_args(["--model", str(model), "--api-key-file", str(key_file)]))
