@@ -74,6 +74,12 @@ def add_router_arguments(p, with_nodes: bool = True) -> None:
                         "min_p or repetition_penalty: 'auto' takes them from the model's "
                         "generation_config.json, 'vllm' uses none (temperature 1), a directory "
                         "reads its generation_config.json (default: %(default)s)")
+    p.add_argument("--body-timeout", type=float, default=30.0,
+                   help="seconds to receive a request body before answering 408 "
+                        "(default: %(default)s)")
+    p.add_argument("--write-timeout", type=float, default=60.0,
+                   help="seconds a streaming client may stop reading before it is dropped and "
+                        "its request aborted (default: %(default)s)")
     p.add_argument("--log-requests", action="store_true",
                    help="log each request's id, prompt length and sampling parameters")
     security.add_arguments(p)
@@ -106,7 +112,8 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
                                          defaults)
     return ServerConfig(served_model_name=name, max_running=args.max_running,
                         max_queue=args.max_queue, api_key=api_key(args),
-                        log_requests=args.log_requests, sampling_defaults=defaults)
+                        log_requests=args.log_requests, sampling_defaults=defaults,
+                        body_timeout=args.body_timeout, write_timeout=args.write_timeout)
 
 
 async def start(server: RouterServer, host: str, port: int) -> web.AppRunner:

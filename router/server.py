@@ -63,6 +63,8 @@ class ServerConfig:
     api_key: str | None = None
     log_requests: bool = False
     sampling_defaults: dict = field(default_factory=dict)  # from generation_config.json
+    body_timeout: float = 30.0  # seconds to receive a request body
+    write_timeout: float = 60.0  # seconds one write to a client may wait for it to read
 
 
 def _dumps(obj) -> bytes:
@@ -160,7 +162,24 @@ class RouterServer:
         return await self._generate(request, parse_chat)
 
     async def _body(self, request: web.Request) -> dict:
-        return decode_body(await request.read())
+        try:
+            raw = await asyncio.wait_for(request.read(), self.config.body_timeout)
+        except asyncio.TimeoutError:
+            raise APIError(408, f"the request body did not arrive within "
+                                f"{self.config.body_timeout:g} s", code="request_timeout")
+        return decode_body(raw)
+
+    async def _write(self, request: web.Request, resp: web.StreamResponse, data: bytes) -> None:
+        """Write to a streaming client; one that stops reading for `write_timeout` is treated
+        as gone (its connection closed, its request aborted, its admission slot freed)."""
+        try:
+            await asyncio.wait_for(resp.write(data), self.config.write_timeout)
+        except asyncio.TimeoutError:
+            log.warning("a client stopped reading its stream for %g s: dropped",
+                        self.config.write_timeout)
+            if request.transport is not None:
+                request.transport.abort()
+            raise ConnectionResetError("the client stopped reading") from None
 
     def _check_text_length(self, req: ApiRequest) -> None:
         """Refuse text that cannot fit the context whatever it tokenizes to, before tokenizing
@@ -305,7 +324,7 @@ class RouterServer:
                     out.append(_sse(fmt.chunk(d)))
                 if d.error:
                     out.append(_sse(_generation_failed(d).body()))
-                await resp.write(b"".join(out))
+                await self._write(request, resp, b"".join(out))
                 out.clear()
                 d = await anext(gen, None)
             release()
@@ -314,7 +333,7 @@ class RouterServer:
                 u = usage(num_prompt_tokens, sum(c.num_generated for c in choices))
                 out.append(_sse(fmt.usage_chunk(u)))
             out.append(b"data: [DONE]\n\n")
-            await resp.write(b"".join(out))
+            await self._write(request, resp, b"".join(out))
             await resp.write_eof()
         except ConnectionResetError:
             # NOTE: the client left before the handler was cancelled for it; same ending.

@@ -268,3 +268,53 @@ def test_admission_counts_sequences(tokenizer, make_server):
     second.join(10)
     assert [x.status_code for x in results] == [200, 200]
     assert s.server.admission.num_running == 0
+
+
+def test_a_client_that_stops_reading_loses_its_slot(tokenizer, make_server, monkeypatch):
+    """A stream whose client stops reading (its writes block) is dropped after --write-timeout:
+    the request is aborted on the nodes and its admission slot freed for the next client."""
+    from aiohttp import web
+
+    backend = ScriptedBackend(lambda req: [7] * 200, tokenizer.eos_token_id, delay=0.005)
+    s = make_server(backend, max_running=1, max_queue=0, write_timeout=0.3)
+    real_write = web.StreamResponse.write
+    stuck = threading.Event()
+
+    async def write(self, data):
+        if self.content_type == "text/event-stream" and stuck.is_set():
+            await asyncio.sleep(3600)  # the socket's buffers are full: the client stopped reading
+        return await real_write(self, data)
+
+    monkeypatch.setattr(web.StreamResponse, "write", write)
+    t0 = time.monotonic()
+    with httpx.stream("POST", s.url + "/v1/completions", json={**CMPL, "max_tokens": 200,
+                                                                 "stream": True}) as r:
+        assert r.status_code == 200
+        lines = r.iter_lines()
+        assert next(lines).startswith("data: ")
+        stuck.set()
+        with pytest.raises(httpx.HTTPError):
+            for _ in lines:
+                pass
+    assert time.monotonic() - t0 < 5
+    deadline = time.monotonic() + 5
+    while s.server.admission.num_running and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert s.server.admission.num_running == 0
+    assert backend.closed_early, "the request was not aborted on the nodes"
+    stuck.clear()
+    assert _post(s, "/v1/completions", {**CMPL, "max_tokens": 2}).status_code == 200
+
+
+def test_a_body_that_never_arrives_is_408(tokenizer, make_server):
+    import socket
+
+    backend = ScriptedBackend(lambda req: [7], tokenizer.eos_token_id)
+    s = make_server(backend, body_timeout=0.3)
+    with socket.create_connection(("127.0.0.1", s.port)) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 1000\r\n\r\n{\"model\":")
+        sock.settimeout(5)
+        t0 = time.monotonic()
+        reply = sock.recv(4096)
+    assert reply.startswith(b"HTTP/1.1 408") and time.monotonic() - t0 < 3
