@@ -69,9 +69,9 @@ def test_chained_mtp_steps_through_pd_equal_single_process(cluster, client, refe
     decode = cluster.decode(*spec, "--metrics-port", "0", env={"PD_SPEC_LAYOUT": "1"})
     prefill = cluster.prefill(*spec, "--transport", "zmq")
     rng = random.Random(11)
-    batch = prompts(48, seed=11)
-    free = reference.generate(batch, SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True))
-    params = [SamplingParams(max_tokens=rng.randrange(4, 24), temperature=0.0, ignore_eos=True,
+    batch = prompts(32, seed=11)
+    free = reference.generate(batch, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))
+    params = [SamplingParams(max_tokens=rng.randrange(4, 16), temperature=0.0, ignore_eos=True,
                              logprobs=[None, 0, 1, 5][i % 4],
                              stop_token_ids=[free[i].token_ids[rng.randrange(2, 12)]] if i % 3 == 0 else ())
               for i in range(len(batch))]
