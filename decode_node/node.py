@@ -335,10 +335,10 @@ class DecodeNode(NodeService):
     def tick(self, now: float) -> None:
         self.on_kv_socket()  # NOTE: the receiver checks its ring producers' lives when read
         for inc in [i for i in self.incoming.values() if now > i.deadline]:
-            self.fail(inc, {
-                IncomingState.META: "timed out waiting for the first token",
-                IncomingState.WAITING_BLOCKS: "timed out waiting for free KV blocks at the decode node",
-                IncomingState.RECEIVING: "timed out waiting for the KV"}[inc.state])
+            self.fail(inc, m.TIMEOUT_PREFIX + " " + {
+                IncomingState.META: "waiting for the first token",
+                IncomingState.WAITING_BLOCKS: "waiting for free KV blocks at the decode node",
+                IncomingState.RECEIVING: "waiting for the KV"}[inc.state])
         self.may_reserve()
         mt = self.metrics
         mt.waiting.set(len(self.scheduler.waiting) + len(self.waiting_blocks))

@@ -238,7 +238,7 @@ class PrefillNode(NodeService):
             where = {JobState.QUEUED: "queued at the prefill node",
                      JobState.HANDED_OFF: f"waiting for decode node {job.msg.decode_addr} to accept",
                      JobState.KV_SENT: f"KV in flight to decode node {job.msg.decode_addr}"}[job.state]
-            self.fail(job, f"timed out {where}")
+            self.fail(job, f"{m.TIMEOUT_PREFIX} {where}")
         for addr, link in list(self.links.items()):
             link.tick(now)
             if link.failed and not any(j.link is link for j in self.jobs.values()):

@@ -26,6 +26,7 @@ from typing import Callable, Protocol, Sequence
 
 from aiohttp import web
 
+from pd.wire.messages import is_timeout
 from router.admission import Admission, QueueFull, TooLarge
 from router.backend import Backend, BackendOverloaded, BackendUnavailable, GenerateRequest
 from router.choice import Choice, Delta
@@ -359,5 +360,8 @@ class RouterServer:
 
 
 def _generation_failed(d: Delta) -> APIError:
+    if is_timeout(d.error):  # the nodes are up but did not get to it in time
+        return APIError(504, f"choice {d.index} failed: {d.error}", type="timeout",
+                        code="node_timeout")
     return APIError(500, f"choice {d.index} failed: {d.error}", type="server_error",
                     code="generation_failed")

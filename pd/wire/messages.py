@@ -99,6 +99,15 @@ class Pong:
     kv_addr: str = ""  # a decode node's KV ingest endpoint
 
 
+# NOTE: a node's error for a request that waited too long (in its queue, for a decode node's
+# blocks, for the KV) starts with this: the router answers 504 and does not retry it elsewhere
+TIMEOUT_PREFIX = "timed out"
+
+
+def is_timeout(error: str | None) -> bool:
+    return bool(error) and error.startswith(TIMEOUT_PREFIX)
+
+
 @message
 class TokenStream:
     TYPE: ClassVar[str] = "tokens"

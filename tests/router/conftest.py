@@ -49,6 +49,7 @@ class ScriptedBackend(Backend):
         self.requests: list[GenerateRequest] = []
         self.closed_early: list[str] = []
         self.fail_first: int = 0  # this many requests fail before their first token
+        self.fail_error = "prefill node died"  # with this error
         self.unavailable = False
         self.started = threading.Event()  # set when a request is running
 
@@ -64,7 +65,7 @@ class ScriptedBackend(Backend):
         self.requests.append(req)
         if self.fail_first > 0:
             self.fail_first -= 1
-            yield TokenEvent([], error="prefill node died", first_token_sent=False)
+            yield TokenEvent([], error=self.fail_error, first_token_sent=False)
             return
         ids = list(self.script(req))[:req.params.max_tokens]
         finish = "length"

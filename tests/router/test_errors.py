@@ -318,3 +318,18 @@ def test_a_body_that_never_arrives_is_408(tokenizer, make_server):
         t0 = time.monotonic()
         reply = sock.recv(4096)
     assert reply.startswith(b"HTTP/1.1 408") and time.monotonic() - t0 < 3
+
+
+def test_a_node_timeout_is_504_and_not_retried(tokenizer, make_server):
+    """A node that timed out a request (queued too long, no blocks, no KV) is alive and loaded:
+    the router answers 504 at once instead of retrying elsewhere and doubling the wait; a node
+    that died is still retried once."""
+    backend = ScriptedBackend(lambda req: [7, 8], tokenizer.eos_token_id)
+    s = make_server(backend)
+    backend.fail_first, backend.fail_error = 1, "timed out queued at the prefill node"
+    r = _post(s, "/v1/completions", {**CMPL, "max_tokens": 2})
+    assert r.status_code == 504 and r.json()["error"]["code"] == "node_timeout"
+    assert len(backend.requests) == 1
+    backend.fail_first, backend.fail_error = 1, "prefill node died"
+    assert _post(s, "/v1/completions", {**CMPL, "max_tokens": 2}).status_code == 200
+    assert len(backend.requests) == 3  # the retry
