@@ -166,8 +166,8 @@ def test_spec_choice_follows_the_measurement():
     assert [c.use_mtp(8) for _ in range(5)].count(True) >= 4
 
 
-@pytest.mark.parametrize("overlap", [False, True])
-def test_switching_between_mtp_and_plain_steps_keeps_the_tokens(reference, overlap):
+def test_switching_between_mtp_and_plain_steps_keeps_the_tokens(reference):
+    overlap = True  # the harder case: a switch drains the step in flight
     prompts, params, arrivals = workload(24, seed=8, reference=reference)
     expected = reference.generate(prompts, params)
     lp = Loop(3, overlap)
