@@ -26,6 +26,23 @@ def reference(tiny_model_dir):
     return LLM(tiny_model_dir, num_blocks=512)
 
 
+def assert_equal(results, expected, params) -> None:
+    """PD results equal the single process's: tokens, finish reasons (some a stop), logprobs of
+    exactly the asked top-k width, none where not asked."""
+    assert any(r.finish_reason == "stop" for r in expected)
+    for res, ref, sp in zip(results, expected, params, strict=True):
+        assert res.error is None
+        assert res.token_ids == ref.token_ids
+        assert res.finish_reason == ref.finish_reason
+        if sp.logprobs is None:
+            assert res.logprobs == [] and res.top_logprobs == []
+        else:
+            assert res.logprobs == pytest.approx(ref.logprobs, abs=1e-4)
+            for got, want in zip(res.top_logprobs, ref.top_logprobs):
+                assert len(got) == sp.logprobs
+                assert [t for t, _ in got] == [t for t, _ in want]
+
+
 @pytest.mark.parametrize("k,overlap", [(1, True), (2, False), (4, True)])
 def test_pd_with_mtp_equals_single_process(cluster, client, reference, k, overlap):
     spec = ("--num-speculative-tokens", str(k))
@@ -37,20 +54,7 @@ def test_pd_with_mtp_equals_single_process(cluster, client, reference, k, overla
                              stop_token_ids=[free[i].token_ids[9]] if i % 4 == 0 else ())
               for i in range(len(batch))]
     ids = [client.submit(prefill.addr, decode.kv_addr, p, sp) for p, sp in zip(batch, params)]
-    results = client.wait(ids, timeout=90)
-    expected = reference.generate(batch, params)
-    assert any(r.finish_reason == "stop" for r in expected)
-    for res, ref, sp in zip(results, expected, params):
-        assert res.error is None
-        assert res.token_ids == ref.token_ids
-        assert res.finish_reason == ref.finish_reason
-        if sp.logprobs is None:
-            assert res.logprobs == [] and res.top_logprobs == []
-        else:
-            assert res.logprobs == pytest.approx(ref.logprobs, abs=1e-4)
-            for got, want in zip(res.top_logprobs, ref.top_logprobs):
-                assert len(got) == sp.logprobs
-                assert [t for t, _ in got] == [t for t, _ in want]
+    assert_equal(client.wait(ids, timeout=90), reference.generate(batch, params), params)
     # the drafts were verified on the decode node, the prefill node's records all accepted
     text = httpx.get(f"http://127.0.0.1:{decode.info['metrics_port']}/metrics", timeout=10).text
     draft_tokens = metric(text, "pd_spec_decode_num_draft_tokens_total")
@@ -79,17 +83,7 @@ def test_chained_mtp_steps_through_pd_equal_single_process(cluster, client, refe
     for p, sp in zip(batch, params):
         ids.append(client.submit(prefill.addr, decode.kv_addr, p, sp))
         time.sleep(rng.random() * 0.03)
-    results = client.wait(ids, timeout=120)
-    expected = reference.generate(batch, params)
-    assert any(r.finish_reason == "stop" for r in expected)
-    for res, ref, sp in zip(results, expected, params):
-        assert res.error is None
-        assert res.token_ids == ref.token_ids
-        assert res.finish_reason == ref.finish_reason
-        if sp.logprobs is not None:
-            assert res.logprobs == pytest.approx(ref.logprobs, abs=1e-4)
-            assert [[t for t, _ in got] for got in res.top_logprobs] == \
-                [[t for t, _ in want] for want in ref.top_logprobs]
+    assert_equal(client.wait(ids, timeout=120), reference.generate(batch, params), params)
     text = httpx.get(f"http://127.0.0.1:{decode.info['metrics_port']}/metrics", timeout=10).text
     assert metric(text, "pd_decode_steps_ahead_total") > 0, "no MTP step was chained"
 
