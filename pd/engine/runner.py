@@ -35,6 +35,16 @@ from pd.engine.scheduler import ScheduledBatch
 
 log = logging.getLogger(__name__)
 
+# PD_SPEC_LAYOUT=1: on CPU, run MTP steps through the layout of their CUDA graphs without
+# capture (`pd.spec.graphs`; how the tests check chained MTP steps through real processes;
+# slower than the eager step on CPU). The runner keeps the spare block that layout pads into.
+SPEC_LAYOUT_ENV = "PD_SPEC_LAYOUT"
+
+
+def spec_layout_requested() -> bool:
+    return os.environ.get(SPEC_LAYOUT_ENV) == "1"
+
+
 # (token_id, logprob, rank, top-k pairs); the last three are None without logprobs.
 SampledToken = tuple[int, float | None, int | None, list[tuple[int, float]] | None]
 
@@ -79,9 +89,8 @@ class ModelRunner:
                                  mc.max_context_len)
         num_blocks = num_blocks_for(mc, cfg, self.dtype)
         use_graphs = self.device.type == "cuda" and not cfg.enforce_eager
-        # the spare block takes graphs' padding writes (and the MTP layout's on CPU,
-        # PD_SPEC_LAYOUT=1, `pd.spec.graphs`)
-        spare = use_graphs or os.environ.get("PD_SPEC_LAYOUT") == "1"
+        # the spare block takes graphs' padding writes (and the MTP layout's on CPU)
+        spare = use_graphs or spec_layout_requested()
         self.kv_cache = KVCache(mc, num_blocks, cfg.block_size, self.dtype, self.device,
                                 spare_blocks=1 if spare else 0)
         self.kv_cache.bind(self.model.attention_layers())

@@ -38,6 +38,7 @@ import torch
 
 from kernels import draft_preprocess, update_status, verify_accept
 from kernels.launch import use_kernels
+from pd.engine.cuda_graph import BATCH_SIZES
 from pd.engine.logprobs import Logprobs, compute_logprobs
 from pd.model.context import ForwardContext, forward_context
 
@@ -46,9 +47,6 @@ log = logging.getLogger(__name__)
 STOP_WIDTH = 8  # stop ids a graphed slot may carry (EOS ids + stop_token_ids); more: eager
 MAX_ROWS = 1024  # S * (k + 1) rows at most per graph (the logits of every row are kept)
 LOGPROB_GRAPH_ELEMENTS = 1 << 25  # logits larger than this compute their logprobs eagerly
-# PD_SPEC_LAYOUT=1: on CPU, run MTP steps through this layout without capture (how the tests
-# check the chained steps through real processes; slower than the eager step on CPU)
-LAYOUT_ENV = "PD_SPEC_LAYOUT"
 
 
 def pack_logprobs(lp: Logprobs) -> torch.Tensor:
@@ -219,9 +217,8 @@ class SpecGraphs:
 
     @classmethod
     def uncaptured(cls, model: torch.nn.Module, k: int, runner) -> "SpecGraphs":
-        """The layout without capture, for a runner with a spare block (`LAYOUT_ENV`)."""
-        from pd.engine.cuda_graph import BATCH_SIZES  # noqa: PLC0415
-
+        """The layout without capture, for a runner with a spare block
+        (`pd.engine.runner.SPEC_LAYOUT_ENV`)."""
         max_blocks = -(-runner.max_model_len // runner.block_size)
         sizes = tuple(s for s in BATCH_SIZES if s < runner.config.max_num_seqs) + (
             runner.config.max_num_seqs,)

@@ -24,7 +24,6 @@ Which requests run is the scheduler's; the wire format of drafts is the nodes'.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field, fields, replace
 from typing import NamedTuple
 
@@ -37,11 +36,11 @@ from kernels.update_status import LENGTH, STOP
 from pd.model.context import ForwardContext, build_context, forward_context
 from pd.engine.logprobs import compute_logprobs
 from pd.engine.request import FinishReason, Req
-from pd.engine.runner import ModelRunner, SampledToken
+from pd.engine.runner import ModelRunner, SampledToken, spec_layout_requested
 from pd.engine.sampler import (GREEDY_EPS, SamplingRow, probs_after_processing, process_logits,
                                step_seed)
 from pd.engine.scheduler import ScheduledBatch
-from pd.spec.graphs import LAYOUT_ENV, STOP_WIDTH, pack_logprobs
+from pd.spec.graphs import STOP_WIDTH, SpecGraphs, pack_logprobs
 from pd.spec.mtp import MTPDrafter
 
 _UNIFORM_SALT = 0x5BD1E995  # seeded rows draw acceptance uniforms apart from their tokens
@@ -142,13 +141,9 @@ class SpecDecoder:
         self._seeded = torch.Generator(device=self.device)
         self.graphs = None  # CUDA graphs of verify + draft steps, unless --enforce-eager
         if runner.graphs is not None:
-            from pd.spec.graphs import SpecGraphs  # noqa: PLC0415
-
             self.graphs = SpecGraphs.for_decode_graphs(runner.model, num_speculative_tokens,
                                                        runner.graphs, self.device)
-        elif os.environ.get(LAYOUT_ENV) == "1" and runner.kv_cache.dummy_block is not None:
-            from pd.spec.graphs import SpecGraphs  # noqa: PLC0415
-
+        elif spec_layout_requested() and runner.kv_cache.dummy_block is not None:
             self.graphs = SpecGraphs.uncaptured(runner.model, num_speculative_tokens, runner)
 
     # -- host: the step's tensors --------------------------------------------------------------

@@ -13,6 +13,7 @@ import httpx
 import pytest
 
 from pd.engine.llm import LLM
+from pd.engine.runner import SPEC_LAYOUT_ENV
 from pd.wire.sampling_params import SamplingParams
 
 
@@ -70,7 +71,7 @@ def test_chained_mtp_steps_through_pd_equal_single_process(cluster, client, refe
     import time
 
     spec = ("--num-speculative-tokens", "3")
-    decode = cluster.decode(*spec, "--metrics-port", "0", env={"PD_SPEC_LAYOUT": "1"})
+    decode = cluster.decode(*spec, "--metrics-port", "0", env={SPEC_LAYOUT_ENV: "1"})
     prefill = cluster.prefill(*spec, "--transport", "zmq")
     rng = random.Random(11)
     batch = prompts(32, seed=11)

@@ -1,29 +1,36 @@
 """The graphed MTP step (`pd.spec.graphs`): its fixed-stride layout (k + 1 rows per slot, rows
 past a slot's drafts and slots past the batch as padding in a spare block) and the split of
 the step into a verify and a draft part with sampling between them. On CPU the same layout runs
-without capture (torch twins of the kernels); on a CUDA machine the graphs are captured and
-compared with the eager MTP step and with plain decoding."""
+without capture (`PD_SPEC_LAYOUT=1`, torch twins of the kernels); on a CUDA machine the graphs
+are captured and compared with the eager MTP step and with plain decoding."""
 
 from __future__ import annotations
+
+import os
+from contextlib import contextmanager
 
 import pytest
 import torch
 
 from pd.engine.llm import LLM
-from pd.spec.graphs import SpecGraphs
+from pd.engine.runner import SPEC_LAYOUT_ENV
 from pd.wire.sampling_params import SamplingParams
 from tests.spec.test_mtp import assert_same, mixed_params, prompts
 
 
-def with_layout(llm) -> int:
-    """Run the engine's verify steps through the graphs' layout without capture (CPU); returns
-    the spare block taken from the allocator for the padding."""
-    engine = llm.engine
-    spare = engine.allocator.allocate(1)[0]
-    engine.spec.graphs = SpecGraphs(engine.runner.model, engine.spec.k, block_size=engine.runner.block_size,
-                                    dummy_block=spare, batch_sizes=(1, 2, 4, 8, 16),
-                                    block_widths=(1, 2, 4, 8, 16, 32), device=engine.runner.device)
-    return spare
+@contextmanager
+def spec_layout():
+    """Engines made inside run their verify steps through the graphs' layout without capture
+    (`PD_SPEC_LAYOUT=1`: the runner keeps a spare block for the padding)."""
+    old = os.environ.get(SPEC_LAYOUT_ENV)
+    os.environ[SPEC_LAYOUT_ENV] = "1"
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ[SPEC_LAYOUT_ENV]
+        else:
+            os.environ[SPEC_LAYOUT_ENV] = old
 
 
 def sampled_params(n: int) -> list[SamplingParams]:
@@ -39,11 +46,10 @@ def test_layout_greedy_equals_plain_decoding(tiny_model_dir, k):
     batch = prompts(11, seed=5)  # 11 slots: padded to 16
     params = mixed_params(len(batch))
     ref = LLM(tiny_model_dir, num_blocks=256).generate(batch, params)
-    llm = LLM(tiny_model_dir, num_blocks=256, num_speculative_tokens=k)
-    spare = with_layout(llm)
+    with spec_layout():
+        llm = LLM(tiny_model_dir, num_blocks=256, num_speculative_tokens=k)
     assert_same(llm.generate(batch, params), ref)
     assert set(llm.engine.spec.graphs.graphs) >= {(16, 4)}, "the layout path did not run"
-    llm.engine.allocator.free([spare])
     llm.engine.allocator.check_integrity()
     assert llm.engine.allocator.num_free == llm.engine.allocator.num_blocks
 
@@ -54,8 +60,8 @@ def test_layout_sampling_equals_eager_step(tiny_model_dir):
     batch = prompts(6, seed=21)
     params = sampled_params(len(batch))
     eager = LLM(tiny_model_dir, num_blocks=256, num_speculative_tokens=3).generate(batch, params)
-    llm = LLM(tiny_model_dir, num_blocks=256, num_speculative_tokens=3)
-    with_layout(llm)
+    with spec_layout():
+        llm = LLM(tiny_model_dir, num_blocks=256, num_speculative_tokens=3)
     out = llm.generate(batch, params)
     for o, e, p in zip(out, eager, params):
         assert o.token_ids == e.token_ids, p

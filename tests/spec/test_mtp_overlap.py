@@ -1,6 +1,6 @@
 """MTP inside the overlap loop (`pd.engine.decode_loop`, `pd.spec.verify.launch_chained`): step
 N + 1 is launched from step N's result on the device before the host reads N. On CPU the graphs'
-layout runs without capture (`with_layout`). Overlap on == overlap off == plain greedy decoding,
+layout runs without capture (`spec_layout`). Overlap on == overlap off == plain greedy decoding,
 token for token and logprobs, for requests arriving at random steps, stops inside accepted runs,
 aborts of requests held by the launched step, a cache small enough to preempt, and seeded
 sampling (which waits for each step)."""
@@ -19,7 +19,7 @@ from pd.engine.llm import LLM
 from pd.engine.request import FinishReason, Req
 from pd.text.tokenizer import Tokenizer
 from pd.wire.sampling_params import SamplingParams
-from tests.spec.test_mtp_graphs import with_layout
+from tests.spec.test_mtp_graphs import spec_layout
 
 MODEL = str(default_model_dir())  # trained MTP layer: long accepted runs
 
@@ -27,15 +27,14 @@ MODEL = str(default_model_dir())  # trained MTP layer: long accepted runs
 class Loop:
     def __init__(self, k: int, overlap: bool, num_blocks: int = 512) -> None:
         self.eos = tuple(Tokenizer.from_dir(MODEL).eos_token_ids)
-        self.engine = Engine(EngineConfig(model=MODEL, num_blocks=num_blocks), eos_token_ids=self.eos,
-                             num_speculative_tokens=k)
-        self.spare = with_layout(self)
+        with spec_layout():
+            self.engine = Engine(EngineConfig(model=MODEL, num_blocks=num_blocks),
+                                 eos_token_ids=self.eos, num_speculative_tokens=k)
         self.loop = DecodeLoop(self.engine.runner, self.engine.scheduler, overlap=overlap,
                                spec=self.engine.spec)
 
     def close(self) -> None:
         self.loop.close()
-        self.engine.allocator.free([self.spare])
         self.engine.allocator.check_integrity()
         assert self.engine.allocator.num_free == self.engine.allocator.num_blocks
 
