@@ -98,43 +98,49 @@ class SpecChoice:
     runs `probe` steps again to stay measured. The decode loop leaves out of the measurement
     the two steps after a switch (the first waited for the other kind's step; drafts refill)."""
 
+    class Bucket:
+        """Recent (seconds, tokens) of each kind's steps, and the choices made, in one bucket."""
+
+        def __init__(self, window: int) -> None:
+            self.steps = {True: deque(maxlen=window), False: deque(maxlen=window)}  # by mtp
+            self.num_choices = 0
+
     def __init__(self, probe: int = 8, explore: int = 256, window: int = 32) -> None:
         self.probe, self.explore, self.window = probe, explore, window
-        self.buckets: dict[int, dict] = {}
+        self.buckets: dict[int, SpecChoice.Bucket] = {}
         self.num_plain_steps = 0  # plain steps run because MTP measured slower
 
     @staticmethod
     def bucket(batch_size: int) -> int:
         return 1 << max(0, batch_size - 1).bit_length()
 
-    def _state(self, batch_size: int) -> dict:
+    def _state(self, batch_size: int) -> "SpecChoice.Bucket":
         b = self.bucket(batch_size)
         if b not in self.buckets:
-            self.buckets[b] = {True: deque(maxlen=self.window), False: deque(maxlen=self.window),
-                               "steps": 0}
+            self.buckets[b] = SpecChoice.Bucket(self.window)
         return self.buckets[b]
 
     def per_token(self, batch_size: int, mtp: bool) -> float | None:
-        xs = self._state(batch_size)[mtp]
+        xs = self._state(batch_size).steps[mtp]
         tokens = sum(n for _, n in xs)
         return sum(t for t, _ in xs) / tokens if len(xs) >= self.probe and tokens else None
 
     def use_mtp(self, batch_size: int) -> bool:
         st = self._state(batch_size)
-        st["steps"] += 1
+        st.num_choices += 1
         mtp, plain = self.per_token(batch_size, True), self.per_token(batch_size, False)
         if mtp is None or plain is None:
             choice = mtp is None
         else:
             best = mtp <= plain
-            choice = (not best) if st["steps"] % self.explore < self.probe else best
-        if not choice and mtp is not None and plain is not None and plain < mtp:
-            self.num_plain_steps += 1
+            choice = (not best) if st.num_choices % self.explore < self.probe else best
+            if not choice and plain < mtp:
+                self.num_plain_steps += 1
         return choice
 
     def record(self, batch_size: int, mtp: bool, seconds: float, tokens: int) -> None:
         if tokens:
-            self._state(batch_size)[mtp].append((seconds, tokens))
+            self._state(batch_size).steps[mtp].append((seconds, tokens))
 
 
 class DecodeLoop:

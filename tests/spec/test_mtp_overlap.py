@@ -184,4 +184,4 @@ def test_switching_between_mtp_and_plain_steps_keeps_the_tokens(reference):
     lp.close()
     assert_equal(reqs, expected)
     measured = lp.loop.choice.buckets.values()
-    assert any(st[True] for st in measured) and any(st[False] for st in measured)
+    assert any(st.steps[True] for st in measured) and any(st.steps[False] for st in measured)
