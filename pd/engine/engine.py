@@ -11,6 +11,7 @@ and hands requests off. Tokenization and output formatting are left to `llm.py` 
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 
@@ -57,10 +58,16 @@ class Engine:
         # steps where they measure faster, by default on CUDA (on CPU timing would make which
         # kind runs vary from run to run; the tokens would not)
         cuda = self.runner.device.type == "cuda"
-        self.loop = DecodeLoop(self.runner, self.scheduler, overlap=cuda if overlap is None else overlap,
-                               spec=self.spec, spec_fallback=cuda if spec_fallback is None else spec_fallback)
+        self._loop_options = dict(overlap=cuda if overlap is None else overlap,
+                                  spec_fallback=cuda if spec_fallback is None else spec_fallback)
         self.requests: dict[str, Req] = {}
         self._ids = itertools.count()
+
+    @functools.cached_property
+    def loop(self) -> DecodeLoop:
+        """The engine's decode loop, made on first use: the nodes, which build the engine for
+        its parts and run their own loop (or none), never make it."""
+        return DecodeLoop(self.runner, self.scheduler, spec=self.spec, **self._loop_options)
 
     @property
     def max_model_len(self) -> int:
@@ -134,4 +141,5 @@ class Engine:
         return finished
 
     def close(self) -> None:
-        self.loop.close()
+        if "loop" in self.__dict__:  # made (cached_property)
+            self.loop.close()
