@@ -5,6 +5,9 @@ streaming every token to the router.
 Intake, per request, on the KV ingest socket (from one prefill node, in order):
   RequestMeta -> FIRST_TOKEN (forwarded to the router; blocks reserved, or queued until free)
   -> KVAccept sent -> KV records (installed) -> KVDone -> KVAck sent, the request joins the batch.
+With prefix caching, the blocks reserved start with the prompt's longest prefix this node holds
+in its cache (a previous turn of the same conversation, a shared system prompt); KVAccept says
+how many, and the prefill node sends only the rest. Received and decoded blocks join the cache.
 A request waiting for blocks or for its KV has a deadline (`--kv-timeout`): on expiry the router
 gets an error and the prefill node a KVRefuse. An ABORT (router or prefill node) ends the request
 wherever it is and frees its blocks (after the step in flight, if one still holds it); so does
@@ -71,10 +74,11 @@ class Incoming:
     req: Req
     peer: bytes
     reply_to: str
-    num_blocks: int  # blocks of prompt KV the prefill node will send
+    num_blocks: int  # blocks of prompt KV the request has (the prefill node sends the uncached)
     deadline: float
     state: IncomingState = IncomingState.META
     num_records: int = 0
+    num_cached: int = 0  # leading prompt blocks found in this node's prefix cache, not sent
 
 
 class DecodeNode(NodeService):
@@ -215,21 +219,29 @@ class DecodeNode(NodeService):
     def may_reserve(self) -> None:
         """Reserve blocks for waiting requests, in arrival order, keeping one free block per
         running request so the batch can grow without preempting."""
+        prefix, bs = self.scheduler.prefix, self.engine.config.block_size
         while self.waiting_blocks:
             inc = self.waiting_blocks[0]
-            need = self.scheduler.blocks_needed(inc.req, inc.req.num_tokens)
-            if need > self.allocator.num_free - len(self.scheduler.running):
+            req = inc.req
+            hit = prefix.match(req, min(inc.num_blocks, req.num_prompt_tokens // bs)) if prefix else []
+            need = self.scheduler.blocks_needed(req, req.num_tokens) - len(hit)
+            if need + self.allocator.share_cost(hit) > self.allocator.num_free - len(self.scheduler.running):
                 return
             self.waiting_blocks.popleft()
-            inc.req.block_ids = self.allocator.allocate(need)
+            if prefix is not None:
+                prefix.count(req, len(hit))
+            self.allocator.share(hit)
+            req.block_ids = hit + self.allocator.allocate(need)
+            inc.num_cached = len(hit)
             INCOMING_STATES.move(inc, IncomingState.RECEIVING)
-            self.receiver.send_control(inc.peer, m.to_dict(m.KVAccept(inc.req.req_id)))
+            self.receiver.send_control(inc.peer, m.to_dict(m.KVAccept(req.req_id, len(hit))))
 
     def on_kv(self, inc: Incoming, rec: KVRecord) -> None:
-        if rec.block_start + rec.num_blocks > inc.num_blocks:
-            raise m.MessageError(f"KV record for {inc.req.req_id} beyond its {inc.num_blocks} blocks")
+        if rec.block_start + rec.num_blocks > inc.num_blocks - inc.num_cached:
+            raise m.MessageError(f"KV record for {inc.req.req_id} beyond its "
+                                 f"{inc.num_blocks - inc.num_cached} uncached blocks")
         try:
-            install_kv(rec, self.engine.runner.kv_cache.kv, inc.req.block_ids)
+            install_kv(rec, self.engine.runner.kv_cache.kv, inc.req.block_ids[inc.num_cached:])
         except ValueError as e:
             raise m.MessageError(str(e)) from None
         inc.num_records += 1
@@ -245,6 +257,8 @@ class DecodeNode(NodeService):
         INCOMING_STATES.move(inc, IncomingState.JOINED)
         req = inc.req
         req.num_computed_tokens = req.num_prompt_tokens
+        req.num_registered_blocks = inc.num_cached
+        self.scheduler.register(req)  # the received blocks join the prefix cache
         self.reply_to[req.req_id] = inc.reply_to
         self.scheduler.add_running(req)
 
@@ -345,6 +359,7 @@ class DecodeNode(NodeService):
         mt.running.set(len(self.scheduler.running))
         mt.kv_usage.set(self.allocator.usage)
         mt.count_preemptions(self.scheduler.num_preemptions)
+        node_metrics.export_prefix_cache(mt, self.engine)
         if not self.incoming and not self.loop.has_work:
             self.allocator.check_integrity()
         if now - self.last_gap_log >= GAP_LOG_S:

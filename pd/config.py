@@ -322,6 +322,7 @@ class EngineConfig:
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     seed: int = 0
     enforce_eager: bool = False  # CUDA: no decode CUDA graphs
+    enable_prefix_caching: bool = True  # full KV blocks kept and shared by content (pd.engine.prefix)
     extra: dict = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:

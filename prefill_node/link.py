@@ -4,8 +4,8 @@ On creation it connects the KV transport (shm ring on this host, ZMQ frames acro
 sends `Hello` with this node's geometry. Requests submitted before `HelloOk` wait in `pending`;
 `HelloRefused` (or no answer within the handshake timeout) fails them with the reason. Once
 paired, a request goes out as RequestMeta + FIRST_TOKEN record (+ a DRAFT_TOKENS record with
-MTP); its KV follows on `KVAccept`,
-closed by `KVDone`. Replies are dispatched back to the node. Transport errors (ring full past its
+MTP); its KV follows on `KVAccept` (all
+but the prompt blocks the decode node says it already holds), closed by `KVDone`. Replies are dispatched back to the node. Transport errors (ring full past its
 timeout, peer gone) fail the request and mark the link failed, so the next request reconnects.
 A decode node that disconnects (killed, restarted) has lost every request handed to it: they all
 fail at once, and the link with them (a restarted node must be greeted again).
@@ -71,7 +71,7 @@ class LinkOwner(Protocol):
     def unregister(self, sock: zmq.Socket) -> None: ...
     def refuse(self, source: str, error: Exception) -> None: ...
     def on_first_token_sent(self, job: Handoff) -> None: ...
-    def on_kv_accept(self, link: "DecodeLink", req_id: str) -> None: ...
+    def on_kv_accept(self, link: "DecodeLink", req_id: str, num_cached_blocks: int) -> None: ...
     def on_kv_ack(self, link: "DecodeLink", req_id: str) -> None: ...
     def on_kv_refuse(self, link: "DecodeLink", req_id: str, reason: str) -> None: ...
     def on_link_broken(self, link: "DecodeLink", reason: str, jobs: list[Handoff] | None) -> None:
@@ -140,10 +140,16 @@ class DecodeLink:
     def num_prompt_blocks(self, job: Handoff) -> int:
         return -(-job.req.num_prompt_tokens // self.block_size)
 
-    def send_kv(self, job: Handoff) -> int:
-        """Send the prompt's KV blocks then KVDone; returns the bytes sent."""
+    def send_kv(self, job: Handoff, num_cached_blocks: int = 0) -> int:
+        """Send the prompt's KV blocks but the first `num_cached_blocks` (the decode node holds
+        them) then KVDone; returns the bytes sent."""
         kv = self.kv
-        blocks = job.req.block_ids[: self.num_prompt_blocks(job)]
+        num_blocks = self.num_prompt_blocks(job)
+        if not 0 <= num_cached_blocks <= num_blocks:
+            self._broken(f"decode node {self.addr} claims {num_cached_blocks} cached blocks of "
+                         f"request {job.req.req_id}'s {num_blocks}", job)
+            return 0
+        blocks = job.req.block_ids[num_cached_blocks:num_blocks]
         try:
             num_records = self.transport.send_kv(job.req.req_id, kv, blocks)
             self.control(m.KVDone(job.req.req_id, num_records))
@@ -207,7 +213,7 @@ class DecodeLink:
         elif isinstance(msg, m.HelloRefused):
             self._broken(f"decode node {self.addr} refused to pair: {msg.reason}")
         elif isinstance(msg, m.KVAccept):
-            owner.on_kv_accept(self, msg.req_id)
+            owner.on_kv_accept(self, msg.req_id, msg.num_cached_blocks)
         elif isinstance(msg, m.KVAck):
             owner.on_kv_ack(self, msg.req_id)
         elif isinstance(msg, m.KVRefuse):

@@ -181,14 +181,14 @@ class PrefillNode(NodeService):
             if job.state is not JobState.DONE:
                 self.fail(job, reason)
 
-    def on_kv_accept(self, link: DecodeLink, req_id: str) -> None:
+    def on_kv_accept(self, link: DecodeLink, req_id: str, num_cached_blocks: int = 0) -> None:
         job = self.jobs.get(req_id)
         if job is None or job.state is not JobState.HANDED_OFF or job.link is not link:
             log.warning("KVAccept for %s, which is not waiting for one here", req_id)
             return
         JOB_STATES.move(job, JobState.KV_SENT)
         job.kv_started = time.perf_counter()
-        nbytes = link.send_kv(job)
+        nbytes = link.send_kv(job, num_cached_blocks)
         self.metrics.kv_sent_bytes.inc(nbytes)
 
     def on_kv_ack(self, link: DecodeLink, req_id: str) -> None:
@@ -262,6 +262,7 @@ class PrefillNode(NodeService):
         mt.kv_usage.set(self.engine.allocator.usage)
         mt.transfers_waiting.set(sum(j.state is not JobState.QUEUED for j in self.jobs.values()))
         mt.count_preemptions(self.scheduler.num_preemptions)
+        node_metrics.export_prefix_cache(mt, self.engine)
 
     def may_check_integrity(self) -> None:
         if not self.jobs and not self.scheduler.has_work:

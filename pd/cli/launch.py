@@ -29,7 +29,8 @@ log = logging.getLogger("pd.cli.launch")
 
 ENGINE_FLAGS = ("dtype", "device", "block_size", "num_blocks", "kv_cache_memory",
                 "gpu_memory_fraction", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
-                "log_level", "num_speculative_tokens", "enforce_eager")
+                "log_level", "num_speculative_tokens", "enforce_eager", "enable_prefix_caching")
+NEGATABLE = ("enable_prefix_caching",)  # on by default: passed on as --no-... when off
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -56,6 +57,8 @@ def node_args(args: argparse.Namespace, names: tuple[str, ...]) -> list[str]:
         value = getattr(args, name)
         if value is True:
             out.append(f"--{name.replace('_', '-')}")
+        elif value is False and name in NEGATABLE:
+            out.append(f"--no-{name.replace('_', '-')}")
         elif value is not None and value is not False:
             out += [f"--{name.replace('_', '-')}", str(value)]
     return out

@@ -355,6 +355,11 @@ class DecodeLoop:
                 self.on_gap(gap)
         self.prev_done = f.out
         emitted = []
+        prefix = self.scheduler.prefix
+        if prefix is not None:  # prompt chunks that sample nothing yet
+            for req, row in f.members.items():
+                if row < 0 and req.status is ReqStatus.RUNNING:
+                    prefix.register(req)
         if f.inp.rows:
             sampled = self.unpack(f)
             for row, i in enumerate(f.rows):
@@ -363,6 +368,8 @@ class DecodeLoop:
                 req = f.batch.reqs[i]
                 req.append_token(*sampled[row])
                 emitted.append(req)
+                if prefix is not None:
+                    prefix.register(req)
                 reason = req.check_stop(self.max_model_len)
                 if reason is not None:
                     self.finish(req, reason, nxt)

@@ -19,6 +19,7 @@ import numpy as np
 
 from pd.engine.allocator import BlockAllocator
 from pd.engine.decode_loop import DecodeLoop
+from pd.engine.prefix import PrefixCache
 from pd.config import EngineConfig
 from pd.wire.geometry import geometry
 from pd.spec.mtp import MTPDrafter
@@ -39,7 +40,11 @@ class Engine:
         self.runner = ModelRunner(cfg)
         self.model_config = self.runner.model_config
         self.eos_token_ids = tuple(eos_token_ids)
-        self.allocator = BlockAllocator(self.runner.num_blocks)
+        self.allocator = BlockAllocator(self.runner.num_blocks, caching=cfg.enable_prefix_caching)
+        # With MTP the token after a block is hashed with it (see pd.engine.prefix).
+        self.prefix = PrefixCache(
+            self.allocator, cfg.block_size, repr(sorted(self.geometry(bool(num_speculative_tokens)).items())),
+            lookahead=int(bool(num_speculative_tokens))) if cfg.enable_prefix_caching else None
         self.scheduler = Scheduler(
             self.allocator,
             block_size=cfg.block_size,
@@ -47,6 +52,7 @@ class Engine:
             max_num_batched_tokens=cfg.max_num_batched_tokens,
             max_model_len=self.runner.max_model_len,
             num_lookahead_slots=num_speculative_tokens,
+            prefix=self.prefix,
         )
         self.spec: SpecDecoder | None = None
         if num_speculative_tokens:

@@ -48,6 +48,10 @@ class Req:
     spec_token_ids: list[int] = field(default_factory=list)
     # NOTE: a prefill node keeps a finished request's blocks until the decode node has the KV.
     hold_blocks_on_finish: bool = False
+    # Prefix caching (`pd.engine.prefix`): the content hash of each full block so far, and how
+    # many of `block_ids` are registered in the cache.
+    block_hashes: list[int] = field(default_factory=list)
+    num_registered_blocks: int = 0
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)

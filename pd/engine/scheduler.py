@@ -5,7 +5,10 @@ one when decoding), then admits waiting ones while the token budget, `max_num_se
 blocks allow, chunking long prompts. When a running request needs a block and none is free, the
 most recently admitted running request is preempted by recompute: its blocks are freed and it
 goes back to the head of the queue with its output kept, so it later re-prefills prompt + output
-and continues where it was. The runner (tensors) and the engine loop are elsewhere.
+and continues where it was. With prefix caching (`prefix`), a request admitted with nothing
+computed starts after its longest cached prefix (shared blocks, at least one token left to
+compute), and each step registers the full blocks it completed. The runner (tensors) and the
+engine loop are elsewhere.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from pd.engine.allocator import BlockAllocator
+from pd.engine.prefix import PrefixCache
 from pd.engine.request import FinishReason, Req, ReqStatus
 
 log = logging.getLogger(__name__)
@@ -39,8 +43,9 @@ class ScheduledBatch:
 class Scheduler:
     def __init__(self, allocator: BlockAllocator, block_size: int, max_num_seqs: int,
                  max_num_batched_tokens: int, max_model_len: int,
-                 num_lookahead_slots: int = 0) -> None:
+                 num_lookahead_slots: int = 0, prefix: PrefixCache | None = None) -> None:
         self.allocator = allocator
+        self.prefix = prefix
         # NOTE: with MTP, blocks are held this many positions past a step's last token, where
         # the drafter writes its chained drafts' KV.
         self.num_lookahead_slots = num_lookahead_slots
@@ -116,11 +121,19 @@ class Scheduler:
         while (self.waiting and not preempted and budget > 0
                and len(self.running) < self.max_num_seqs):
             req = self.waiting[0]
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
-            need = self.blocks_needed(req, req.num_computed_tokens + n + self.num_lookahead_slots)
-            if need > self.allocator.num_free:
+            hit = self.cached_prefix(req)
+            start = req.num_computed_tokens + len(hit) * self.block_size
+            n = min(req.num_tokens - start, budget)
+            need = self.blocks_needed(req, start + n + self.num_lookahead_slots) - len(hit)
+            if need + self.allocator.share_cost(hit) > self.allocator.num_free:
                 break
             self.waiting.popleft()
+            if self.prefix is not None and not req.num_computed_tokens:
+                self.prefix.count(req, len(hit))
+            if hit:
+                self.allocator.share(hit)
+                req.block_ids, req.num_computed_tokens = hit, start
+                req.num_registered_blocks = len(hit)
             req.block_ids += self.allocator.allocate(need)
             req.status = ReqStatus.RUNNING
             self.running.append(req)
@@ -131,10 +144,23 @@ class Scheduler:
             return None
         return ScheduledBatch(reqs, counts)
 
+    def cached_prefix(self, req: Req) -> list[int]:
+        """The cached blocks a waiting request with nothing computed can start from (leaving
+        at least its last token to compute, which samples the next one)."""
+        if self.prefix is None or req.num_computed_tokens or req.block_ids:
+            return []
+        return self.prefix.match(req, (req.num_tokens - 1) // self.block_size)
+
+    def register(self, req: Req) -> None:
+        """Put the request's newly completed full blocks in the prefix cache."""
+        if self.prefix is not None:
+            self.prefix.register(req)
+
     def _preempt(self, req: Req) -> None:
         self.running.remove(req)
         self.allocator.free(req.block_ids)
         req.block_ids = []
+        req.num_registered_blocks = 0
         req.num_computed_tokens = 0
         req.spec_token_ids = []
         req.status = ReqStatus.WAITING
@@ -151,6 +177,7 @@ class Scheduler:
             if req.status is not ReqStatus.RUNNING:
                 continue  # aborted while the step ran
             req.num_computed_tokens += n
+            self.register(req)
             if i not in sampled:
                 continue
             req.append_token(*sampled[i])
@@ -174,11 +201,13 @@ class Scheduler:
             req.num_computed_tokens += n
             res = results.get(i)
             if res is None:
+                self.register(req)
                 continue
             for token in res.tokens:
                 req.append_token(*token)
             # The target's KV holds every kept token but the newest one.
             req.num_computed_tokens = req.num_tokens - 1
+            self.register(req)
             req.spec_token_ids = []
             if res.finish_reason is not None:
                 finish(req, res.finish_reason)

@@ -45,6 +45,11 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                                      "needs a checkpoint with an MTP layer)")
     g.add_argument("--enforce-eager", action="store_true",
                    help="CUDA: run decode steps eagerly instead of replaying CUDA graphs")
+    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="keep full KV blocks after their request ends and share them by content: "
+                        "a prompt starts after its longest cached prefix, and a decode node "
+                        "receives only the blocks it does not hold (default: on; "
+                        "--no-enable-prefix-caching turns it off)")
     g.add_argument("--log-level", default="info",
                    choices=["debug", "info", "warning", "error"], help="log level (default: info)")
 
@@ -66,6 +71,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len,
         enforce_eager=getattr(args, "enforce_eager", False),
+        enable_prefix_caching=getattr(args, "enable_prefix_caching", True),
     )
 
 

@@ -55,6 +55,14 @@ _AHEAD = Counter("pd_decode_steps_ahead",
 _SPEC_PLAIN = Counter("pd_spec_decode_plain_steps",
                       "Decode steps run without MTP because plain steps measured faster for "
                       "that batch size (--spec-fallback)", LABELS)
+_PREFIX_QUERIES = Counter("pd_prefix_cache_queries",
+                          "Prompt tokens looked up in the prefix cache (a decode node looks up "
+                          "each handed-over prompt)", LABELS)
+_PREFIX_HITS = Counter("pd_prefix_cache_hits",
+                       "Prompt tokens found in the prefix cache (not computed, or not received)",
+                       LABELS)
+_PREFIX_EVICTED = Counter("pd_prefix_cache_evicted_blocks",
+                          "Cached KV blocks evicted to make room", LABELS)
 _ACCEPTED_POS = Counter("pd_spec_decode_num_accepted_tokens_per_pos",
                         "MTP draft tokens accepted, by draft position (0-based)",
                         LABELS + ("position",))
@@ -72,6 +80,14 @@ def _mirror(counter):
     return mirror
 
 
+def export_prefix_cache(metrics: SimpleNamespace, engine) -> None:
+    """Mirror the engine's prefix-cache counters into the node's metrics."""
+    if engine.prefix is not None:
+        metrics.count_prefix_queries(engine.prefix.stats.queries)
+        metrics.count_prefix_hits(engine.prefix.stats.hits)
+        metrics.count_prefix_evictions(engine.allocator.num_evictions)
+
+
 def for_node(role: str, node_id: str) -> SimpleNamespace:
     lab = {"role": role, "node": node_id}
     return SimpleNamespace(
@@ -87,6 +103,9 @@ def for_node(role: str, node_id: str) -> SimpleNamespace:
         spec_drafts=_DRAFTS.labels(**lab), spec_draft_tokens=_DRAFT_TOKENS.labels(**lab),
         spec_accepted_tokens=_ACCEPTED.labels(**lab),
         count_spec_plain_steps=_mirror(_SPEC_PLAIN.labels(**lab)),
+        count_prefix_queries=_mirror(_PREFIX_QUERIES.labels(**lab)),
+        count_prefix_hits=_mirror(_PREFIX_HITS.labels(**lab)),
+        count_prefix_evictions=_mirror(_PREFIX_EVICTED.labels(**lab)),
         spec_accepted_at=lambda pos: _ACCEPTED_POS.labels(role=role, node=node_id, position=str(pos)),
         refused=lambda reason: _REFUSED.labels(role=role, node=node_id, reason=reason),
     )

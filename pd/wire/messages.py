@@ -161,11 +161,13 @@ class RequestMeta:
 
 @message
 class KVAccept:
-    """D has reserved blocks for the request: P may send its KV."""
+    """D has reserved blocks for the request: P may send its KV, all but the first
+    `num_cached_blocks` prompt blocks, which D holds in its prefix cache."""
 
     TYPE: ClassVar[str] = "kv_accept"
     VERSION: ClassVar[int] = 1
     req_id: str
+    num_cached_blocks: int = 0
 
 
 @message

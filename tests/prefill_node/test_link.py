@@ -39,7 +39,7 @@ class Owner:
     def on_first_token_sent(self, job):
         self.events.append(("first_token_sent", job.req.req_id))
 
-    def on_kv_accept(self, link, req_id):
+    def on_kv_accept(self, link, req_id, num_cached_blocks=0):
         self.events.append(("kv_accept", req_id))
 
     def on_kv_ack(self, link, req_id):
