@@ -377,6 +377,7 @@ class DecodeNode(NodeService):
             "free_blocks": self.allocator.num_free,
             "total_blocks": self.allocator.num_blocks,
             "block_size": self.engine.config.block_size,
+            **self.engine.prefix_stats(),
         }
 
     def shutdown(self) -> None:

@@ -84,6 +84,8 @@ class PrefillNode(NodeService):
         self.links: dict[str, DecodeLink] = {}
         self.geometry = engine.geometry(mtp_enabled=engine.spec is not None)
         self.metrics = node_metrics.for_node(self.role, node_id)
+        self.kv_sent_bytes = 0
+        self.prompt_tokens_computed = 0
 
     # -- intake --------------------------------------------------------------------------------
     def on_control(self, identity: bytes, msg) -> None:
@@ -129,6 +131,7 @@ class PrefillNode(NodeService):
         spec = self.engine.spec
         sampled = spec.run(batch) if spec is not None else self.engine.runner.run(batch)
         self.metrics.prompt_tokens.inc(batch.num_tokens)
+        self.prompt_tokens_computed += batch.num_tokens
         self.metrics.step_seconds.observe(time.perf_counter() - start)
         self.metrics.batch_size.observe(len(batch.reqs))
         if spec is not None:  # the first token, and the MTP layer's first drafts
@@ -190,6 +193,7 @@ class PrefillNode(NodeService):
         job.kv_started = time.perf_counter()
         nbytes = link.send_kv(job, num_cached_blocks)
         self.metrics.kv_sent_bytes.inc(nbytes)
+        self.kv_sent_bytes += nbytes
 
     def on_kv_ack(self, link: DecodeLink, req_id: str) -> None:
         job = self.jobs.get(req_id)
@@ -280,6 +284,9 @@ class PrefillNode(NodeService):
             "free_blocks": alloc.num_free,
             "total_blocks": alloc.num_blocks,
             "block_size": self.engine.config.block_size,
+            "prompt_tokens_computed": self.prompt_tokens_computed,
+            "kv_sent_bytes": self.kv_sent_bytes,
+            **self.engine.prefix_stats(),
         }
 
     def shutdown(self) -> None:

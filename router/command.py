@@ -28,7 +28,11 @@ def make_backend(args: argparse.Namespace, prefill: list[str], decode: list[str]
     from router.zmq_backend import ZmqBackend
 
     context = ModelConfig.from_dir(args.model).max_context_len
-    return ZmqBackend(prefill, decode, policy=args.policy,
+    options = {}
+    if args.policy == "cache_aware":
+        options = dict(cache_threshold=args.cache_threshold, balance_abs=args.balance_abs_threshold,
+                       balance_rel=args.balance_rel_threshold)
+    return ZmqBackend(prefill, decode, policy=args.policy, policy_options=options,
                       max_model_len=min(args.max_model_len or context, context),
                       heartbeat_interval=args.heartbeat_interval,
                       heartbeat_timeout=args.heartbeat_timeout)

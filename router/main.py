@@ -55,7 +55,19 @@ def add_router_arguments(p, with_nodes: bool = True) -> None:
     p.add_argument("--policy", choices=POLICIES, default="load",
                    help="node choice: 'load' (prefill: least outstanding prefill tokens; decode: "
                         "most free KV blocks; power of two choices among equals), "
-                        "'round_robin' or 'random' (default: %(default)s)")
+                        "'round_robin', 'random', or 'cache_aware' (the node most likely to "
+                        "hold the prompt's prefix in its prefix cache, balanced against load) "
+                        "(default: %(default)s)")
+    p.add_argument("--cache-threshold", type=float, default=0.5,
+                   help="cache_aware: route by cache when the best node holds at least this "
+                        "fraction of the prompt, else to the least busy node (default: %(default)s)")
+    p.add_argument("--balance-abs-threshold", type=int, default=32,
+                   help="cache_aware: the least busy node takes the request, cached prefix or "
+                        "not, when the busiest node has more than this many requests more than "
+                        "it and more than --balance-rel-threshold times as many (default: "
+                        "%(default)s)")
+    p.add_argument("--balance-rel-threshold", type=float, default=1.5,
+                   help="cache_aware: see --balance-abs-threshold (default: %(default)s)")
     p.add_argument("--max-running", type=int, default=512,
                    help="sequences in flight to the nodes at once: a request counts its "
                         "prompts x n; one that asks for more is refused with HTTP 400 "

@@ -30,6 +30,11 @@ MESSAGES_REFUSED = Counter("pd_router_messages_refused",
                            "ZMQ messages the router refused (malformed, unknown, too large, wrong "
                            "frames) by socket: 'events' (its event PULL), 'control' (node replies)",
                            ["socket"], registry=_PROCESS)
+ROUTING_DECISIONS = Counter("pd_router_routing_decisions",
+                            "Node choices of the cache-aware policy, by role and reason: 'cache' "
+                            "(longest cached prefix), 'load' (no prefix cached enough: least "
+                            "busy), 'balance' (nodes too unequal: least busy)",
+                            ["role", "reason"], registry=_PROCESS)
 
 # Sub-millisecond to minutes.
 _LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75,

@@ -4,9 +4,11 @@ Plain Python over the registry's `Node`s, no I/O. `load`: the prefill node with 
 outstanding prefill tokens and the decode node with the most free KV blocks; among nodes equal
 on that, two are drawn at random and the less busy one wins (power of two choices), so equal
 nodes share the work without herding. `round_robin` cycles through the nodes of each role in
-address order; `random` draws uniformly. `exclude` names nodes to avoid (a retry after a
-failed prefill); when it leaves none, every given node is a candidate again. Callers pass
-healthy nodes only and handle an empty list.
+address order; `random` draws uniformly; `cache_aware` (`cache_aware.py`) sends a request where
+its prompt's prefix is cached, balanced against load. `exclude` names nodes to avoid (a retry
+after a failed prefill); when it leaves none, every given node is a candidate again. Callers pass
+healthy nodes only and handle an empty list, and tell the policy when a request ends
+(`finished`): the cache-aware policy learns what each decode node holds from it.
 """
 
 from __future__ import annotations
@@ -17,26 +19,33 @@ from typing import Collection, Sequence
 
 from router.registry import Node
 
-POLICIES = ("load", "round_robin", "random")
+POLICIES = ("load", "round_robin", "random", "cache_aware")
 
 
 class Policy(ABC):
+    learns_outputs = False  # wants `finished` with each request's tokens
+
     def __init__(self, seed: int | None = None) -> None:
         self.rng = random.Random(seed)
 
-    def pick_prefill(self, nodes: Sequence[Node], exclude: Collection[str] = ()) -> Node | None:
+    def pick_prefill(self, nodes: Sequence[Node], exclude: Collection[str] = (),
+                     prompt_ids: Sequence[int] = ()) -> Node | None:
         nodes = _candidates(nodes, exclude)
-        return self._pick_prefill(nodes) if nodes else None
+        return self._pick_prefill(nodes, prompt_ids) if nodes else None
 
-    def pick_decode(self, nodes: Sequence[Node], exclude: Collection[str] = ()) -> Node | None:
+    def pick_decode(self, nodes: Sequence[Node], exclude: Collection[str] = (),
+                    prompt_ids: Sequence[int] = ()) -> Node | None:
         nodes = _candidates(nodes, exclude)
-        return self._pick_decode(nodes) if nodes else None
+        return self._pick_decode(nodes, prompt_ids) if nodes else None
+
+    def finished(self, decode: Node, token_ids: Sequence[int]) -> None:
+        """A request ended well on `decode` with these prompt + output tokens."""
 
     @abstractmethod
-    def _pick_prefill(self, nodes: list[Node]) -> Node: ...
+    def _pick_prefill(self, nodes: list[Node], prompt_ids: Sequence[int] = ()) -> Node: ...
 
     @abstractmethod
-    def _pick_decode(self, nodes: list[Node]) -> Node: ...
+    def _pick_decode(self, nodes: list[Node], prompt_ids: Sequence[int] = ()) -> Node: ...
 
 
 def _candidates(nodes: Sequence[Node], exclude: Collection[str]) -> list[Node]:
@@ -45,11 +54,11 @@ def _candidates(nodes: Sequence[Node], exclude: Collection[str]) -> list[Node]:
 
 
 class LoadPolicy(Policy):
-    def _pick_prefill(self, nodes: list[Node]) -> Node:
+    def _pick_prefill(self, nodes: list[Node], prompt_ids: Sequence[int] = ()) -> Node:
         best = min(n.prefill_load for n in nodes)
         return self._two_choices([n for n in nodes if n.prefill_load == best])
 
-    def _pick_decode(self, nodes: list[Node]) -> Node:
+    def _pick_decode(self, nodes: list[Node], prompt_ids: Sequence[int] = ()) -> Node:
         best = max(n.free_kv for n in nodes)
         return self._two_choices([n for n in nodes if n.free_kv == best])
 
@@ -71,23 +80,29 @@ class RoundRobinPolicy(Policy):
         self._next[key] += 1
         return node
 
-    def _pick_prefill(self, nodes: list[Node]) -> Node:
+    def _pick_prefill(self, nodes: list[Node], prompt_ids: Sequence[int] = ()) -> Node:
         return self._cycle("prefill", nodes)
 
-    def _pick_decode(self, nodes: list[Node]) -> Node:
+    def _pick_decode(self, nodes: list[Node], prompt_ids: Sequence[int] = ()) -> Node:
         return self._cycle("decode", nodes)
 
 
 class RandomPolicy(Policy):
-    def _pick_prefill(self, nodes: list[Node]) -> Node:
+    def _pick_prefill(self, nodes: list[Node], prompt_ids: Sequence[int] = ()) -> Node:
         return self.rng.choice(nodes)
 
-    def _pick_decode(self, nodes: list[Node]) -> Node:
+    def _pick_decode(self, nodes: list[Node], prompt_ids: Sequence[int] = ()) -> Node:
         return self.rng.choice(nodes)
 
 
-def make_policy(name: str, seed: int | None = None) -> Policy:
+def make_policy(name: str, seed: int | None = None, **options) -> Policy:
+    """The policy `name`; `options` are the cache-aware policy's thresholds (ignored by the
+    others)."""
+    from router.cache_aware import CacheAwarePolicy
+
     classes = {"load": LoadPolicy, "round_robin": RoundRobinPolicy, "random": RandomPolicy}
+    if name == "cache_aware":
+        return CacheAwarePolicy(seed, **options)
     if name not in classes:
         raise ValueError(f"unknown policy {name!r}; choose one of {', '.join(POLICIES)}")
     return classes[name](seed)

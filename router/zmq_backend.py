@@ -26,7 +26,7 @@ from pd.wire import messages as m
 from pd.wire import security
 from pd.wire.refusals import RefusalLog
 from router.backend import Backend, BackendUnavailable, GenerateRequest, TokenEvent
-from router.metrics import BACKEND_RETRIES, MESSAGES_REFUSED
+from router.metrics import BACKEND_RETRIES, MESSAGES_REFUSED, ROUTING_DECISIONS
 from router.policy import make_policy
 from router.registry import Node, NodeRegistry, Role
 
@@ -57,13 +57,15 @@ class Flight:
 class ZmqBackend(Backend):
     def __init__(self, prefill: list[str], decode: list[str], *, policy: str = "load",
                  max_model_len: int, host: str = "127.0.0.1", heartbeat_interval: float = 0.5,
-                 heartbeat_timeout: float = 3.0) -> None:
+                 heartbeat_timeout: float = 3.0, policy_options: dict | None = None) -> None:
         self.registry = NodeRegistry(heartbeat_timeout=heartbeat_timeout)
         for addr in prefill:
             self.registry.add(Role.PREFILL, addr)
         for addr in decode:
             self.registry.add(Role.DECODE, addr)
-        self.policy = make_policy(policy)
+        self.policy = make_policy(policy, **(policy_options or {}), **(
+            {"on_decision": lambda role, reason: ROUTING_DECISIONS.labels(role, reason).inc()}
+            if policy == "cache_aware" else {}))
         self._max_model_len = max_model_len
         self.host = host
         self.heartbeat_interval = heartbeat_interval
@@ -204,10 +206,11 @@ class ZmqBackend(Backend):
                     flight.node_req_id, [], error=f"{node.role.value} node {node.address} is down"))
 
     # -- requests --------------------------------------------------------------------------------
-    def _pick(self, exclude: tuple[str, ...] = ()) -> tuple[Node, Node]:
-        prefill = self.policy.pick_prefill(self.registry.routable(Role.PREFILL), exclude)
+    def _pick(self, prompt_ids, exclude: tuple[str, ...] = ()) -> tuple[Node, Node]:
+        prefill = self.policy.pick_prefill(self.registry.routable(Role.PREFILL), exclude, prompt_ids)
         decode = self.policy.pick_decode(
-            [n for n in self.registry.routable(Role.DECODE) if n.address in self.kv_addr], exclude)
+            [n for n in self.registry.routable(Role.DECODE) if n.address in self.kv_addr], exclude,
+            prompt_ids)
         if prefill is None or decode is None:
             h = self.registry.counts()
             raise BackendUnavailable(f"no healthy prefill or decode node ({h['prefill']} prefill, "
@@ -215,7 +218,7 @@ class ZmqBackend(Backend):
         return prefill, decode
 
     def _launch(self, req: GenerateRequest, node_req_id: str, exclude=()) -> Flight:
-        prefill, decode = self._pick(exclude)
+        prefill, decode = self._pick(req.prompt_ids, exclude)
         flight = Flight(prefill, decode, node_req_id)
         self.flights[node_req_id] = flight
         bs = self.block_size.get(decode.address, 16)
@@ -241,6 +244,7 @@ class ZmqBackend(Backend):
         finished = failed = False
         retried = False
         asked = req.params.logprobs is not None
+        output: list[int] | None = [] if self.policy.learns_outputs else None
         try:
             while True:
                 msg: m.TokenStream = await flight.queue.get()
@@ -264,6 +268,10 @@ class ZmqBackend(Backend):
                     self.registry.prefill_done(flight.prefill, len(req.prompt_ids))
                 finished = msg.finish_reason is not None or msg.error is not None
                 failed = msg.error is not None
+                if output is not None:
+                    output += msg.token_ids
+                    if finished and not failed:
+                        self.policy.finished(flight.decode, [*req.prompt_ids, *output])
                 yield TokenEvent(
                     list(msg.token_ids),
                     logprobs=list(msg.logprobs) if asked and msg.logprobs is not None else None,

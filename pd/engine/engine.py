@@ -82,6 +82,12 @@ class Engine:
     def geometry(self, mtp_enabled: bool = False) -> dict:
         return geometry(self.model_config, self.runner.dtype, self.config.block_size, mtp_enabled)
 
+    def prefix_stats(self) -> dict:
+        """The prefix cache's counters, for a node's heartbeat (zero with caching off)."""
+        stats = self.prefix.stats if self.prefix is not None else None
+        return {"prefix_cache_queries": stats.queries if stats else 0,
+                "prefix_cache_hits": stats.hits if stats else 0}
+
     def validate_prompt(self, prompt_token_ids: list[int]) -> None:
         if not prompt_token_ids:
             raise ValueError("empty prompt: at least one token is needed")
