@@ -7,8 +7,9 @@
 #   and host time (profiler), overlap on/off (parity of 64 requests, sync check, throughput and
 #   step gap), MTP on/off (graphed, overlap on/off, logprobs) and the MTP machinery on the 1B
 #   shape. Logs go to $OUT (or ./out) and one table each to stdout.
-#     bash benchmarks/gpu/run_all.sh [1|2|3]    (1: checks, KV, attention, decode; 2: graphs,
-#                                                 profile, overlap, MTP; 3: the two-GPU mixed load)
+#     bash benchmarks/gpu/run_all.sh [1|2|3|4]  (1: checks, KV, attention, decode; 2: graphs,
+#                                                 profile, overlap, MTP; 3: the two-GPU mixed load;
+#                                                 4: prefix caching through pd launch)
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-out}
@@ -48,6 +49,11 @@ TAIL=64 step mtp python3 benchmarks/bench_mtp.py --device cuda --ks 0,1,3 --max-
 TAIL=24 step mtp_eager python3 benchmarks/bench_mtp.py --device cuda --enforce-eager --ks 0,3 --overlap on
 TAIL=36 step mtp_mechanism python3 benchmarks/gpu/bench_mtp_mechanism.py
 TAIL=14 step profile_mtp python3 benchmarks/gpu/profile_mtp.py --k 3 --batch 16 --top 8
+fi
+if [[ $PART == all || $PART == 4 ]]; then  # prefix caching through pd launch
+TAIL=24 step prefix_cache python3 benchmarks/bench_prefix_cache.py --device cuda --synthetic-1b \
+    --prefix-len 2048 --input-len 128 --output-len 16 --num-prompts 64 --concurrency 8 \
+    --first-turn-len 1024 --routing-prompts 320
 fi
 if [[ $PART == 3 ]]; then  # needs two GPUs: P on cuda:0, D on cuda:1
 TAIL=8 step mixed python3 benchmarks/gpu/bench_mixed.py

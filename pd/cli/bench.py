@@ -1,7 +1,10 @@
 """`pd bench`: a serving benchmark against the router, or any OpenAI-compatible server.
 
 It builds prompts (`--dataset random`: random token ids of given input/output lengths, a range
-ratio and a shared prefix; `--dataset jsonl`: one {"prompt": ..., "output_len": ...} per line),
+ratio and shared prefixes, one or `--random-num-prefixes` of them; `--dataset jsonl`: one
+{"prompt": ..., "output_len": ...} per line), or conversations (`--multi-turn T`: each prompt
+opens one, and each next turn sends the previous turn's prompt, its answer and a new message of
+`--random-input-len` tokens, as text; the table adds TTFT per turn),
 sends them streamed to /v1/completions (or /v1/chat/completions) at `--request-rate` (Poisson
 arrivals, gamma-distributed with `--burstiness`; inf sends all at once) under
 `--max-concurrency`, and prints the figures of `vllm bench serve`: completed and failed
@@ -53,6 +56,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="lengths drawn uniformly in [len*(1-r), len*(1+r)] (default: 0)")
     g.add_argument("--random-prefix-len", type=int, default=0,
                    help="random tokens shared by every prompt, before its own (default: 0)")
+    g.add_argument("--random-num-prefixes", type=int, default=1,
+                   help="distinct shared prefixes of --random-prefix-len tokens (system prompts); "
+                        "prompt i starts with prefix i mod N (default: 1)")
+    g.add_argument("--multi-turn", type=int, default=1, metavar="T",
+                   help="turns per conversation: each of --num-prompts prompts opens one, and "
+                        "each next turn sends the whole conversation so far plus a new message "
+                        "(default: 1, single requests)")
     g.add_argument("--output-len", type=int, default=None,
                    help="jsonl: max_tokens for lines without output_len (default: 64)")
     g.add_argument("--seed", type=int, default=0)
@@ -84,7 +94,7 @@ def load_tokenizer(args: argparse.Namespace):
 
 
 def random_prompts(tok, num: int, input_len: int, output_len: int, range_ratio: float,
-                   prefix_len: int, seed: int) -> list[Prompt]:
+                   prefix_len: int, seed: int, num_prefixes: int = 1) -> list[Prompt]:
     if not 0 <= range_ratio < 1:
         raise ValueError(f"--random-range-ratio must be in [0, 1), got {range_ratio}")
     rng = np.random.default_rng(seed)
@@ -94,10 +104,19 @@ def random_prompts(tok, num: int, input_len: int, output_len: int, range_ratio: 
         lo, hi = int(np.floor(n * (1 - range_ratio))), int(np.ceil(n * (1 + range_ratio)))
         return rng.integers(max(lo, 1), max(hi, 1) + 1, size=num)
 
-    prefix = rng.choice(allowed, size=prefix_len).tolist()
+    if num_prefixes < 1:
+        raise ValueError(f"--random-num-prefixes must be at least 1, got {num_prefixes}")
+    prefixes = [rng.choice(allowed, size=prefix_len).tolist() for _ in range(num_prefixes)]
     ins, outs = lengths(input_len), lengths(output_len)
-    return [Prompt(prefix + rng.choice(allowed, size=int(n)).tolist(), prefix_len + int(n), int(o))
-            for n, o in zip(ins, outs)]
+    return [Prompt(prefixes[i % num_prefixes] + rng.choice(allowed, size=int(n)).tolist(),
+                   prefix_len + int(n), int(o))
+            for i, (n, o) in enumerate(zip(ins, outs))]
+
+
+def new_message(tok, rng: np.random.Generator, n: int) -> str:
+    """A user message of about `n` random tokens, as text (a conversation's next turn)."""
+    allowed = [i for i in range(tok.vocab_size) if i not in tok.all_special_ids]
+    return tok.decode(rng.choice(allowed, size=n).tolist())
 
 
 def jsonl_prompts(tok, path: str, num: int, output_len: int | None) -> list[Prompt]:
@@ -125,18 +144,19 @@ async def arrivals(prompts: list[Prompt], rate: float, burstiness: float, seed: 
             await asyncio.sleep(rng.gamma(shape=burstiness, scale=1.0 / (rate * burstiness)))
 
 
-async def send(session, args, model: str, p: Prompt, tok) -> RequestOutput:
+async def send(session, args, model: str, p: Prompt, tok, messages: list | None = None,
+               turn: int = 0) -> RequestOutput:
     chat = args.endpoint.endswith("chat/completions")
     body = {"model": model, "max_tokens": p.output_len, "temperature": args.temperature,
             "stream": True, "stream_options": {"include_usage": True}}
     if chat:
         text = p.prompt if isinstance(p.prompt, str) else tok.decode(p.prompt)
-        body["messages"] = [{"role": "user", "content": text}]
+        body["messages"] = messages or [{"role": "user", "content": text}]
     else:
         body["prompt"] = p.prompt
     if args.ignore_eos:
         body["ignore_eos"] = True
-    out = RequestOutput(prompt_len=p.prompt_len)
+    out = RequestOutput(prompt_len=p.prompt_len, turn=turn)
     usage = None
     start = last = time.perf_counter()
     try:
@@ -216,22 +236,50 @@ async def run(args: argparse.Namespace, prompts: list[Prompt], tok) -> tuple[lis
             if not test.success:
                 raise RuntimeError(f"the test request failed: {test.error}")
         sem = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
-        bar = Progress(len(prompts), not args.disable_progress)
+        bar = Progress(len(prompts) * args.multi_turn, not args.disable_progress)
 
-        async def one(p: Prompt) -> RequestOutput:
+        async def one(p: Prompt, messages=None, turn: int = 0) -> RequestOutput:
             if sem is None:
-                out = await send(session, args, model, p, tok)
+                out = await send(session, args, model, p, tok, messages, turn)
             else:
                 async with sem:
-                    out = await send(session, args, model, p, tok)
+                    out = await send(session, args, model, p, tok, messages, turn)
             bar.step()
             return out
 
+        async def conversation(p: Prompt, index: int) -> list[RequestOutput]:
+            rng = np.random.default_rng([args.seed, index])
+            text = p.prompt if isinstance(p.prompt, str) else tok.decode(p.prompt)
+            messages = [{"role": "user", "content": text}]
+            outs = []
+            for turn in range(args.multi_turn):
+                out = await one(Prompt(text, p.prompt_len, p.output_len), messages, turn)
+                outs.append(out)
+                if not out.success:
+                    break
+                message = new_message(tok, rng, args.random_input_len)
+                text += out.generated_text + message
+                messages += [{"role": "assistant", "content": out.generated_text},
+                             {"role": "user", "content": message}]
+            return outs
+
         t0 = time.perf_counter()
-        tasks = [asyncio.create_task(one(p)) async for p in
-                 arrivals(prompts, args.request_rate, args.burstiness, args.seed)]
-        outputs = await asyncio.gather(*tasks)
+        if args.multi_turn > 1:
+            starts = arrivals(prompts, args.request_rate, args.burstiness, args.seed)
+            tasks = [asyncio.create_task(conversation(p, i)) async for i, p in _enumerate(starts)]
+            outputs = [o for outs in await asyncio.gather(*tasks) for o in outs]
+        else:
+            tasks = [asyncio.create_task(one(p)) async for p in
+                     arrivals(prompts, args.request_rate, args.burstiness, args.seed)]
+            outputs = await asyncio.gather(*tasks)
         return list(outputs), time.perf_counter() - t0, model
+
+
+async def _enumerate(items):
+    i = 0
+    async for item in items:
+        yield i, item
+        i += 1
 
 
 def main(args: argparse.Namespace) -> int:
@@ -240,6 +288,8 @@ def main(args: argparse.Namespace) -> int:
         percentiles = [float(x) for x in args.metric_percentiles.split(",")]
         if args.num_prompts < 1 or args.burstiness <= 0 or args.request_rate <= 0:
             raise ValueError("--num-prompts, --burstiness and --request-rate must be positive")
+        if args.multi_turn < 1:
+            raise ValueError(f"--multi-turn must be at least 1, got {args.multi_turn}")
         tok = load_tokenizer(args)
         if args.dataset == "jsonl":
             if not args.dataset_path:
@@ -248,7 +298,8 @@ def main(args: argparse.Namespace) -> int:
         else:
             prompts = random_prompts(tok, args.num_prompts, args.random_input_len,
                                      args.random_output_len, args.random_range_ratio,
-                                     args.random_prefix_len, args.seed)
+                                     args.random_prefix_len, args.seed,
+                                     args.random_num_prefixes)
         outputs, duration, model = asyncio.run(run(args, prompts, tok))
     except (ValueError, OSError, RuntimeError) as e:
         print(f"pd bench: {e}", file=sys.stderr)

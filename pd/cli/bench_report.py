@@ -29,6 +29,7 @@ class RequestOutput:
     latency: float = 0.0
     generated_text: str = ""
     error: str = ""
+    turn: int = 0  # the turn of its conversation (--multi-turn), 0-based
 
     @property
     def tpot(self) -> float | None:
@@ -77,6 +78,10 @@ def summarize(outputs: list[RequestOutput], duration: float, percentiles: list[f
         "output_throughput": total_out / duration,
         "total_token_throughput": (total_in + total_out) / duration,
     }
+    turns = sorted({o.turn for o in ok})
+    if len(turns) > 1:  # --multi-turn: TTFT per turn of the conversations
+        s["median_ttft_ms_by_turn"] = [
+            float(np.median([o.ttft for o in ok if o.turn == t]) * 1000) for t in turns]
     for key, values in series.items():
         ms = np.asarray(values or [0.0]) * 1000
         s[f"mean_{key}_ms"] = float(ms.mean())
@@ -108,6 +113,10 @@ def table(s: dict, percentiles: list[float]) -> str:
         lines.append(row(f"Median {short} (ms):", s[f"median_{key}_ms"]))
         for p in percentiles:
             lines.append(row(f"P{p:g} {short} (ms):", s[f"p{p:g}_{key}_ms"]))
+    if "median_ttft_ms_by_turn" in s:
+        lines.append("{s:{c}^{n}}".format(s="TTFT by turn", n=50, c="-"))
+        for t, v in enumerate(s["median_ttft_ms_by_turn"]):
+            lines.append(row(f"Median TTFT, turn {t + 1} (ms):", v))
     lines.append("=" * 50)
     return "\n".join(lines)
 

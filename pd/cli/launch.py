@@ -40,6 +40,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("launch")
     g.add_argument("--num-prefill", type=int, default=1, help="prefill nodes to start (default: 1)")
     g.add_argument("--num-decode", type=int, default=1, help="decode nodes to start (default: 1)")
+    g.add_argument("--prefill-num-blocks", type=int, default=None,
+                   help="KV blocks of each prefill node, when they should differ from the decode "
+                        "nodes' --num-blocks (a prefill node holds only prompts in flight and its "
+                        "prefix cache) (default: --num-blocks)")
     add_launch_arguments(p.add_argument_group("nodes"))
     g.add_argument("--heartbeat-timeout", type=float, default=None,
                    help="router: seconds a node may leave a heartbeat unanswered before it is "
@@ -79,6 +83,8 @@ def main(args: argparse.Namespace) -> int:
     if keys is not None:
         common += ["--curve-keys", keys.directory]
     nodes = []
+    # the last --num-blocks given wins
+    prefill_blocks = ["--num-blocks", str(args.prefill_num_blocks)] if args.prefill_num_blocks else []
 
     def stop_all() -> None:
         for node in nodes:  # NOTE: every node drains at once, then each is waited for
@@ -95,7 +101,8 @@ def main(args: argparse.Namespace) -> int:
                                     timeout=args.ready_timeout, die_with_parent=True))
         for i in range(args.num_prefill):
             nodes.append(start_node("prefill", [*common, "--port", "0", "--node-id", f"prefill-{i}",
-                                                *node_args(args, launch_flags("prefill"))],
+                                                *node_args(args, launch_flags("prefill")),
+                                                *prefill_blocks],
                                     timeout=args.ready_timeout, die_with_parent=True))
         for n in nodes:
             print(f"node {n.info['node_id']} pid {n.pid} control 127.0.0.1:{n.info['port']}"

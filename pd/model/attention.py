@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention.bias import causal_lower_right
 
 from kernels.paged_decode import can_use_kernel, paged_decode
 from pd.model.context import get_context
@@ -40,6 +39,10 @@ def prefill_per_sequence(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     """Prefill chunks on CUDA: one SDPA per sequence over its own keys, causal from the lower
     right (a chunk's queries are the last of its keys), which SDPA runs as flash or
     memory-efficient attention: no padded batch and no mask tensor."""
+    # NOTE: imported here: torch.nn.attention.bias imports torch._dynamo (2 s of start-up on a
+    # small CPU), and only this CUDA path needs it
+    from torch.nn.attention.bias import causal_lower_right
+
     out = torch.empty_like(q)
     block = k_cache.shape[1]
     start = 0

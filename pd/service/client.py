@@ -108,3 +108,9 @@ class NodeClient:
         for s in self.controls.values():
             s.close()
         self.events.close()
+
+    def __enter__(self) -> "NodeClient":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
