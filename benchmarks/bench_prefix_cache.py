@@ -43,7 +43,10 @@ BS = 16
 
 
 def launch(args, *extra: str) -> Launch:
-    flags = ["--device", args.device, "--num-blocks", str(args.num_blocks), *extra]
+    # NOTE: a node's first long prompts capture prefill CUDA graphs (seconds with no heartbeat
+    # answered), which the router's default 3 s on CUDA would take for a dead node
+    flags = ["--device", args.device, "--num-blocks", str(args.num_blocks),
+             "--heartbeat-timeout", "60", *extra]
     return Launch(args.model, *flags, timeout=300)
 
 
