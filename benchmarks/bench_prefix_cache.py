@@ -55,6 +55,20 @@ def node_stats(client: NodeClient, lau: Launch, role: str) -> list[dict]:
             if name.startswith(role)]
 
 
+def mean_seconds(lau: Launch, role: str, name: str) -> float:
+    """The mean of a node histogram (`name`_sum / `name`_count) over the nodes of `role`, ms."""
+    total = count = 0.0
+    for node_name, n in lau.nodes.items():
+        if node_name.startswith(role) and n["metrics"]:
+            text = urllib.request.urlopen(f"http://{n['metrics']}/metrics", timeout=10).read().decode()
+            for line in text.splitlines():
+                if line.startswith(name + "_sum{"):
+                    total += float(line.rsplit(" ", 1)[1])
+                elif line.startswith(name + "_count{"):
+                    count += float(line.rsplit(" ", 1)[1])
+    return 1000 * total / max(count, 1.0)
+
+
 def run_bench(lau: Launch, args, *flags: str) -> dict:
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
         p = argparse.ArgumentParser()
@@ -83,13 +97,20 @@ def shared_prefix(args) -> None:
                           "--max-concurrency", str(args.concurrency), "--seed", "1")
             with NodeClient() as client:
                 p = node_stats(client, lau, "prefill")[0]
+            where = [mean_seconds(lau, "prefill", "pd_first_token_send_seconds"),
+                     mean_seconds(lau, "prefill", "pd_step_duration_seconds"),
+                     mean_seconds(lau, "decode", "pd_step_duration_seconds")]
         finally:
             lau.stop()
         rows[caching] = (r["median_ttft_ms"], r["p99_ttft_ms"], r["output_throughput"],
-                         p["prefix_cache_hits"] / max(1, p["prefix_cache_queries"]))
-    print(f"{'caching':<8}{'TTFT p50 ms':>12}{'TTFT p99 ms':>12}{'out tok/s':>11}{'P hit rate':>11}")
-    for k, (p50, p99, tps, hit) in rows.items():
-        print(f"{k:<8}{p50:>12.1f}{p99:>12.1f}{tps:>11.1f}{hit:>11.2f}")
+                         p["prefix_cache_hits"] / max(1, p["prefix_cache_queries"]), *where)
+    print(f"{'caching':<8}{'TTFT p50 ms':>12}{'TTFT p99 ms':>12}{'out tok/s':>11}{'P hit rate':>11}"
+          f"{'P 1st tok ms':>13}{'P step ms':>10}{'D step ms':>10}")
+    for k, (p50, p99, tps, hit, first, pstep, dstep) in rows.items():
+        print(f"{k:<8}{p50:>12.1f}{p99:>12.1f}{tps:>11.1f}{hit:>11.2f}{first:>13.1f}{pstep:>10.1f}"
+              f"{dstep:>10.1f}")
+    print("(P 1st tok: mean from a request's arrival at the prefill node to its first token sent; "
+          "steps: mean wall time)")
     print(f"TTFT p50 off/on: {rows['off'][0] / rows['on'][0]:.1f}x; output tok/s on/off: "
           f"{rows['on'][2] / rows['off'][2]:.2f}x")
 

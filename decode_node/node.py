@@ -230,6 +230,7 @@ class DecodeNode(NodeService):
             self.waiting_blocks.popleft()
             if prefix is not None:
                 prefix.count(req, len(hit))
+                node_metrics.export_prefix_cache(self.metrics, self.engine)
             self.allocator.share(hit)
             req.block_ids = hit + self.allocator.allocate(need)
             inc.num_cached = len(hit)

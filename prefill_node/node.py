@@ -134,6 +134,7 @@ class PrefillNode(NodeService):
         self.prompt_tokens_computed += batch.num_tokens
         self.metrics.step_seconds.observe(time.perf_counter() - start)
         self.metrics.batch_size.observe(len(batch.reqs))
+        node_metrics.export_prefix_cache(self.metrics, self.engine)
         if spec is not None:  # the first token, and the MTP layer's first drafts
             self.scheduler.update_spec(batch, sampled)
         else:

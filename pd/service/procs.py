@@ -133,10 +133,11 @@ class Launch:
         def read():
             for line in self.proc.stdout:
                 self.lines.append(line)
-                m = re.match(r"node (\S+) pid (\d+) control (\S+)(?: kv (\S+))?", line)
+                m = re.match(r"node (\S+) pid (\d+) control (\S+)(?: kv (\S+))?(?: metrics (\S+))?",
+                             line)
                 if m:
                     self.nodes[m.group(1)] = {"pid": int(m.group(2)), "control": m.group(3),
-                                              "kv": m.group(4)}
+                                              "kv": m.group(4), "metrics": m.group(5)}
                 m = re.match(r"pd is serving (\S+) at", line)
                 if m:
                     self.served_model_name = m.group(1)
