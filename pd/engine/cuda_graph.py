@@ -33,14 +33,12 @@ def _round_up(n: int, sizes) -> int:
 
 class DecodeGraphs:
     def __init__(self, model: torch.nn.Module, dummy_block: int, block_size: int,
-                 max_num_seqs: int, max_model_len: int, device: torch.device,
-                 sizes: tuple[int, ...] = BATCH_SIZES, shared: "DecodeGraphs | None" = None) -> None:
+                 max_num_seqs: int, max_model_len: int, device: torch.device) -> None:
         self.model = model
         self.dummy_block = dummy_block
         self.block_size = block_size
-        self.shared = shared  # the graphs whose memory pool these share
-        self.batch_sizes = tuple(s for s in sizes if s < max_num_seqs) + (
-            _round_up(max_num_seqs, sizes + (max_num_seqs,)),)
+        self.batch_sizes = tuple(s for s in BATCH_SIZES if s < max_num_seqs) + (
+            _round_up(max_num_seqs, BATCH_SIZES + (max_num_seqs,)),)
         max_blocks = -(-max_model_len // block_size)
         self.block_widths = tuple(1 << i for i in range((max_blocks - 1).bit_length() + 1))
         max_batch, width = self.batch_sizes[-1], self.block_widths[-1]
@@ -80,14 +78,12 @@ class DecodeGraphs:
         with torch.cuda.stream(side):
             self._forward(batch, width)  # warm-up outside the capture (allocator, lazy init)
         torch.cuda.current_stream(self.device).wait_stream(side)
-        owner = self.shared or self
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=owner.pool):
+        with torch.cuda.graph(graph, pool=self.pool):
             out = self._forward(batch, width)
-        if owner.pool is None:
-            owner.pool = graph.pool()
-        log.info("captured a %s CUDA graph: %d rows, %d KV blocks per row",
-                 "decode" if self.shared is None else "prefix-prefill", batch, width)
+        if self.pool is None:
+            self.pool = graph.pool()
+        log.info("captured a decode CUDA graph: batch %d, %d KV blocks per sequence", batch, width)
         return graph, out
 
     def _pad(self, start: int, batch: int, width: int) -> None:
@@ -195,52 +191,3 @@ class PrefillGraphs:
         self.slot_mapping[n:size].fill_(self.decode.dummy_block * self.decode.block_size)
         graph.replay()
         return out[:n]
-
-
-ROW_SIZES = (32, 64, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048)
-# NOTE: every row reads all its sequence's keys up to its own (mostly from L2, where a
-# sequence's keys of one layer stay while its rows read them); past this many (row, key) pairs
-# per step the rows cost more than the host time they save (the eager path, flash attention,
-# reads each key once), so long prompts' later chunks run as before
-MAX_ROW_KEYS = 1 << 22
-
-
-class ContextPrefillGraphs:
-    """CUDA graphs of prompt chunks that continue a computed prefix: a prompt whose prefix was
-    found in the prefix cache, or a long prompt's later chunks. Eager, such a step of 8 x 128
-    tokens after 2k cached ones is bound by the host launching a few hundred kernels per layer
-    (40 ms for 7 ms of GPU work on the 1B shape). Here each token runs as its own one-query row
-    over its sequence's block table, seeing the positions up to its own: a decode forward of
-    T rows (the decode graphs' machinery with row counts of `ROW_SIZES`, in their memory pool),
-    whose attention kernel reads the paged cache in place. Within a layer every row's K/V is
-    written before any row attends, so a chunk's rows see each other as causal attention
-    would. Steps of fresh prompts only, and steps past `MAX_ROW_KEYS`, run as before."""
-
-    def __init__(self, decode: DecodeGraphs, max_tokens: int, max_model_len: int,
-                 device: torch.device) -> None:
-        self.rows = DecodeGraphs(decode.model, decode.dummy_block, decode.block_size,
-                                 min(max_tokens, ROW_SIZES[-1]), max_model_len, device,
-                                 sizes=ROW_SIZES, shared=decode)
-        self.device = device
-
-    def can_run(self, ctx: ForwardContext) -> bool:
-        lens = ctx.seq_lens_host
-        if ctx.is_decode or lens is None or ctx.write_index is not None:
-            return False
-        return (any(kv > q for q, kv in lens) and sum(q for q, _ in lens) <= self.rows.batch_sizes[-1]
-                and sum(q * kv for q, kv in lens) <= MAX_ROW_KEYS
-                and ctx.block_tables.shape[1] <= self.rows.block_widths[-1])
-
-    @torch.inference_mode()
-    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        """Hidden states [T, H] of the step's tokens (a view of a graph's output, valid until
-        the next replay of that graph)."""
-        q_lens = [q for q, _ in ctx.seq_lens_host]
-        seq_of_row = torch.repeat_interleave(torch.arange(len(q_lens)), torch.tensor(q_lens))
-        if self.device.type == "cuda":
-            seq_of_row = seq_of_row.pin_memory().to(self.device, non_blocking=True)
-        rows = ForwardContext(
-            slot_mapping=ctx.slot_mapping, block_tables=ctx.block_tables.index_select(0, seq_of_row),
-            context_lens=positions + 1, padded_index=seq_of_row, attn_mask=None, max_q_len=1,
-            max_kv_len=ctx.max_kv_len)
-        return self.rows.run(input_ids, positions, rows)

@@ -94,17 +94,15 @@ class ModelRunner:
         self.kv_cache = KVCache(mc, num_blocks, cfg.block_size, self.dtype, self.device,
                                 spare_blocks=1 if spare else 0)
         self.kv_cache.bind(self.model.attention_layers())
-        self.graphs = self.prefill_graphs = self.context_graphs = None
+        self.graphs = self.prefill_graphs = None
         if use_graphs:
-            from pd.engine.cuda_graph import ContextPrefillGraphs, DecodeGraphs, PrefillGraphs
+            from pd.engine.cuda_graph import DecodeGraphs, PrefillGraphs
 
             self.graphs = DecodeGraphs(self.model, self.kv_cache.dummy_block, cfg.block_size,
                                        cfg.max_num_seqs, self.max_model_len, self.device)
             self.prefill_graphs = PrefillGraphs(self.model, self.graphs,
                                                 min(cfg.max_num_batched_tokens, self.max_model_len),
                                                 self.device)
-            self.context_graphs = ContextPrefillGraphs(self.graphs, cfg.max_num_batched_tokens,
-                                                       self.max_model_len, self.device)
         self.sampler = Sampler()
         log.info("model %s (%s, %d layers%s) on %s/%s, KV cache %d blocks x %d tokens (%.1f MiB)",
                  mc.model_id, mc.architecture, mc.num_layers, " + MTP" if mc.has_mtp else "",
@@ -149,7 +147,7 @@ class ModelRunner:
         flat = _concat if any(n > LONG_RUN for n in batch.num_new_tokens) else _chain
         ids, positions, slots = flat(id_parts), flat(pos_parts), flat(slot_parts)
         ctx = host_context(batch.num_new_tokens, context_lens,
-                           [req.block_ids for req in batch.reqs], slots)
+                           [req.block_ids for req in batch.reqs], slots, bs)
         asked = [r.params.logprobs for r in rows if r.params.logprobs is not None]
         future = np.nonzero(ids < 0)[0]
         host = {"input_ids": torch.from_numpy(ids), "positions": torch.from_numpy(positions),
@@ -207,15 +205,12 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, inp: ForwardInput) -> torch.Tensor:
         """Run the target model; returns the pre-norm hidden states of every token [T, H].
-        Decode steps, a prompt's first chunk prefilled alone, and chunks continuing a computed
-        prefix (cached, or earlier chunks) on CUDA replay a CUDA graph (`pd.engine.cuda_graph`)
-        unless --enforce-eager."""
+        Decode steps, and a prompt's first chunk prefilled alone, on CUDA replay a CUDA graph
+        (`pd.engine.cuda_graph`) unless --enforce-eager."""
         if self.graphs is not None and self.graphs.can_run(inp.context):
             return self.graphs.run(inp.input_ids, inp.positions, inp.context)
         if self.prefill_graphs is not None and self.prefill_graphs.can_run(inp.context):
             return self.prefill_graphs.run(inp.input_ids, inp.positions, inp.context)
-        if self.context_graphs is not None and self.context_graphs.can_run(inp.context):
-            return self.context_graphs.run(inp.input_ids, inp.positions, inp.context)
         with forward_context(inp.context):
             return self.model(inp.input_ids, inp.positions)
 

@@ -5,8 +5,9 @@ The step's K/V are already in the paged cache (`kernels.rope_cache`, called by t
 layer); each call gathers every sequence's keys through its block table into a padded batch and
 runs one masked `scaled_dot_product_attention` over it. On CUDA, decode steps (one query per sequence) run
 `kernels.paged_decode` instead, a Triton kernel that reads the blocks in place (`PD_ATTENTION=torch`
-keeps the torch path); prefill chunks of up to 8 sequences on CUDA run one SDPA per sequence,
-causal from the lower right, so that SDPA can pick flash attention (`prefill_per_sequence`); a
+keeps the torch path); prefill chunks on CUDA in 16 bits run one variable-length flash
+attention call over the batch (`prefill_varlen`), in float32 (no flash) up to 8 sequences run
+one SDPA per sequence, causal from the lower right (`prefill_per_sequence`); a
 prompt prefilled from position 0 in a CUDA graph attends causally over its own keys
 (`ForwardContext.causal_self`).
 This module's padded path is the reference for both devices, and the only path for
@@ -32,6 +33,22 @@ def window_mask(mask: torch.Tensor, window: int) -> torch.Tensor:
 
 
 MAX_SEQS_PER_SEQUENCE_PATH = 8  # past this many sequences, one padded SDPA beats a loop
+VARLEN_DTYPES = (torch.float16, torch.bfloat16)  # what flash attention computes in
+
+
+def prefill_varlen(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float,
+                   ctx) -> torch.Tensor:
+    """Prefill chunks on CUDA in 16 bits: every sequence's keys gathered from their slots into
+    one packed tensor (`ctx.kv_slots`), then one variable-length flash attention call over the
+    whole batch, causal from the lower right (a chunk's queries are the last of its keys). Two
+    gathers and one kernel per layer, whatever the number of sequences: a batch of 8 prompts
+    continuing 2k cached tokens spends 2 ms of host time here, not 30 (one SDPA per sequence)."""
+    keys = k_cache.view(-1, *k_cache.shape[2:]).index_select(0, ctx.kv_slots)
+    values = v_cache.view(-1, *v_cache.shape[2:]).index_select(0, ctx.kv_slots)
+    out = torch.ops.aten._flash_attention_forward(
+        q, keys.to(q.dtype), values.to(q.dtype), ctx.cu_seqlens_q, ctx.cu_seqlens_k,
+        ctx.max_q_len, ctx.max_kv_len, 0.0, True, False, scale=scale)[0]
+    return out
 
 
 def prefill_per_sequence(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -82,6 +99,9 @@ def paged_attention(
             and can_use_kernel(q, k_cache)):
         return paged_decode(q, k_cache, v_cache, ctx.block_tables, ctx.context_lens, scale,
                             use_kernel=True)
+    if (not ctx.is_decode and q.is_cuda and sliding_window is None and ctx.kv_slots is not None
+            and q.dtype in VARLEN_DTYPES):
+        return prefill_varlen(q, k_cache, v_cache, scale, ctx)
     if (not ctx.is_decode and q.is_cuda and sliding_window is None
             and ctx.seq_lens_host is not None and num_seqs <= MAX_SEQS_PER_SEQUENCE_PATH):
         return prefill_per_sequence(q, k_cache, v_cache, scale, ctx)

@@ -37,6 +37,12 @@ class ForwardContext:
     # position 0, possibly followed by padding rows): attention is causal over the step's own
     # keys, with no table and no mask (the prefill CUDA graphs, `pd.engine.cuda_graph`)
     causal_self: bool = False
+    # NOTE: for a step with prompt chunks (max_q_len > 1): each sequence's KV slots, positions
+    # 0..kv_len-1, sequence after sequence, and the cumulative query and KV lengths (int32):
+    # what one variable-length flash attention call over the batch reads (`prefill_varlen`)
+    kv_slots: torch.Tensor | None = None
+    cu_seqlens_q: torch.Tensor | None = None
+    cu_seqlens_k: torch.Tensor | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -86,18 +92,20 @@ def build_context(
     block_tables: list[list[int]],
     slot_mapping: list[int],
     device: torch.device,
+    block: int | None = None,
 ) -> ForwardContext:
     """Build the context for a batch. Sequence b has `query_lens[b]` new tokens, the last of which
     sits at position `context_lens[b] - 1`; its KV lives in the blocks `block_tables[b]`.
     Built on the host with numpy; every tensor is moved to `device` (`to_device`, see
     `host_context` for building it without the move)."""
-    return to_device(host_context(query_lens, context_lens, block_tables, slot_mapping),
+    return to_device(host_context(query_lens, context_lens, block_tables, slot_mapping, block),
                      lambda t: t.to(device))
 
 
 def host_context(query_lens: list[int], context_lens: list[int], block_tables: list[list[int]],
-                 slot_mapping: list[int]) -> ForwardContext:
-    """The context with every tensor on the host (CPU): what `build_context` moves."""
+                 slot_mapping: list[int], block: int | None = None) -> ForwardContext:
+    """The context with every tensor on the host (CPU): what `build_context` moves. With the
+    cache's `block` size, a step with prompt chunks also gets its KV slots (`kv_slots`)."""
     num_seqs = len(query_lens)
     q_lens = np.asarray(query_lens, dtype=np.int64)
     kv_lens = np.asarray(context_lens, dtype=np.int64)
@@ -106,10 +114,16 @@ def host_context(query_lens: list[int], context_lens: list[int], block_tables: l
     for i, row in enumerate(block_tables):
         bt[i, :len(row)] = row
     slots = np.asarray(slot_mapping, dtype=np.int64)
-    query_pos = None
+    query_pos = kv_slots = cu_q = cu_k = None
     if max_q == 1:
         padded_index = np.arange(num_seqs, dtype=np.int64)
     else:
+        if block:
+            kv_slots = torch.from_numpy(np.concatenate([
+                bt[i, np.arange(kv) // block] * block + np.arange(kv) % block
+                for i, kv in enumerate(kv_lens)]).astype(np.int64))
+            cu_q = torch.from_numpy(np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32))
+            cu_k = torch.from_numpy(np.concatenate([[0], np.cumsum(kv_lens)]).astype(np.int32))
         seq_of_token = np.repeat(np.arange(num_seqs), q_lens)
         starts = np.cumsum(q_lens) - q_lens
         padded_index = seq_of_token * max_q + np.arange(len(seq_of_token)) - starts[seq_of_token]
@@ -131,6 +145,7 @@ def host_context(query_lens: list[int], context_lens: list[int], block_tables: l
         write_index=write_index,
         query_pos=query_pos,
         seq_lens_host=tuple(zip(map(int, q_lens), map(int, kv_lens))),
+        kv_slots=kv_slots, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
     )
 
 

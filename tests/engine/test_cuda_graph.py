@@ -64,29 +64,3 @@ def test_prefill_graphs_equal_eager_float32(tiny_model_dir):
     for a, b in zip(outs[False], outs[True]):
         assert a.output_token_ids == b.output_token_ids
         assert a.output_logprobs == pytest.approx(b.output_logprobs, abs=1e-4)
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
-def test_context_prefill_graphs_equal_eager_float32(tiny_model_dir):
-    """Prompts continuing a computed prefix (found in the prefix cache, or a long prompt's later
-    chunks) run as one-query rows through the context prefill graphs: the same tokens and
-    logprobs as eager steps."""
-    rng = random.Random(3)
-    system = [rng.randrange(3, 200) for _ in range(150)]
-    prompts = [system + [rng.randrange(3, 200) for _ in range(rng.randrange(1, 60))]
-               for _ in range(12)] + [[rng.randrange(3, 200) for _ in range(400)]]
-    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=2)
-    outs = {}
-    for eager in (True, False):
-        engine = Engine(EngineConfig(model=str(tiny_model_dir), device="cuda", dtype="float32",
-                                     num_blocks=512, max_num_batched_tokens=128,
-                                     enforce_eager=eager))
-        outs[eager] = engine.generate(prompts[:1], [params]) + engine.generate(
-            prompts[1:], [params] * (len(prompts) - 1))
-        engine.allocator.check_integrity()
-        if not eager:
-            assert engine.runner.context_graphs.rows.graphs, "no step ran as context rows"
-            assert engine.prefix.stats.hits > 0
-    for a, b in zip(outs[False], outs[True]):
-        assert a.output_token_ids == b.output_token_ids
-        assert a.output_logprobs == pytest.approx(b.output_logprobs, abs=1e-4)
