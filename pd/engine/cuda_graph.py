@@ -191,3 +191,107 @@ class PrefillGraphs:
         self.slot_mapping[n:size].fill_(self.decode.dummy_block * self.decode.block_size)
         graph.replay()
         return out[:n]
+
+
+VARLEN_TOKENS = (16, 32, 64, 128) + PREFILL_SIZES
+VARLEN_SEQS = (1, 4, 16, 64, 256)
+
+
+def _pow2(n: int, least: int = 256) -> int:
+    return max(least, 1 << (n - 1).bit_length())
+
+
+class VarlenPrefillGraphs:
+    """CUDA graphs of any prompt-chunk step in 16 bits (several prompts, chunks continuing a
+    cached prefix or earlier chunks, decode rows mixed in): the attention is one
+    variable-length flash call over gathered keys (`pd.model.attention.prefill_varlen`), so a
+    step is fixed by three sizes, each rounded up: its tokens (`VARLEN_TOKENS`), its keys (a
+    power of two) and its sequences (`VARLEN_SEQS`). Padding rows write the spare block and
+    belong to no sequence; padding sequences are empty. Eager, such a step of 8 x 128 tokens
+    after 2k cached ones spends ~14 ms of host time on ~5 ms of GPU work (the 1B shape).
+    Captured on first use; they share the decode graphs' memory pool."""
+
+    def __init__(self, model: torch.nn.Module, decode: DecodeGraphs, max_tokens: int,
+                 max_seqs: int, max_keys: int, dtype: torch.dtype, device: torch.device) -> None:
+        self.model, self.decode, self.device = model, decode, device
+        self.tokens = tuple(s for s in VARLEN_TOKENS if s < max_tokens) + (
+            _round_up(max_tokens, VARLEN_TOKENS + (max_tokens,)),)
+        self.seqs = tuple(s for s in VARLEN_SEQS if s < max_seqs) + (
+            _round_up(max_seqs, VARLEN_SEQS + (max_seqs,)),)
+        self.max_keys = _pow2(max_keys)
+        long = dict(dtype=torch.int64, device=device)
+        self.input_ids = torch.zeros(self.tokens[-1], **long)
+        self.positions = torch.zeros(self.tokens[-1], **long)
+        self.slot_mapping = torch.zeros(self.tokens[-1], **long)
+        self.kv_slots = torch.zeros(self.max_keys, **long)
+        self.cu_q = torch.zeros(self.seqs[-1] + 1, dtype=torch.int32, device=device)
+        self.cu_k = torch.zeros(self.seqs[-1] + 1, dtype=torch.int32, device=device)
+        self.graphs: dict[tuple[int, int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.enabled = dtype in (torch.float16, torch.bfloat16) and not any(
+            getattr(m, "sliding_window", None) for m in model.modules())
+
+    def can_run(self, ctx: ForwardContext) -> bool:
+        if not self.enabled or ctx.is_decode or ctx.kv_slots is None or ctx.write_index is not None:
+            return False
+        return (ctx.slot_mapping.shape[0] <= self.tokens[-1] and ctx.num_seqs <= self.seqs[-1]
+                and ctx.kv_slots.shape[0] <= self.max_keys)
+
+    def _forward(self, key: tuple[int, int, int]) -> torch.Tensor:
+        tokens, keys, seqs = key
+        ctx = ForwardContext(
+            slot_mapping=self.slot_mapping[:tokens], block_tables=self.decode.block_tables[:1, :1],
+            context_lens=self.cu_k[1:seqs + 1], padded_index=self.positions[:tokens],
+            attn_mask=None, max_q_len=tokens, max_kv_len=keys, kv_slots=self.kv_slots[:keys],
+            cu_seqlens_q=self.cu_q[:seqs + 1], cu_seqlens_k=self.cu_k[:seqs + 1])
+        with forward_context(ctx):
+            return self.model(self.input_ids[:tokens], self.positions[:tokens])
+
+    def _capture(self, key: tuple[int, int, int]) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        tokens, keys, seqs = key
+        self._fill(0, 0, tokens, keys, seqs, 0)
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            self._forward(key)  # warm-up outside the capture
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.decode.pool):
+            out = self._forward(key)
+        if self.decode.pool is None:
+            self.decode.pool = graph.pool()
+        log.info("captured a varlen prefill CUDA graph: %d tokens, %d keys, %d sequences", *key)
+        return graph, out
+
+    def _fill(self, n: int, k: int, tokens: int, keys: int, seqs: int, b: int) -> None:
+        """Padding: rows n..tokens write the spare block, keys k..keys read it, sequences
+        b..seqs are empty."""
+        spare = self.decode.dummy_block * self.decode.block_size
+        self.input_ids[n:tokens].zero_()
+        self.positions[n:tokens].zero_()
+        self.slot_mapping[n:tokens].fill_(spare)
+        self.kv_slots[k:keys].fill_(spare)
+        if b == 0:
+            self.cu_q[:seqs + 1].zero_()
+            self.cu_k[:seqs + 1].zero_()
+        else:
+            self.cu_q[b + 1:seqs + 1].copy_(self.cu_q[b].expand(seqs - b))
+            self.cu_k[b + 1:seqs + 1].copy_(self.cu_k[b].expand(seqs - b))
+
+    @torch.inference_mode()
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """Hidden states [T, H] of the step's tokens (a view of the graph's output, valid until
+        the next replay of that graph)."""
+        n, k, b = ctx.slot_mapping.shape[0], ctx.kv_slots.shape[0], ctx.num_seqs
+        key = (_round_up(n, self.tokens), _pow2(k), _round_up(b, self.seqs))
+        if key not in self.graphs:
+            self.graphs[key] = self._capture(key)
+        graph, out = self.graphs[key]
+        self.input_ids[:n].copy_(input_ids, non_blocking=True)
+        self.positions[:n].copy_(positions, non_blocking=True)
+        self.slot_mapping[:n].copy_(ctx.slot_mapping, non_blocking=True)
+        self.kv_slots[:k].copy_(ctx.kv_slots, non_blocking=True)
+        self.cu_q[:b + 1].copy_(ctx.cu_seqlens_q, non_blocking=True)
+        self.cu_k[:b + 1].copy_(ctx.cu_seqlens_k, non_blocking=True)
+        self._fill(n, k, *key, b)
+        graph.replay()
+        return out[:n]

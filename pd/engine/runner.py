@@ -39,6 +39,8 @@ log = logging.getLogger(__name__)
 # capture (`pd.spec.graphs`; how the tests check chained MTP steps through real processes;
 # slower than the eager step on CPU). The runner keeps the spare block that layout pads into.
 SPEC_LAYOUT_ENV = "PD_SPEC_LAYOUT"
+# the most keys (summed over a step's sequences) a step of prompt chunks gathers in a CUDA graph
+VARLEN_MAX_KEYS = 1 << 16
 
 
 def spec_layout_requested() -> bool:
@@ -94,15 +96,18 @@ class ModelRunner:
         self.kv_cache = KVCache(mc, num_blocks, cfg.block_size, self.dtype, self.device,
                                 spare_blocks=1 if spare else 0)
         self.kv_cache.bind(self.model.attention_layers())
-        self.graphs = self.prefill_graphs = None
+        self.graphs = self.prefill_graphs = self.varlen_graphs = None
         if use_graphs:
-            from pd.engine.cuda_graph import DecodeGraphs, PrefillGraphs
+            from pd.engine.cuda_graph import DecodeGraphs, PrefillGraphs, VarlenPrefillGraphs
 
             self.graphs = DecodeGraphs(self.model, self.kv_cache.dummy_block, cfg.block_size,
                                        cfg.max_num_seqs, self.max_model_len, self.device)
             self.prefill_graphs = PrefillGraphs(self.model, self.graphs,
                                                 min(cfg.max_num_batched_tokens, self.max_model_len),
                                                 self.device)
+            self.varlen_graphs = VarlenPrefillGraphs(
+                self.model, self.graphs, cfg.max_num_batched_tokens, cfg.max_num_seqs,
+                VARLEN_MAX_KEYS, self.dtype, self.device)
         self.sampler = Sampler()
         log.info("model %s (%s, %d layers%s) on %s/%s, KV cache %d blocks x %d tokens (%.1f MiB)",
                  mc.model_id, mc.architecture, mc.num_layers, " + MTP" if mc.has_mtp else "",
@@ -205,12 +210,15 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, inp: ForwardInput) -> torch.Tensor:
         """Run the target model; returns the pre-norm hidden states of every token [T, H].
-        Decode steps, and a prompt's first chunk prefilled alone, on CUDA replay a CUDA graph
-        (`pd.engine.cuda_graph`) unless --enforce-eager."""
+        On CUDA, unless --enforce-eager, decode steps, a prompt's first chunk prefilled alone,
+        and (in 16 bits) every other step of prompt chunks up to `VARLEN_MAX_KEYS` keys replay
+        a CUDA graph (`pd.engine.cuda_graph`)."""
         if self.graphs is not None and self.graphs.can_run(inp.context):
             return self.graphs.run(inp.input_ids, inp.positions, inp.context)
         if self.prefill_graphs is not None and self.prefill_graphs.can_run(inp.context):
             return self.prefill_graphs.run(inp.input_ids, inp.positions, inp.context)
+        if self.varlen_graphs is not None and self.varlen_graphs.can_run(inp.context):
+            return self.varlen_graphs.run(inp.input_ids, inp.positions, inp.context)
         with forward_context(inp.context):
             return self.model(inp.input_ids, inp.positions)
 
