@@ -99,8 +99,12 @@ def paged_attention(
             and can_use_kernel(q, k_cache)):
         return paged_decode(q, k_cache, v_cache, ctx.block_tables, ctx.context_lens, scale,
                             use_kernel=True)
+    # NOTE: a fresh prompt alone keeps SDPA's causal kernel, as the prefill graphs run it, so
+    # its first token does not depend on which path computed it (MTP prefills eagerly)
+    alone = ctx.seq_lens_host is not None and len(ctx.seq_lens_host) == 1 and (
+        ctx.seq_lens_host[0][0] == ctx.seq_lens_host[0][1])
     if (not ctx.is_decode and q.is_cuda and sliding_window is None and ctx.kv_slots is not None
-            and q.dtype in VARLEN_DTYPES):
+            and q.dtype in VARLEN_DTYPES and not alone):
         return prefill_varlen(q, k_cache, v_cache, scale, ctx)
     if (not ctx.is_decode and q.is_cuda and sliding_window is None
             and ctx.seq_lens_host is not None and num_seqs <= MAX_SEQS_PER_SEQUENCE_PATH):
