@@ -31,6 +31,23 @@ def _round_up(n: int, sizes) -> int:
     return next(s for s in sizes if s >= n)
 
 
+def capture(forward, owner: "DecodeGraphs", device: torch.device):
+    """A CUDA graph of `forward()` in `owner`'s memory pool (made by the first capture), after
+    one warm-up run on a side stream (the allocator's and kernels' lazy set-up stays out of the
+    graph); returns the graph and its output."""
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        forward()
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=owner.pool):
+        out = forward()
+    if owner.pool is None:
+        owner.pool = graph.pool()
+    return graph, out
+
+
 class DecodeGraphs:
     def __init__(self, model: torch.nn.Module, dummy_block: int, block_size: int,
                  max_num_seqs: int, max_model_len: int, device: torch.device) -> None:
@@ -73,16 +90,7 @@ class DecodeGraphs:
 
     def _capture(self, batch: int, width: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         self._pad(0, batch, width)
-        side = torch.cuda.Stream(self.device)
-        side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side):
-            self._forward(batch, width)  # warm-up outside the capture (allocator, lazy init)
-        torch.cuda.current_stream(self.device).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            out = self._forward(batch, width)
-        if self.pool is None:
-            self.pool = graph.pool()
+        graph, out = capture(lambda: self._forward(batch, width), self, self.device)
         log.info("captured a decode CUDA graph: batch %d, %d KV blocks per sequence", batch, width)
         return graph, out
 
@@ -160,16 +168,7 @@ class PrefillGraphs:
         self.input_ids[:size].zero_()
         self.positions[:size].copy_(torch.arange(size, device=self.device))
         self.slot_mapping[:size].fill_(self.decode.dummy_block * self.decode.block_size)
-        side = torch.cuda.Stream(self.device)
-        side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side):
-            self._forward(size)  # warm-up outside the capture
-        torch.cuda.current_stream(self.device).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.decode.pool):
-            out = self._forward(size)
-        if self.decode.pool is None:
-            self.decode.pool = graph.pool()
+        graph, out = capture(lambda: self._forward(size), self.decode, self.device)
         log.info("captured a prefill CUDA graph: %d tokens", size)
         return graph, out
 
@@ -249,16 +248,7 @@ class VarlenPrefillGraphs:
     def _capture(self, key: tuple[int, int, int]) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         tokens, keys, seqs = key
         self._fill(0, 0, tokens, keys, seqs, 0)
-        side = torch.cuda.Stream(self.device)
-        side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side):
-            self._forward(key)  # warm-up outside the capture
-        torch.cuda.current_stream(self.device).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.decode.pool):
-            out = self._forward(key)
-        if self.decode.pool is None:
-            self.decode.pool = graph.pool()
+        graph, out = capture(lambda: self._forward(key), self.decode, self.device)
         log.info("captured a varlen prefill CUDA graph: %d tokens, %d keys, %d sequences", *key)
         return graph, out
 
