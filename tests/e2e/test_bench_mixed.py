@@ -14,8 +14,8 @@ SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu" / "bench_mix
 def test_mixed_load_benchmark_runs_both_setups_on_cpu():
     out = subprocess.run(
         [sys.executable, str(SCRIPT), "--tiny", "--prefill-device", "cpu", "--decode-device", "cpu",
-         "--streams", "2", "--stream-prompt", "16", "--stream-tokens", "100", "--prompt-len", "256",
-         "--long-tokens", "4", "--interval", "0.1", "--warmup", "0.05", "--max-long", "4"],
+         "--streams", "2", "--stream-prompt", "16", "--stream-tokens", "48", "--prompt-len", "256",
+         "--long-tokens", "4", "--interval", "0.1", "--warmup", "0.05", "--max-long", "3"],
         capture_output=True, text=True, timeout=240)
     assert out.returncode == 0, out.stderr[-3000:]
     rows = {line.split("|")[0].strip(): line.split("|") for line in out.stdout.splitlines()

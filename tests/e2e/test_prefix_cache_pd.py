@@ -66,7 +66,7 @@ def test_caching_off_ships_every_prompt_whole(cluster, client):
     off = ("--no-enable-prefix-caching",)
     decode = cluster.decode("--metrics-port", "0", *off)
     prefill = cluster.prefill("--metrics-port", "0", "--transport", "zmq", *off)
-    turns = conversation(client, prefill, decode, 3, seed=2)
+    turns = conversation(client, prefill, decode, 2, seed=2)
     per_block = turns[0][2] / -(-len(turns[0][0]) // BS)
     for prompt, _, got in turns:
         assert got == per_block * -(-len(prompt) // BS)

@@ -223,13 +223,18 @@ def test_generation_config_defaults_fill_what_a_request_omits(make_hf):
     assert [o.token_ids for o in sampled] != [o.token_ids for o in greedy]
 
 
-def test_pd_generate_takes_the_generation_config_unless_a_flag_says_otherwise(make_hf):
+def test_pd_generate_takes_the_generation_config_unless_a_flag_says_otherwise(make_hf, capsys):
+    from pd.cli.main import main
+
     model_dir = make_hf("llama-topk1", arch="llama", generation={"do_sample": True, "top_k": 1, "temperature": 0.8})
     args = ["generate", "--model", str(model_dir), "--prompt-ids", "5,17,42", "--max-tokens", "12",
             "--ignore-eos", "--json", "--seed", "1"]
-    default = json.loads(_pd(*args).stdout)
-    greedy = json.loads(_pd(*args, "--temperature", "0").stdout)
-    sampled = json.loads(_pd(*args, "--top-k", "0").stdout)
+
+    def generate(*extra: str) -> dict:  # the command in this process (three interpreters took 15 s)
+        assert main([*args, *extra]) == 0
+        return json.loads(capsys.readouterr().out)
+
+    default, greedy, sampled = generate(), generate("--temperature", "0"), generate("--top-k", "0")
     assert default["token_ids"] == greedy["token_ids"] != sampled["token_ids"]
 
 
