@@ -70,7 +70,7 @@ def node_args(args: argparse.Namespace, names: tuple[str, ...]) -> list[str]:
 
 def main(args: argparse.Namespace) -> int:
     from pd.config import ModelConfig
-    from pd.service.procs import start_node
+    from pd.service.procs import spawn_node
     from pd.wire.sampling_params import generation_defaults
     from pd.wire.security import configure_from_args
 
@@ -94,17 +94,20 @@ def main(args: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
     try:
+        # every node starts at once; each says so as it comes up
         for i in range(args.num_decode):
-            nodes.append(start_node("decode", [*common, "--port", "0", "--kv-port", "0",
+            nodes.append(spawn_node("decode", [*common, "--port", "0", "--kv-port", "0",
                                                "--node-id", f"decode-{i}",
                                                *node_args(args, launch_flags("decode"))],
-                                    timeout=args.ready_timeout, die_with_parent=True))
+                                    die_with_parent=True))
         for i in range(args.num_prefill):
-            nodes.append(start_node("prefill", [*common, "--port", "0", "--node-id", f"prefill-{i}",
+            nodes.append(spawn_node("prefill", [*common, "--port", "0", "--node-id", f"prefill-{i}",
                                                 *node_args(args, launch_flags("prefill")),
                                                 *prefill_blocks],
-                                    timeout=args.ready_timeout, die_with_parent=True))
+                                    die_with_parent=True))
+        deadline = time.monotonic() + args.ready_timeout
         for n in nodes:
+            n.wait_ready(max(0.0, deadline - time.monotonic()))
             print(f"node {n.info['node_id']} pid {n.pid} control 127.0.0.1:{n.info['port']}"
                   f"{' kv ' + n.info['kv_addr'] if 'kv_addr' in n.info else ''}"
                   f" metrics 127.0.0.1:{n.info['metrics_port']} log {n.log_path}",

@@ -48,6 +48,7 @@ class NodeProcess:
     info: dict
     log_path: str
     _lines: list = field(default_factory=list, repr=False)
+    _ready: threading.Event = field(default_factory=threading.Event, repr=False)
 
     @property
     def pid(self) -> int:
@@ -75,13 +76,32 @@ class NodeProcess:
             self.proc.kill()
             self.proc.wait()
 
+    def wait_ready(self, timeout: float = 60.0) -> "NodeProcess":
+        """Wait for the node's PD_READY line; kills it and raises if it exits or times out."""
+        deadline = time.monotonic() + timeout
+        while not self._ready.wait(0.05):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.kill()
+                why = f"exited with {self.proc.returncode}" if self.proc.returncode is not None \
+                    else "timed out"
+                raise RuntimeError(f"pd {self.role} {why} before it was ready:\n{self.log_tail()}")
+        return self
+
 
 def start_node(role: str, args: list[str], timeout: float = 60.0, env: dict | None = None,
                log_dir: str | None = None, prefix: list[str] | None = None,
                die_with_parent: bool = False) -> NodeProcess:
-    """Run `python -m pd ROLE ARGS...` and wait for its PD_READY line. `prefix` runs it under
-    a command that execs it (`ip netns exec NAME`), so the pid stays the node's.
-    `die_with_parent` (from a main thread only): the node gets SIGTERM when this process dies."""
+    """Run `python -m pd ROLE ARGS...` and wait for its PD_READY line (`spawn_node`, then
+    `NodeProcess.wait_ready`)."""
+    return spawn_node(role, args, env, log_dir, prefix, die_with_parent).wait_ready(timeout)
+
+
+def spawn_node(role: str, args: list[str], env: dict | None = None, log_dir: str | None = None,
+               prefix: list[str] | None = None, die_with_parent: bool = False) -> NodeProcess:
+    """Run `python -m pd ROLE ARGS...` without waiting for it: several nodes start at once,
+    then each is waited for (`wait_ready`). `prefix` runs it under a command that execs it
+    (`ip netns exec NAME`), so the pid stays the node's. `die_with_parent` (from a main thread
+    only): the node gets SIGTERM when this process dies."""
     log_dir = log_dir or tempfile.gettempdir()
     fd, log_path = tempfile.mkstemp(prefix=f"pd-{role}-", suffix=".log", dir=log_dir)
     log_file = os.fdopen(fd, "w")
@@ -91,22 +111,15 @@ def start_node(role: str, args: list[str], timeout: float = 60.0, env: dict | No
         preexec_fn=_die_with_parent() if die_with_parent else None)
     log_file.close()
     node = NodeProcess(role, proc, {}, log_path)
-    found = threading.Event()
 
     def read_stdout():
         for line in proc.stdout:
-            if line.startswith("PD_READY ") and not found.is_set():
+            if line.startswith("PD_READY ") and not node._ready.is_set():
                 node.info = json.loads(line[len("PD_READY "):])
-                found.set()
+                node._ready.set()
             node._lines.append(line)
 
     threading.Thread(target=read_stdout, daemon=True).start()
-    deadline = time.monotonic() + timeout
-    while not found.wait(0.05):
-        if proc.poll() is not None or time.monotonic() > deadline:
-            node.kill()
-            why = f"exited with {proc.returncode}" if proc.returncode is not None else "timed out"
-            raise RuntimeError(f"pd {role} {why} before it was ready:\n{node.log_tail()}")
     return node
 
 

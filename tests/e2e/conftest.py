@@ -16,7 +16,7 @@ import time
 import pytest
 
 from pd.service.client import NodeClient
-from pd.service.procs import Launch, start_node
+from pd.service.procs import Launch, spawn_node
 
 
 DEVICE = os.environ.get("PD_TEST_DEVICE", "cpu")
@@ -41,22 +41,31 @@ class Cluster:
         self.tmp_path = tmp_path
         self.nodes = []
 
-    def decode(self, *extra: str, model: str | None = None, env: dict | None = None):
-        node = start_node("decode", ["--model", model or self.model_dir, "--port", "0", "--kv-port", "0",
+    def decode(self, *extra: str, model: str | None = None, env: dict | None = None,
+               wait: bool = True):
+        """A decode node; with `wait=False` it is only started (`ready` waits for several)."""
+        node = spawn_node("decode", ["--model", model or self.model_dir, "--port", "0", "--kv-port", "0",
                                      "--num-blocks", "256", *DEVICE_ARGS, *extra], log_dir=str(self.tmp_path),
                           env=env)
-        node.addr = f"tcp://127.0.0.1:{node.info['port']}"
-        node.kv_addr = node.info["kv_addr"]
         self.nodes.append(node)
-        return node
+        return self.ready(node) if wait else node
 
-    def prefill(self, *extra: str, model: str | None = None):
-        node = start_node("prefill", ["--model", model or self.model_dir, "--port", "0",
+    def prefill(self, *extra: str, model: str | None = None, wait: bool = True):
+        node = spawn_node("prefill", ["--model", model or self.model_dir, "--port", "0",
                                       "--num-blocks", "256", *DEVICE_ARGS, *extra],
-                           log_dir=str(self.tmp_path))
-        node.addr = f"tcp://127.0.0.1:{node.info['port']}"
+                          log_dir=str(self.tmp_path))
         self.nodes.append(node)
-        return node
+        return self.ready(node) if wait else node
+
+    @staticmethod
+    def ready(*nodes):
+        """Wait for nodes started with `wait=False` (they start together: sooner on few cores)."""
+        for node in nodes:
+            node.wait_ready(60.0)
+            node.addr = f"tcp://127.0.0.1:{node.info['port']}"
+            if "kv_addr" in node.info:
+                node.kv_addr = node.info["kv_addr"]
+        return nodes[0] if len(nodes) == 1 else nodes
 
     def stop(self) -> None:
         # NOTE: every node drains at once, then each is waited for

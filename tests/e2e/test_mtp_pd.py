@@ -47,8 +47,9 @@ def assert_equal(results, expected, params) -> None:
 @pytest.mark.parametrize("k,overlap", [(1, True), (2, False), (4, True)])
 def test_pd_with_mtp_equals_single_process(cluster, client, reference, k, overlap):
     spec = ("--num-speculative-tokens", str(k))
-    decode = cluster.decode(*spec, "--metrics-port", "0", *(() if overlap else ("--no-overlap",)))
-    prefill = cluster.prefill(*spec, "--transport", "zmq")
+    decode, prefill = cluster.ready(
+        cluster.decode(*spec, "--metrics-port", "0", *(() if overlap else ("--no-overlap",)), wait=False),
+        cluster.prefill(*spec, "--transport", "zmq", wait=False))
     batch = prompts(16, seed=k)
     free = reference.generate(batch, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))
     params = [SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, logprobs=[None, 0, 3][i % 3],
@@ -71,8 +72,9 @@ def test_chained_mtp_steps_through_pd_equal_single_process(cluster, client, refe
     import time
 
     spec = ("--num-speculative-tokens", "3")
-    decode = cluster.decode(*spec, "--metrics-port", "0", env={SPEC_LAYOUT_ENV: "1"})
-    prefill = cluster.prefill(*spec, "--transport", "zmq")
+    decode, prefill = cluster.ready(
+        cluster.decode(*spec, "--metrics-port", "0", env={SPEC_LAYOUT_ENV: "1"}, wait=False),
+        cluster.prefill(*spec, "--transport", "zmq", wait=False))
     rng = random.Random(11)
     batch = prompts(32, seed=11)
     free = reference.generate(batch, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))
@@ -96,8 +98,9 @@ def metric(text: str, name: str) -> float:
 
 
 def test_mtp_on_one_side_only_is_refused(cluster, client):
-    decode = cluster.decode()
-    prefill = cluster.prefill("--num-speculative-tokens", "2", "--transport", "zmq")
+    decode, prefill = cluster.ready(
+        cluster.decode(wait=False),
+        cluster.prefill("--num-speculative-tokens", "2", "--transport", "zmq", wait=False))
     rid = client.submit(prefill.addr, decode.kv_addr, [5, 6, 7], SamplingParams(max_tokens=4))
     (res,) = client.wait([rid], timeout=30)
     assert res.error and "mtp" in res.error and "refused to pair" in res.error
@@ -138,8 +141,9 @@ def test_seeded_sampling_through_pd_equals_single_process_mtp(cluster, client, t
     """Seeded rejection sampling is a function of (seed, step) on both nodes: the prefill
     node's first token and the decode node's verify steps give what one process gives."""
     spec = ("--num-speculative-tokens", "2")
-    decode = cluster.decode(*spec)
-    prefill = cluster.prefill(*spec, "--transport", "zmq")
+    decode, prefill = cluster.ready(
+        cluster.decode(*spec, wait=False),
+        cluster.prefill(*spec, "--transport", "zmq", wait=False))
     batch = prompts(8, seed=11)
     params = [SamplingParams(max_tokens=12, temperature=0.8, top_k=20, seed=100 + i, ignore_eos=True)
               for i in range(len(batch))]

@@ -30,8 +30,9 @@ def reference(tiny_model_dir):
 
 @pytest.mark.parametrize("transport", ["shm", "zmq"])
 def test_pd_equals_single_process(cluster, client, reference, transport):
-    decode = cluster.decode()
-    prefill = cluster.prefill("--transport", transport)
+    decode, prefill = cluster.ready(
+        cluster.decode(wait=False),
+        cluster.prefill("--transport", transport, wait=False))
     prompts = mixed_prompts(32)
     params = [SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=k)
               for k in (0, 1, 5, None) * 8]
@@ -66,8 +67,9 @@ def test_requests_ending_at_the_first_token(cluster, client, reference, tmp_path
     gen = json.loads((model / "generation_config.json").read_text())
     gen["eos_token_id"] = [eos]
     (model / "generation_config.json").write_text(json.dumps(gen))
-    decode = cluster.decode(model=str(model))
-    prefill = cluster.prefill(model=str(model))
+    decode, prefill = cluster.ready(
+        cluster.decode(model=str(model), wait=False),
+        cluster.prefill(model=str(model), wait=False))
     prompts = [[5, 6, 7], eos_prompt, [9, 10, eos]]  # the last one ends on EOS itself
     params = [SamplingParams(max_tokens=1, temperature=0.0, logprobs=3),
               SamplingParams(max_tokens=8, temperature=0.0),
@@ -86,8 +88,8 @@ def test_requests_ending_at_the_first_token(cluster, client, reference, tmp_path
 
 
 def test_fan_out_and_fan_in(cluster, client, reference):
-    d1, d2 = cluster.decode(), cluster.decode()
-    p1, p2 = cluster.prefill(), cluster.prefill()
+    d1, d2, p1, p2 = cluster.ready(cluster.decode(wait=False), cluster.decode(wait=False),
+                                   cluster.prefill(wait=False), cluster.prefill(wait=False))
     prompts = mixed_prompts(16, seed=3)
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     # p1 feeds both decode nodes; d1 takes from both prefill nodes
@@ -103,8 +105,7 @@ def test_fan_out_and_fan_in(cluster, client, reference):
 
 
 def test_abort_mid_stream_frees_both_sides(cluster, client):
-    decode = cluster.decode()
-    prefill = cluster.prefill()
+    decode, prefill = cluster.ready(cluster.decode(wait=False), cluster.prefill(wait=False))
     long = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
     rid = client.submit(prefill.addr, decode.kv_addr, list(range(3, 60)), long)
     deadline = time.monotonic() + 30
@@ -124,8 +125,9 @@ def test_abort_mid_stream_frees_both_sides(cluster, client):
 
 
 def test_dead_decode_node_fails_waiting_requests(cluster, client):
-    decode = cluster.decode()
-    prefill = cluster.prefill("--handoff-timeout", "2")
+    decode, prefill = cluster.ready(
+        cluster.decode(wait=False),
+        cluster.prefill("--handoff-timeout", "2", wait=False))
     decode.kill()
     params = SamplingParams(max_tokens=8, temperature=0.0)
     ids = [client.submit(prefill.addr, decode.kv_addr, [5, 6, 7, 8, 9], params) for _ in range(3)]
@@ -139,8 +141,9 @@ def test_dead_decode_node_fails_waiting_requests(cluster, client):
 
 
 def test_geometry_mismatch_is_refused_naming_the_field(cluster, client):
-    decode = cluster.decode("--block-size", "32")
-    prefill = cluster.prefill()
+    decode, prefill = cluster.ready(
+        cluster.decode("--block-size", "32", wait=False),
+        cluster.prefill(wait=False))
     rid = client.submit(prefill.addr, decode.kv_addr, [5, 6, 7], SamplingParams(max_tokens=4))
     (res,) = client.wait([rid], timeout=30)
     assert res.error and "block_size" in res.error and "refused to pair" in res.error
@@ -148,8 +151,7 @@ def test_geometry_mismatch_is_refused_naming_the_field(cluster, client):
 
 
 def test_bad_request_is_refused_and_node_keeps_serving(cluster, client, reference):
-    decode = cluster.decode()
-    prefill = cluster.prefill()
+    decode, prefill = cluster.ready(cluster.decode(wait=False), cluster.prefill(wait=False))
     bad = client.submit(prefill.addr, decode.kv_addr, [5, 99999], SamplingParams(max_tokens=4))
     good = client.submit(prefill.addr, decode.kv_addr, [5, 6], SamplingParams(max_tokens=4, temperature=0.0))
     bad_res, good_res = client.wait([bad, good], timeout=30)

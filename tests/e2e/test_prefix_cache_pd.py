@@ -42,8 +42,9 @@ def conversation(client, prefill, decode, turns: int, seed: int):
 
 
 def test_multi_turn_sends_only_the_new_blocks(cluster, client, tiny_model_dir):
-    decode = cluster.decode("--metrics-port", "0")
-    prefill = cluster.prefill("--metrics-port", "0", "--transport", "shm")
+    decode, prefill = cluster.ready(
+        cluster.decode("--metrics-port", "0", wait=False),
+        cluster.prefill("--metrics-port", "0", "--transport", "shm", wait=False))
     turns = conversation(client, prefill, decode, 5, seed=1)
     ref = LLM(tiny_model_dir, num_blocks=256, enable_prefix_caching=False)
     for prompt, output, _ in turns:
@@ -64,8 +65,9 @@ def test_multi_turn_sends_only_the_new_blocks(cluster, client, tiny_model_dir):
 
 def test_caching_off_ships_every_prompt_whole(cluster, client):
     off = ("--no-enable-prefix-caching",)
-    decode = cluster.decode("--metrics-port", "0", *off)
-    prefill = cluster.prefill("--metrics-port", "0", "--transport", "zmq", *off)
+    decode, prefill = cluster.ready(
+        cluster.decode("--metrics-port", "0", *off, wait=False),
+        cluster.prefill("--metrics-port", "0", "--transport", "zmq", *off, wait=False))
     turns = conversation(client, prefill, decode, 2, seed=2)
     per_block = turns[0][2] / -(-len(turns[0][0]) // BS)
     for prompt, _, got in turns:
@@ -76,8 +78,9 @@ def test_caching_off_ships_every_prompt_whole(cluster, client):
 
 def test_multi_turn_with_mtp_equals_single_process(cluster, client, tiny_model_dir):
     spec = ("--num-speculative-tokens", "2")
-    decode = cluster.decode("--metrics-port", "0", *spec)
-    prefill = cluster.prefill("--metrics-port", "0", "--transport", "zmq", *spec)
+    decode, prefill = cluster.ready(
+        cluster.decode("--metrics-port", "0", *spec, wait=False),
+        cluster.prefill("--metrics-port", "0", "--transport", "zmq", *spec, wait=False))
     turns = conversation(client, prefill, decode, 4, seed=3)
     ref = LLM(tiny_model_dir, num_blocks=256, enable_prefix_caching=False)
     for prompt, output, _ in turns:

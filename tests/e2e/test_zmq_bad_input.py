@@ -120,8 +120,9 @@ class Stranger:
 
 @pytest.fixture(scope="module")
 def nodes(cluster):
-    decode = cluster.decode("--metrics-port", "0", "--node-id", "bad-input-d")
-    prefill = cluster.prefill("--metrics-port", "0", "--node-id", "bad-input-p")
+    decode, prefill = cluster.ready(
+        cluster.decode("--metrics-port", "0", "--node-id", "bad-input-d", wait=False),
+        cluster.prefill("--metrics-port", "0", "--node-id", "bad-input-p", wait=False))
     for node in (decode, prefill):
         node.metrics = f"http://127.0.0.1:{node.info['metrics_port']}"
     return prefill, decode
