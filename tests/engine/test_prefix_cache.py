@@ -169,8 +169,8 @@ def test_caching_on_and_off_give_the_same_tokens(tiny_model_dir, workload, kwarg
     assert on == off
     stats = llm.engine.prefix.stats
     assert stats.hits > 0.3 * stats.queries, stats
-    if kwargs["num_blocks"] == 14:
-        assert llm.engine.scheduler.num_preemptions > 0 or llm.engine.allocator.num_evictions > 0
+    if kwargs["num_blocks"] == 14:  # memory pressure: cached blocks evicted, requests preempted
+        assert llm.engine.allocator.num_evictions > 0 and llm.engine.scheduler.num_preemptions > 0
 
 
 def test_abort_mid_prefill_leaves_the_cache_whole(tiny_model_dir, workload):
