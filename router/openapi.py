@@ -67,9 +67,10 @@ def completion_request(model: str, max_model_len: int, vocab_size: int) -> dict:
     ids = {"type": "array", "items": token_id, "minItems": 1}
     text = {"type": "string", "minLength": 1}
     return {
-        "type": "object", "additionalProperties": False, "required": ["model", "prompt"],
+        "type": "object", "required": ["prompt"],
+        "description": "fields not listed are accepted and ignored (X-PD-Ignored-Fields)",
         "properties": {
-            "model": {"type": "string", "enum": [model]},
+            "model": {"type": "string", "enum": [model], "description": "default: the served model"},
             "prompt": {"anyOf": [text, ids, {"type": "array", "items": text, "minItems": 1},
                                  {"type": "array", "items": ids, "minItems": 1}]},
             **_sampling_properties(max_model_len, vocab_size),
@@ -103,9 +104,10 @@ def chat_request(model: str, max_model_len: int, vocab_size: int) -> dict:
         message(["assistant"], [*content, {"type": "null"}], [])]}}
     max_tokens = _nullable({"type": "integer", "minimum": 1, "maximum": max_model_len - 1})
     return {
-        "type": "object", "additionalProperties": False, "required": ["model", "messages"],
+        "type": "object", "required": ["messages"],
+        "description": "fields not listed are accepted and ignored (X-PD-Ignored-Fields)",
         "properties": {
-            "model": {"type": "string", "enum": [model]},
+            "model": {"type": "string", "enum": [model], "description": "default: the served model"},
             "messages": messages,
             **_sampling_properties(max_model_len, vocab_size),
             "max_completion_tokens": max_tokens,
@@ -186,6 +188,46 @@ def openapi_document(served_model_name: str, max_model_len: int, vocab_size: int
                                            "data": {"type": "array", "items": {
                                                "type": "object", "required": ["id"]}}}}}}},
                     "401": _error("missing or invalid API key (when the router has one)")}}},
+            "/v1/models/{model_id}": {"get": {
+                "summary": "the model served, by name",
+                "parameters": [{"name": "model_id", "in": "path", "required": True,
+                                "schema": {"type": "string"}}],
+                "responses": {
+                    "200": {"description": "the model", "content": {"application/json": {
+                        "schema": {"type": "object", "required": ["id", "object"]}}}},
+                    "401": _error("missing or invalid API key (when the router has one)"),
+                    "404": _error("not the model served")}}},
+            "/tokenize": {"post": {
+                "summary": "token ids of a prompt, or of a chat rendered by the template",
+                "requestBody": {"required": True, "content": {"application/json": {"schema": {
+                    "type": "object", "properties": {
+                        "model": {"type": "string", "enum": [served_model_name]},
+                        "prompt": {"type": "string"},
+                        "messages": {"type": "array"},
+                        "add_special_tokens": {"type": "boolean"},
+                        "add_generation_prompt": {"type": "boolean"}}}}}},
+                "responses": {
+                    "200": {"description": "the ids", "content": {"application/json": {"schema": {
+                        "type": "object", "required": ["count", "max_model_len", "tokens"]}}}},
+                    "400": _error("neither a prompt nor a valid chat"),
+                    "404": _error("the model named is not the one served")}}},
+            "/detokenize": {"post": {
+                "summary": "the text of token ids",
+                "requestBody": {"required": True, "content": {"application/json": {"schema": {
+                    "type": "object", "required": ["tokens"], "properties": {
+                        "model": {"type": "string", "enum": [served_model_name]},
+                        "tokens": {"type": "array", "items": {
+                            "type": "integer", "minimum": 0, "maximum": vocab_size - 1}}}}}}},
+                "responses": {
+                    "200": {"description": "the text", "content": {"application/json": {
+                        "schema": {"type": "object", "required": ["prompt"]}}}},
+                    "400": _error("not a list of token ids"),
+                    "404": _error("the model named is not the one served")}}},
+            "/version": {"get": {
+                "summary": "the server's version",
+                "responses": {"200": {"description": "the version", "content": {
+                    "application/json": {"schema": {"type": "object",
+                                                    "required": ["version"]}}}}}}},
             "/health": {"get": {
                 "summary": "healthy when at least one prefill and one decode node answer",
                 "responses": {

@@ -5,8 +5,10 @@ Python's recursion limit, or holds a string that is not Unicode: a lone surrogat
 `parse_completion(body)` and `parse_chat(body)` turn a decoded JSON body into an `ApiRequest`
 or raise `APIError` (400) naming the bad parameter. Types are checked strictly (a bool is not
 an int, a string is not a number; a whole float such as 2.0 is the integer 2, as JSON Schema
-has it, and is passed on as an int), unknown fields are refused as OpenAI does, and the
-OpenAI fields this server does not implement are accepted only at their neutral values.
+has it, and is passed on as an int). Fields this server does not know are accepted and ignored,
+as vLLM does, and listed in `ApiRequest.ignored` (the server logs them and names them in the
+`X-PD-Ignored-Fields` response header); the OpenAI fields it knows but does not implement are
+accepted only at their neutral values. `model` may be left out: the served model answers.
 vLLM's extra sampling fields (`top_k`, `min_p`, `repetition_penalty`, `stop_token_ids`,
 `ignore_eos`, `min_tokens`) are accepted too. Tokenization, the context-length check and the
 model-name check are left to the handlers, which know the tokenizer and the backend.
@@ -36,7 +38,7 @@ CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "top_logprobs", "r
 @dataclass
 class ApiRequest:
     endpoint: str  # "completions" or "chat"
-    model: str
+    model: str | None  # None: not given, the served model
     prompts: list[str | list[int]] = field(default_factory=list)  # completions
     messages: list[dict] = field(default_factory=list)  # chat, contents as plain strings
     n: int = 1
@@ -48,6 +50,7 @@ class ApiRequest:
     seed: int | None = None
     logprobs: int | None = None  # top logprobs per token; None: no logprobs at all
     sampling: dict = field(default_factory=dict)  # the other SamplingParams fields given
+    ignored: list[str] = field(default_factory=list)  # unknown fields, accepted and ignored
 
     @property
     def num_choices(self) -> int:
@@ -156,14 +159,10 @@ def _neutral(body: dict, name: str, *allowed) -> None:
 def _common(body: dict, allowed: set[str], endpoint: str) -> ApiRequest:
     if not isinstance(body, dict):
         raise bad_param("", "the request body must be a JSON object")
-    unknown = sorted(set(body) - allowed)
-    if unknown:
-        raise bad_param(unknown[0], f"unrecognized request argument supplied: {unknown[0]}",
-                        "unknown_parameter")
     model = body.get("model")
-    if not isinstance(model, str) or not model:
-        raise bad_param("model", "is required and must be a non-empty string")
-    req = ApiRequest(endpoint=endpoint, model=model)
+    if model is not None and (not isinstance(model, str) or not model):
+        raise bad_param("model", "must be a non-empty string (or left out: the served model)")
+    req = ApiRequest(endpoint=endpoint, model=model, ignored=sorted(set(body) - allowed))
     req.max_tokens = _int(body, "max_tokens", 1)
     req.n = _int(body, "n", 1, MAX_CHOICES) or 1
     req.stream = bool(_bool(body, "stream"))

@@ -1,8 +1,10 @@
 """The router's HTTP server: the OpenAI-compatible API on aiohttp (run on uvloop).
 
 Routes: `POST /v1/completions`, `POST /v1/chat/completions` (SSE when `stream` is true,
-ending with `data: [DONE]`), `GET /v1/models`, `GET /health`, `GET /metrics`, and
-`GET /openapi.json` (the document of `openapi.py`). A request is
+ending with `data: [DONE]`), `GET /v1/models`, `GET /v1/models/{id}`, vLLM's `POST /tokenize`,
+`POST /detokenize` and `GET /version`, `GET /health`, `GET /metrics`, and `GET /openapi.json`
+(the document of `openapi.py`). A request's unknown fields are ignored and named in the
+`X-PD-Ignored-Fields` header and a log line. A request is
 validated (`protocol.py`), checked against the served model name and the context length,
 tokenized (chat through the model's chat template), admitted through the bounded queue,
 run on the backend as one `Generation`, and written out as chunks or as one response. Every
@@ -19,6 +21,7 @@ import asyncio
 import hmac
 import json
 import logging
+import re
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -44,6 +47,27 @@ MAX_BYTES_PER_TOKEN = 64  # no token of a real vocabulary is longer (characters 
 MAX_BODY = 64 * 2**20  # a request body is never larger than this, whatever the context
 _SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                 "X-Accel-Buffering": "no"}
+IGNORED_HEADER = "X-PD-Ignored-Fields"  # the request's fields this server ignored
+
+
+_FIELD_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+
+
+def ignored_header(names: list[str]) -> str:
+    """The header's value: the ignored fields' names that are plain words (a client's field
+    name may hold anything, a header may not), and how many others there were."""
+    plain = [n for n in names if _FIELD_NAME.fullmatch(n)][:16]
+    rest = len(names) - len(plain)
+    return ", ".join(plain + ([f"{rest} more"] if rest else []))
+
+
+def pd_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("pd")
+    except PackageNotFoundError:  # run from a checkout without installing
+        return "0+checkout"
 
 
 class Tokenizer(Protocol):
@@ -99,6 +123,10 @@ class RouterServer:
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat)
         app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/v1/models/{model_id}", self.model)
+        app.router.add_post("/tokenize", self.tokenize)
+        app.router.add_post("/detokenize", self.detokenize)
+        app.router.add_get("/version", self.version)
         app.router.add_get("/health", self.health)
         app.router.add_get("/metrics", self.metrics_endpoint)
         app.router.add_get("/openapi.json", self.openapi)
@@ -136,11 +164,69 @@ class RouterServer:
             endpoint = resource.canonical if resource is not None else "other"
             self.metrics.http_requests.labels(endpoint, str(status)).inc()
 
+    def _model_card(self) -> dict:
+        return {"id": self.config.served_model_name, "object": "model", "created": self._created,
+                "owned_by": "pd", "max_model_len": self.backend.max_model_len()}
+
     async def models(self, request: web.Request) -> web.Response:
-        data = [{"id": self.config.served_model_name, "object": "model",
-                 "created": self._created, "owned_by": "pd",
-                 "max_model_len": self.backend.max_model_len()}]
-        return web.json_response({"object": "list", "data": data})
+        return web.json_response({"object": "list", "data": [self._model_card()]})
+
+    async def model(self, request: web.Request) -> web.Response:
+        name = request.match_info["model_id"]
+        if name != self.config.served_model_name:
+            raise model_not_found(name, self.config.served_model_name)
+        return web.json_response(self._model_card())
+
+    def _check_model(self, body: dict) -> None:
+        model = body.get("model")
+        if model is not None and model != self.config.served_model_name:
+            raise model_not_found(str(model), self.config.served_model_name)
+
+    async def tokenize(self, request: web.Request) -> web.Response:
+        """vLLM's /tokenize: `prompt` (text; `add_special_tokens`, default true) or `messages`
+        (a chat, rendered by the template; `add_generation_prompt`, default true)."""
+        body = await self._body(request)
+        if not isinstance(body, dict):
+            raise bad_param("", "the request body must be a JSON object")
+        self._check_model(body)
+        flags = {name: body.get(name, True) for name in ("add_special_tokens", "add_generation_prompt")}
+        for name, v in flags.items():
+            if not isinstance(v, bool):
+                raise bad_param(name, "must be a boolean")
+        if "messages" in body:
+            messages = parse_chat({"messages": body["messages"]}).messages
+            encode = lambda: self.tokenizer.encode_chat(  # noqa: E731
+                messages, add_generation_prompt=flags["add_generation_prompt"])
+        elif isinstance(body.get("prompt"), str):
+            limit = self.backend.max_model_len() * MAX_BYTES_PER_TOKEN
+            if len(body["prompt"]) > limit:
+                raise bad_param("prompt", f"is longer than {limit} characters")
+            encode = lambda: self.tokenizer.encode(  # noqa: E731
+                body["prompt"], add_special_tokens=flags["add_special_tokens"])
+        else:
+            raise bad_param("prompt", "give 'prompt' (a string) or 'messages' (a chat)")
+        try:
+            ids = await asyncio.to_thread(encode)
+        except Exception as e:  # a template that refuses the conversation
+            raise bad_param("messages", f"the chat template failed: {e}")
+        return web.json_response({"count": len(ids), "max_model_len": self.backend.max_model_len(),
+                                  "tokens": ids})
+
+    async def detokenize(self, request: web.Request) -> web.Response:
+        body = await self._body(request)
+        if not isinstance(body, dict):
+            raise bad_param("", "the request body must be a JSON object")
+        self._check_model(body)
+        ids = body.get("tokens")
+        vocab = self.tokenizer.vocab_size
+        if (not isinstance(ids, list) or len(ids) > self.backend.max_model_len()
+                or not all(type(t) is int and 0 <= t < vocab for t in ids)):
+            raise bad_param("tokens", f"must be a list of at most {self.backend.max_model_len()} "
+                                      f"token ids in [0, {vocab})")
+        return web.json_response({"prompt": self.tokenizer.decode(ids)})
+
+    async def version(self, request: web.Request) -> web.Response:
+        return web.json_response({"version": pd_version()})
 
     async def health(self, request: web.Request) -> web.Response:
         h = self.backend.health()
@@ -236,8 +322,14 @@ class RouterServer:
     async def _generate(self, request: web.Request, parse) -> web.StreamResponse:
         t_arrival = time.perf_counter()
         req = parse(await self._body(request))
-        if req.model != self.config.served_model_name:
+        if req.model is None:
+            req.model = self.config.served_model_name
+        elif req.model != self.config.served_model_name:
             raise model_not_found(req.model, self.config.served_model_name)
+        headers = {}
+        if req.ignored:  # as vLLM: accepted, not acted on, and said so
+            log.warning("request fields ignored (not known to this server): %r", req.ignored[:16])
+            headers[IGNORED_HEADER] = ignored_header(req.ignored)
         self._check_text_length(req)
         # NOTE: tokenizing and templating run in a worker thread, not on the event loop
         prompts = await asyncio.to_thread(self._prompts, req)
@@ -302,8 +394,8 @@ class RouterServer:
             timer = RequestTimer(self.metrics, t_arrival)
             if req.stream:
                 return await self._stream(request, gen, first, fmt, choices, num_prompt_tokens,
-                                          timer, release)
-            return await self._collect(gen, first, fmt, choices, num_prompt_tokens, timer)
+                                          timer, release, headers)
+            return await self._collect(gen, first, fmt, choices, num_prompt_tokens, timer, headers)
         except (asyncio.CancelledError, ConnectionResetError):
             await gen.close("client_disconnect")
             raise
@@ -313,8 +405,9 @@ class RouterServer:
 
     async def _stream(self, request: web.Request, gen: Generation, first: Delta,
                       fmt: ResponseFormat, choices: list[Choice], num_prompt_tokens: int,
-                      timer: RequestTimer, release: Callable[[], None]) -> web.StreamResponse:
-        resp = web.StreamResponse(headers=_SSE_HEADERS)
+                      timer: RequestTimer, release: Callable[[], None],
+                      headers: dict) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={**_SSE_HEADERS, **headers})
         out = [_sse(fmt.role_chunk(c.index)) for c in choices] if fmt.chat else []
         d = first
         try:
@@ -344,7 +437,7 @@ class RouterServer:
 
     async def _collect(self, gen: Generation, first: Delta, fmt: ResponseFormat,
                        choices: list[Choice], num_prompt_tokens: int,
-                       timer: RequestTimer) -> web.Response:
+                       timer: RequestTimer, headers: dict) -> web.Response:
         acc = Accumulator(fmt, len(choices))
         d = first
         while d is not None:
@@ -356,7 +449,8 @@ class RouterServer:
         timer.done()
         acc.stop_reason = [c.stop_reason for c in choices]
         u = usage(num_prompt_tokens, sum(c.num_generated for c in choices))
-        return web.Response(body=_dumps(acc.response(u)), content_type="application/json")
+        return web.Response(body=_dumps(acc.response(u)), content_type="application/json",
+                            headers=headers)
 
 
 def _generation_failed(d: Delta) -> APIError:

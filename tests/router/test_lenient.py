@@ -1,0 +1,82 @@
+"""What vLLM clients send and expect: unknown fields accepted, ignored and named in a header;
+`model` optional; `/v1/models/{id}`, `/tokenize`, `/detokenize` and `/version` (the official
+`openai` client where it reaches them)."""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+
+from router.server import IGNORED_HEADER
+from tests.router.conftest import MODEL, ScriptedBackend, echo_script
+
+TEXT = "return value"
+
+
+@pytest.fixture
+def server(tokenizer, make_server):
+    return make_server(ScriptedBackend(echo_script(tokenizer, TEXT), tokenizer.eos_token_id))
+
+
+def test_unknown_fields_are_ignored_and_named(server):
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="x")
+    raw = client.completions.with_raw_response.create(
+        model=MODEL, prompt="hi",
+        extra_body={"skip_special_tokens": True, "priority": 3, "store": False})
+    assert raw.parse().choices[0].text == TEXT
+    assert raw.headers[IGNORED_HEADER] == "priority, skip_special_tokens, store"
+    raw = client.chat.completions.with_raw_response.create(
+        model=MODEL, messages=[{"role": "user", "content": "hi"}], stream=True,
+        extra_body={"chat_template_kwargs": {}, "\u001f\n": 1})
+    assert "".join(c.choices[0].delta.content or "" for c in raw.parse() if c.choices) == TEXT
+    assert raw.headers[IGNORED_HEADER] == "chat_template_kwargs, 1 more"
+    plain = client.completions.with_raw_response.create(model=MODEL, prompt="hi")
+    assert IGNORED_HEADER not in plain.headers
+
+
+def test_model_may_be_left_out_but_not_wrong(server):
+    r = httpx.post(server.url + "/v1/completions", json={"prompt": "hi"})
+    assert r.status_code == 200 and r.json()["model"] == MODEL
+    r = httpx.post(server.url + "/v1/chat/completions",
+                   json={"messages": [{"role": "user", "content": "hi"}]})
+    assert r.status_code == 200 and r.json()["model"] == MODEL
+    with pytest.raises(openai.NotFoundError):
+        openai.OpenAI(base_url=server.url + "/v1", api_key="x").completions.create(
+            model="other", prompt="hi")
+
+
+def test_model_by_id(server):
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="x")
+    assert client.models.retrieve(MODEL).id == MODEL
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("other")
+
+
+def test_tokenize_and_detokenize_round_trip(server, tokenizer):
+    text = "def f(x):\n    return x"
+    r = httpx.post(server.url + "/tokenize", json={"prompt": text})
+    assert r.status_code == 200
+    body = r.json()
+    assert body["tokens"] == tokenizer.encode(text) and body["count"] == len(body["tokens"])
+    assert body["max_model_len"] > 0
+    r = httpx.post(server.url + "/detokenize", json={"model": MODEL, "tokens": body["tokens"]})
+    assert r.status_code == 200 and r.json()["prompt"] == tokenizer.decode(body["tokens"])
+    chat = [{"role": "user", "content": "hi"}]
+    r = httpx.post(server.url + "/tokenize", json={"messages": chat})
+    assert r.json()["tokens"] == tokenizer.encode_chat(chat, add_generation_prompt=True)
+    for path, bad, param in [("/tokenize", {}, "prompt"), ("/tokenize", {"prompt": 5}, "prompt"),
+                             ("/tokenize", {"prompt": "x", "add_special_tokens": "no"},
+                              "add_special_tokens"),
+                             ("/tokenize", {"messages": [{"role": "robot"}]}, "messages"),
+                             ("/detokenize", {"tokens": [-1]}, "tokens"),
+                             ("/detokenize", {"tokens": "abc"}, "tokens")]:
+        r = httpx.post(server.url + path, json=bad)
+        assert r.status_code == 400 and r.json()["error"]["param"].startswith(param), (bad, r.text)
+    r = httpx.post(server.url + "/tokenize", json={"model": "other", "prompt": "x"})
+    assert r.status_code == 404
+
+
+def test_version(server):
+    r = httpx.get(server.url + "/version")
+    assert r.status_code == 200 and isinstance(r.json()["version"], str) and r.json()["version"]
