@@ -1,8 +1,9 @@
 """`pd launch`: router + prefill nodes + decode nodes on this host, in one command.
 
-Starts --num-decode decode nodes and --num-prefill prefill nodes as child processes on free
-ports (bound to 127.0.0.1), then serves the router in this process on --host:--port. When every
-node answers its heartbeat it prints the URL and a curl line. Ctrl-C (or SIGTERM) stops the
+Checks that --host:--port is free, starts --num-decode decode nodes and --num-prefill prefill
+nodes at once as child processes on free ports (bound to 127.0.0.1), printing a line for each as
+it comes up, then serves the router in this process on --host:--port. When every node answers
+its heartbeat it prints the URL and a curl line. Ctrl-C (or SIGTERM) stops the
 router and every node, which remove their shared-memory segments on the way out. Model and
 engine flags go to every node, and each node flag of `pd.service.flags.NODE_FLAGS` to the nodes
 of its role (--transport, --queue-timeout, --handoff-timeout to prefill nodes; --kv-timeout,
@@ -20,6 +21,7 @@ import argparse
 import asyncio
 import logging
 import signal
+import socket
 import sys
 import time
 
@@ -76,6 +78,13 @@ def main(args: argparse.Namespace) -> int:
 
     keys = configure_from_args(args)
     args.model = model_dir(args)
+    try:  # the router's port, before any node starts
+        with socket.create_server((args.host, args.port)):
+            pass
+    except OSError as e:
+        print(f"pd launch: error: cannot serve on {args.host}:{args.port} (--host, --port): "
+              f"{e.strerror or e}", file=sys.stderr)
+        return 1
     # a checkpoint pd would compute wrongly starts nothing (pd.cli.main prints the one line)
     ModelConfig.from_dir(args.model)
     generation_defaults(args.model, args.generation_config)

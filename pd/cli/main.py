@@ -9,7 +9,9 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import re
 import sys
+from pathlib import Path
 
 # subcommand -> (module, one-line help). Modules are imported only when their command runs.
 COMMANDS = {
@@ -18,6 +20,7 @@ COMMANDS = {
     "decode": ("decode_node.main", "run a decode node"),
     "router": ("router.command", "run the OpenAI-compatible router"),
     "launch": ("pd.cli.launch", "start router + prefill + decode nodes on this host"),
+    "serve": ("pd.cli.serve", "pd serve MODEL: vLLM's spelling of pd launch --model MODEL"),
     "bench": ("pd.cli.bench", "serving benchmark against the router or any OpenAI-compatible server"),
     "keygen": ("pd.cli.keygen", "make the deployment's CURVE keypair for --curve-keys"),
 }
@@ -29,6 +32,22 @@ def setup_logging(level: str) -> None:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
+
+
+MODEL_DIR_COMMANDS = ("generate", "prefill", "decode", "router", "launch", "serve")
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+
+
+def model_dir_problem(args: argparse.Namespace) -> str | None:
+    """One line when --model names no directory here (a hub id, most often), else None."""
+    model = getattr(args, "model_dir", None) or getattr(args, "model", None)  # pd serve MODEL
+    if args.command not in MODEL_DIR_COMMANDS or not model or Path(model).is_dir():
+        return None
+    if _HUB_ID.fullmatch(model) and not Path(model).exists():
+        return (f"{model!r} is not a directory here: pd loads local model directories and "
+                f"downloads nothing; fetch it first (huggingface-cli download {model} "
+                f"--local-dir DIR) and give --model DIR")
+    return f"no model directory at {model!r}"
 
 
 def build_parser(only: str | None = None) -> argparse.ArgumentParser:
@@ -57,6 +76,10 @@ def main(argv: list[str] | None = None) -> int:
     chosen = next((a for a in argv if not a.startswith("-")), None)
     args = build_parser(chosen if chosen in COMMANDS else "").parse_args(argv)
     setup_logging(getattr(args, "log_level", "warning"))
+    problem = model_dir_problem(args)
+    if problem:
+        print(f"pd {args.command}: error: {problem}", file=sys.stderr)
+        return 2
     try:
         return args._module.main(args) or 0
     except ModelConfigError as e:

@@ -31,8 +31,10 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                         "--gpu-memory-fraction on CUDA)")
     g.add_argument("--kv-cache-memory", type=float, default=256,
                    help="KV cache size in MiB on CPU when --num-blocks is not given (default: 256)")
-    g.add_argument("--gpu-memory-fraction", type=float, default=0.85,
-                   help="fraction of free GPU memory for the KV cache on CUDA (default: 0.85)")
+    g.add_argument("--gpu-memory-fraction", "--gpu-memory-utilization", type=float, default=0.85,
+                   dest="gpu_memory_fraction",
+                   help="fraction of free GPU memory for the KV cache on CUDA (default: 0.85; "
+                        "vLLM's --gpu-memory-utilization is the same flag)")
     g.add_argument("--max-num-seqs", type=int, default=256,
                    help="most requests in one step (default: 256)")
     g.add_argument("--max-num-batched-tokens", type=int, default=2048,

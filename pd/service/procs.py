@@ -130,15 +130,18 @@ def free_port() -> int:
 
 
 class Launch:
-    def __init__(self, model_dir: str, *extra: str, timeout: float = 120.0) -> None:
+    def __init__(self, model_dir: str, *extra: str, timeout: float = 120.0,
+                 serve: bool = False) -> None:
+        """`pd launch --model DIR ...`, or `pd serve DIR ...` (vLLM's spelling) with `serve`."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.lines: list[str] = []
         self.nodes: dict[str, dict] = {}
         self.served_model_name = ""
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "pd", "launch", "--model", str(model_dir), "--port",
-             str(self.port), "--log-level", "warning", *extra],
+            [sys.executable, "-m", "pd", *(("serve", str(model_dir)) if serve else
+                                           ("launch", "--model", str(model_dir))),
+             "--port", str(self.port), "--log-level", "warning", *extra],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
             env={**os.environ, "PYTHONUNBUFFERED": "1"})
         ready = threading.Event()

@@ -139,7 +139,9 @@ def test_concurrent_streaming_load(api, reference, model_name):
 
 
 def test_killing_a_decode_node_fails_only_its_requests(tiny_model_dir, reference):
-    launch = Launch(tiny_model_dir, "--num-decode", "2", "--num-blocks", "512")
+    # vLLM's spelling (`pd serve DIR`), with vLLM's name for the GPU memory flag
+    launch = Launch(tiny_model_dir, "--num-decode", "2", "--num-blocks", "512",
+                    "--gpu-memory-utilization", "0.5", serve=True)
     try:
         api = openai.OpenAI(base_url=launch.url + "/v1", api_key="x", max_retries=0, timeout=60)
         name = tiny_model_dir.name
