@@ -44,6 +44,7 @@ class ApiRequest:
     n: int = 1
     stream: bool = False
     include_usage: bool = False
+    continuous_usage: bool = False  # stream_options.continuous_usage_stats: usage in every chunk
     max_tokens: int | None = None  # None: up to the context length
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
@@ -173,6 +174,7 @@ def _common(body: dict, allowed: set[str], endpoint: str) -> ApiRequest:
         if not req.stream:
             raise bad_param("stream_options", "is only allowed when stream is true")
         req.include_usage = bool(_bool(opts, "include_usage"))
+        req.continuous_usage = req.include_usage and bool(_bool(opts, "continuous_usage_stats"))
     stop = body.get("stop")
     if isinstance(stop, str):
         stop = [stop]

@@ -31,9 +31,18 @@ def completion_logprobs(entries: list[TokenLogprob]) -> dict:
     return {
         "tokens": [e.token for e in entries],
         "token_logprobs": [_lp(e.logprob) for e in entries],
-        "top_logprobs": [{t: _lp(v) for t, _, v in e.top} for e in entries],
+        "top_logprobs": [_top_with_sampled(e) for e in entries],
         "text_offset": [e.text_offset for e in entries],
     }
+
+
+def _top_with_sampled(e: TokenLogprob) -> dict:
+    """A completion token's top logprobs, with the sampled token among them even when it is
+    not in the top k (as OpenAI's legacy completions and vLLM have it: up to k + 1 entries)."""
+    top = {t: _lp(v) for t, _, v in e.top}
+    if all(i != e.token_id for _, i, _ in e.top):
+        top.setdefault(e.token, _lp(e.logprob))
+    return top
 
 
 def chat_logprobs(entries: list[TokenLogprob]) -> dict:
@@ -47,19 +56,20 @@ def chat_logprobs(entries: list[TokenLogprob]) -> dict:
 
 class ResponseFormat:
     def __init__(self, endpoint: str, request_id: str, model: str, want_logprobs: bool,
-                 include_usage: bool = False) -> None:
+                 include_usage: bool = False, continuous_usage: bool = False) -> None:
         self.chat = endpoint == "chat"
         self.id = request_id
         self.model = model
         self.created = int(time.time())
         self.want_logprobs = want_logprobs
         self.include_usage = include_usage
+        self.continuous_usage = continuous_usage  # each chunk carries its choice's usage so far
 
-    def _envelope(self, obj: str, choices: list) -> dict:
+    def _envelope(self, obj: str, choices: list, u: dict | None = None) -> dict:
         out = {"id": self.id, "object": obj, "created": self.created, "model": self.model,
                "choices": choices}
         if self.include_usage:
-            out["usage"] = None
+            out["usage"] = u if self.continuous_usage else None
         return out
 
     def _logprobs(self, entries: list[TokenLogprob]) -> dict | None:
@@ -67,21 +77,22 @@ class ResponseFormat:
             return None
         return chat_logprobs(entries) if self.chat else completion_logprobs(entries)
 
-    def role_chunk(self, index: int) -> dict:
+    def role_chunk(self, index: int, u: dict | None = None) -> dict:
         choice = {"index": index, "delta": {"role": "assistant", "content": ""},
                   "logprobs": None, "finish_reason": None}
-        return self._envelope("chat.completion.chunk", [choice])
+        return self._envelope("chat.completion.chunk", [choice], u)
 
-    def chunk(self, d: Delta) -> dict:
+    def chunk(self, d: Delta, u: dict | None = None) -> dict:
+        """The SSE chunk of a delta; `u`: its choice's usage so far (continuous usage)."""
         lp = self._logprobs(d.logprobs) if d.logprobs or not self.chat else None
         if self.chat:
             delta = {"content": d.text} if d.text or not d.finish_reason else {}
             choice = {"index": d.index, "delta": delta, "logprobs": lp,
                       "finish_reason": d.finish_reason}
-            return self._envelope("chat.completion.chunk", [choice])
+            return self._envelope("chat.completion.chunk", [choice], u)
         choice = {"index": d.index, "text": d.text, "logprobs": lp,
                   "finish_reason": d.finish_reason}
-        return self._envelope("text_completion", [choice])
+        return self._envelope("text_completion", [choice], u)
 
     def usage_chunk(self, u: dict) -> dict:
         obj = "chat.completion.chunk" if self.chat else "text_completion"

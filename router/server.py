@@ -351,7 +351,8 @@ class RouterServer:
                               f"prefill, {h.get('decode', 0)} decode)")
         prefix = "chatcmpl-" if req.endpoint == "chat" else "cmpl-"
         fmt = ResponseFormat(req.endpoint, prefix + uuid.uuid4().hex, req.model,
-                             req.logprobs is not None, req.stream and req.include_usage)
+                             req.logprobs is not None, req.stream and req.include_usage,
+                             req.stream and req.continuous_usage)
         if self.config.log_requests:
             log.info("%s %s: %d choice(s), prompt tokens %s, params %s", fmt.id, req.endpoint,
                      len(choices), [len(p) for p in prompts], greqs[0].params)
@@ -408,14 +409,18 @@ class RouterServer:
                       timer: RequestTimer, release: Callable[[], None],
                       headers: dict) -> web.StreamResponse:
         resp = web.StreamResponse(headers={**_SSE_HEADERS, **headers})
-        out = [_sse(fmt.role_chunk(c.index)) for c in choices] if fmt.chat else []
+        def so_far(index: int) -> dict | None:  # continuous usage: the choice's counts so far
+            return usage(num_prompt_tokens, choices[index].num_generated) \
+                if fmt.continuous_usage else None
+
+        out = [_sse(fmt.role_chunk(c.index, so_far(c.index))) for c in choices] if fmt.chat else []
         d = first
         try:
             await resp.prepare(request)
             while d is not None:
                 timer.observe(d)
                 if d.text or d.finish_reason or d.logprobs:
-                    out.append(_sse(fmt.chunk(d)))
+                    out.append(_sse(fmt.chunk(d, so_far(d.index))))
                 if d.error:
                     out.append(_sse(_generation_failed(d).body()))
                 await self._write(request, resp, b"".join(out))

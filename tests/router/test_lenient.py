@@ -80,3 +80,30 @@ def test_tokenize_and_detokenize_round_trip(server, tokenizer):
 def test_version(server):
     r = httpx.get(server.url + "/version")
     assert r.status_code == 200 and isinstance(r.json()["version"], str) and r.json()["version"]
+
+
+def test_continuous_usage_stats_count_every_chunk(server, tokenizer):
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="x")
+    chunks = list(client.completions.create(
+        model=MODEL, prompt="hi", stream=True,
+        stream_options={"include_usage": True, "continuous_usage_stats": True}))
+    counted = [c.usage.completion_tokens for c in chunks if c.choices]
+    assert counted == sorted(counted) and counted[0] >= 1 and len(counted) > 1
+    assert all(c.usage.prompt_tokens == len(tokenizer.encode("hi")) for c in chunks)
+    assert chunks[-1].usage.completion_tokens == counted[-1]  # the final usage chunk agrees
+    plain = list(client.completions.create(model=MODEL, prompt="hi", stream=True,
+                                           stream_options={"include_usage": True}))
+    assert all(c.usage is None for c in plain if c.choices)
+
+
+def test_completion_top_logprobs_hold_the_sampled_token():
+    """Legacy completions, as OpenAI and vLLM: the sampled token is among its top_logprobs even
+    when it is not in the top k (then k + 1 entries); chat keeps exactly k."""
+    from router.choice import TokenLogprob
+    from router.responses import chat_logprobs, completion_logprobs
+
+    inside = TokenLogprob("a", 1, -0.1, [("a", 1, -0.1), ("b", 2, -2.0)], 0)
+    outside = TokenLogprob("c", 3, -5.0, [("a", 1, -0.1), ("b", 2, -2.0)], 1)
+    tops = completion_logprobs([inside, outside])["top_logprobs"]
+    assert tops == [{"a": -0.1, "b": -2.0}, {"a": -0.1, "b": -2.0, "c": -5.0}]
+    assert [len(e["top_logprobs"]) for e in chat_logprobs([inside, outside])["content"]] == [2, 2]
