@@ -361,7 +361,7 @@ class DecodeNode(NodeService):
         mt.kv_usage.set(self.allocator.usage)
         mt.count_preemptions(self.scheduler.num_preemptions)
         node_metrics.export_prefix_cache(mt, self.engine)
-        if not self.incoming and not self.loop.has_work:
+        if not self.incoming and not self.loop.has_work and self.integrity_due():
             self.allocator.check_integrity()
         if now - self.last_gap_log >= GAP_LOG_S:
             self.last_gap_log = now

@@ -270,7 +270,7 @@ class PrefillNode(NodeService):
         node_metrics.export_prefix_cache(mt, self.engine)
 
     def may_check_integrity(self) -> None:
-        if not self.jobs and not self.scheduler.has_work:
+        if not self.jobs and not self.scheduler.has_work and self.integrity_due():
             self.engine.allocator.check_integrity()
 
     def stats(self) -> dict:

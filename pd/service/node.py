@@ -43,6 +43,9 @@ MESSAGES_REFUSED = Counter(
     ["role", "node", "socket"])
 TICK_S = 0.05  # how often timeouts are checked, and the longest idle sleep
 ROUTER_GONE_S = 1.0  # a router's event endpoint disconnected this long: its requests end
+# NOTE: the allocator's integrity check walks every block (tens of ms at 100k blocks): an idle
+# node runs it at most this often, so a request arriving as the node goes idle does not wait
+INTEGRITY_S = 10.0
 
 
 def bind_socket(ctx: zmq.Context, kind: int, host: str, port: int) -> tuple[zmq.Socket, int]:
@@ -165,6 +168,7 @@ class NodeService:
         self.probe = ProbeServer(host, metrics_port, self.health) if metrics_port is not None else None
         self.stopping = threading.Event()
         self.started = time.monotonic()
+        self.next_integrity_check = 0.0
         if threading.current_thread() is threading.main_thread():
             # NOTE: set before the node announces itself, so an early SIGTERM drains (an idle
             # node: exits 0) instead of killing the process.
@@ -172,6 +176,14 @@ class NodeService:
             signal.signal(signal.SIGINT, self._on_signal)
 
     # -- subclass hooks ------------------------------------------------------------------------
+    def integrity_due(self) -> bool:
+        """Whether an idle node checks its allocator now (at most every `INTEGRITY_S`)."""
+        now = time.monotonic()
+        if now < self.next_integrity_check:
+            return False
+        self.next_integrity_check = now + INTEGRITY_S
+        return True
+
     def has_work(self) -> bool:
         return False
 
