@@ -152,7 +152,8 @@ class ModelRunner:
         flat = _concat if any(n > LONG_RUN for n in batch.num_new_tokens) else _chain
         ids, positions, slots = flat(id_parts), flat(pos_parts), flat(slot_parts)
         ctx = host_context(batch.num_new_tokens, context_lens,
-                           [req.block_ids for req in batch.reqs], slots, bs)
+                           [req.block_ids for req in batch.reqs], slots,
+                           bs if self.device.type == "cuda" else None)  # kv_slots: CUDA's
         asked = [r.params.logprobs for r in rows if r.params.logprobs is not None]
         future = np.nonzero(ids < 0)[0]
         host = {"input_ids": torch.from_numpy(ids), "positions": torch.from_numpy(positions),

@@ -177,7 +177,8 @@ class SpecDecoder:
             num_drafts.append(nd)
             rows += self.sampling_rows(req)
         ctx = build_context(batch.num_new_tokens, context_lens, [r.block_ids for r in batch.reqs],
-                            slots, torch.device("cpu"), self.runner.block_size)
+                            slots, torch.device("cpu"),
+                            self.runner.block_size if self.runner.device.type == "cuda" else None)
         ctx = replace(ctx, **{f.name: dev(getattr(ctx, f.name)) for f in fields(ctx)
                               if isinstance(getattr(ctx, f.name), torch.Tensor)})
         stops = [stop_ids_of(r) for r in reqs]
