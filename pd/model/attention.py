@@ -42,7 +42,7 @@ def prefill_varlen(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     one packed tensor (`ctx.kv_slots`), then one variable-length flash attention call over the
     whole batch, causal from the lower right (a chunk's queries are the last of its keys). Two
     gathers and one kernel per layer, whatever the number of sequences: a step of 8 prompts of
-    128 tokens continuing 2,048 cached ones takes 23 ms eager, against 44 ms with one SDPA per
+    128 tokens continuing 2,048 cached ones takes 23 ms eager, against about 40 ms with one SDPA per
     sequence (the 1B shape, `benchmarks/gpu/profile_prefix.py`)."""
     keys = k_cache.view(-1, *k_cache.shape[2:]).index_select(0, ctx.kv_slots)
     values = v_cache.view(-1, *v_cache.shape[2:]).index_select(0, ctx.kv_slots)
