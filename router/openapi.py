@@ -14,7 +14,7 @@ accepted.
 
 from __future__ import annotations
 
-from pd.wire.sampling_params import MAX_TOP_LOGPROBS
+from pd.wire.sampling_params import MAX_LOGIT_BIAS, MAX_TOP_LOGPROBS
 from router.protocol import CHAT_ROLES, MAX_CHOICES, MAX_STOP_STRINGS
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
@@ -57,8 +57,11 @@ def _sampling_properties(max_model_len: int, vocab_size: int) -> dict:
         "min_tokens": _nullable({"type": "integer", "minimum": 0,
                                  "description": "at most max_tokens"}),
         "user": _nullable({"type": "string"}),
-        "logit_bias": _nullable({"type": "object", "maxProperties": 0,
-                                 "description": "not supported: only {}"}),
+        "logit_bias": _nullable({
+            "type": "object", "maxProperties": MAX_LOGIT_BIAS,
+            "propertyNames": {"pattern": "^[0-9]{1,10}$"},
+            "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100},
+            "description": "token id (a string) -> bias added to its logit"}),
     }
 
 

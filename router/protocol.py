@@ -8,7 +8,7 @@ an int, a string is not a number; a whole float such as 2.0 is the integer 2, as
 has it, and is passed on as an int). Fields this server does not know are accepted and ignored,
 as vLLM does, and listed in `ApiRequest.ignored` (the server logs them and names them in the
 `X-PD-Ignored-Fields` response header); the OpenAI fields it knows but does not implement are
-accepted only at their neutral values. `model` may be left out: the served model answers.
+accepted only at their neutral values. `logit_bias` ({"token id": bias}) is passed on. `model` may be left out: the served model answers.
 vLLM's extra sampling fields (`top_k`, `min_p`, `repetition_penalty`, `stop_token_ids`,
 `ignore_eos`, `min_tokens`) are accepted too. Tokenization, the context-length check and the
 model-name check are left to the handlers, which know the tokenizer and the backend.
@@ -20,7 +20,7 @@ import json
 import math
 from dataclasses import dataclass, field
 
-from pd.wire.sampling_params import MAX_TOP_LOGPROBS, SamplingParams
+from pd.wire.sampling_params import MAX_LOGIT_BIAS, MAX_TOP_LOGPROBS, SamplingParams
 from router.errors import bad_param
 
 MAX_CHOICES = 128  # prompts x n in one request
@@ -204,9 +204,23 @@ def _common(body: dict, allowed: set[str], endpoint: str) -> ApiRequest:
     if user is not None and not isinstance(user, str):
         raise bad_param("user", "must be a string")
     logit_bias = body.get("logit_bias")
-    if logit_bias is not None and logit_bias != {}:
-        raise bad_param("logit_bias", "is not supported by this server", "unsupported")
+    if logit_bias:
+        req.sampling["logit_bias"] = _logit_bias(logit_bias)
     return req
+
+
+def _logit_bias(v) -> tuple[tuple[int, float], ...]:
+    """OpenAI's logit_bias: {"token id": bias in [-100, 100]}, at most MAX_LOGIT_BIAS entries."""
+    if not isinstance(v, dict) or len(v) > MAX_LOGIT_BIAS:
+        raise bad_param("logit_bias", f"must be an object of at most {MAX_LOGIT_BIAS} token ids")
+    pairs = []
+    for key, bias in v.items():
+        if not (isinstance(key, str) and key.isascii() and key.isdigit() and len(key) <= 10):
+            raise bad_param("logit_bias", f"keys must be token ids, got {key[:32]!r}")
+        if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not -100 <= bias <= 100:
+            raise bad_param("logit_bias", f"biases must be numbers in [-100, 100], got {bias!r}")
+        pairs.append((int(key), float(bias)))
+    return tuple(pairs)
 
 
 def _check_tokens(req: ApiRequest, max_tokens_name: str) -> None:

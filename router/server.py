@@ -299,6 +299,10 @@ class RouterServer:
             if max(ids) >= tok.vocab_size:
                 raise bad_param(param, f"token id {max(ids)} is outside the vocabulary "
                                        f"(size {tok.vocab_size})")
+        biased = [t for t, _ in req.sampling.get("logit_bias", ())]
+        if biased and max(biased) >= tok.vocab_size:
+            raise bad_param("logit_bias", f"token id {max(biased)} is outside the vocabulary "
+                                          f"(size {tok.vocab_size})")
         if req.stop_token_ids and max(req.stop_token_ids) >= tok.vocab_size:
             raise bad_param("stop_token_ids", f"token id {max(req.stop_token_ids)} is outside "
                                               f"the vocabulary (size {tok.vocab_size})")

@@ -143,13 +143,27 @@ def apply_min_tokens(x: torch.Tensor, rows: list[SamplingRow]) -> None:
         x.view(-1).index_fill_(0, _index(keys, x.device), -math.inf)  # scalar fill: no host wait
 
 
+def apply_logit_bias(x: torch.Tensor, rows: list[SamplingRow]) -> None:
+    """Each row's logit_bias added to its logits, in place on [B, V] (ids past the vocabulary
+    are left out: the router refuses them; a padded vocabulary may hold fewer)."""
+    keys, vals, vocab = [], [], x.shape[1]
+    for i, r in enumerate(rows):
+        for t, b in r.params.logit_bias:
+            if t < vocab:
+                keys.append(i * vocab + t)
+                vals.append(b)
+    if keys:
+        x.view(-1).index_add_(0, _index(keys, x.device), _host_to(vals, torch.float32, x.device))
+
+
 def process_logits(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-    """Float32 logits after penalties and min_tokens. `logits` is never written: a copy is made
-    when a row needs either; otherwise the result may share memory with `logits`."""
-    if not any(r.params.has_penalties or r.step < r.params.min_tokens for r in rows):
+    """Float32 logits after penalties, logit_bias and min_tokens. `logits` is never written: a
+    copy is made when a row needs any; otherwise the result may share memory with `logits`."""
+    if not any(r.params.processes_logits or r.step < r.params.min_tokens for r in rows):
         return logits.float()
     x = logits.to(torch.float32, copy=True, memory_format=torch.contiguous_format)
     apply_penalties(x, rows)
+    apply_logit_bias(x, rows)
     apply_min_tokens(x, rows)
     return x
 

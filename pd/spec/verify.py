@@ -329,7 +329,7 @@ class SpecDecoder:
     def plain_greedy(req: Req) -> bool:
         """Greedy with nothing between the logits and the argmax at any of its positions."""
         p = req.params
-        return (p.temperature < GREEDY_EPS and not p.has_penalties
+        return (p.temperature < GREEDY_EPS and not p.processes_logits
                 and req.num_output_tokens >= p.min_tokens)
 
     def run_graphed(self, batch: ScheduledBatch, key: tuple[int, int]) -> dict[int, SpecResult]:

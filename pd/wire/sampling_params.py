@@ -15,6 +15,7 @@ from pathlib import Path
 from pd.config import ModelConfigError
 
 MAX_TOP_LOGPROBS = 20
+MAX_LOGIT_BIAS = 300  # entries of logit_bias (OpenAI's limit)
 # generation_config.json fields a request inherits when it omits them (vLLM's set)
 GENERATION_DEFAULT_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 GENERATION_CONFIG_MODES = ("auto", "vllm")
@@ -36,6 +37,8 @@ class SamplingParams:
     # None: no logprobs at all. 0: the sampled token's logprob and rank only. k: plus top-k.
     logprobs: int | None = None
     min_tokens: int = 0
+    # (token id, bias) pairs added to the logits before sampling (OpenAI's logit_bias)
+    logit_bias: tuple[tuple[int, float], ...] = ()
     extra_eos_token_ids: tuple[int, ...] = field(default=(), repr=False)
 
     def __post_init__(self) -> None:
@@ -69,7 +72,15 @@ class SamplingParams:
         for tid in self.stop_token_ids:
             if not isinstance(tid, int) or tid < 0:
                 bad("stop_token_ids", "must be non-negative integers")
+        bias = tuple((pair[0], float(pair[1])) for pair in self.logit_bias
+                     if isinstance(pair, (list, tuple)) and len(pair) == 2)
+        if len(bias) != len(self.logit_bias) or len(bias) > MAX_LOGIT_BIAS or any(
+                not isinstance(t, int) or isinstance(t, bool) or t < 0 or not -100.0 <= b <= 100.0
+                for t, b in bias) or len({t for t, _ in bias}) != len(bias):
+            bad("logit_bias", f"must be at most {MAX_LOGIT_BIAS} distinct (token id >= 0, bias "
+                              f"in [-100, 100]) pairs")
         # Normalise sequences given as lists so the dataclass stays hashable.
+        object.__setattr__(self, "logit_bias", bias)
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
         object.__setattr__(self, "extra_eos_token_ids", tuple(self.extra_eos_token_ids))
 
@@ -90,10 +101,17 @@ class SamplingParams:
             or self.repetition_penalty != 1.0
         )
 
+    @property
+    def processes_logits(self) -> bool:
+        """Whether anything but temperature and truncation changes the logits (penalties,
+        logit_bias) at every position."""
+        return self.has_penalties or bool(self.logit_bias)
+
     def to_dict(self) -> dict:
         d = asdict(self)
         d["stop_token_ids"] = list(self.stop_token_ids)
         d["extra_eos_token_ids"] = list(self.extra_eos_token_ids)
+        d["logit_bias"] = [list(pair) for pair in self.logit_bias]
         return d
 
     @classmethod

@@ -187,3 +187,18 @@ def test_killing_a_decode_node_fails_only_its_requests(tiny_model_dir, reference
             assert out.choices[0].text == greedy_text(reference, f"y = {i}", 8)
     finally:
         launch.stop()
+
+
+def test_logit_bias_reaches_both_nodes(api, reference, model_name):
+    """The bias applies to the prefill node's first token and the decode node's others: the
+    output is the single process's under the same bias."""
+    prompt = PROMPTS[0]
+    bias = {"77": 100, "3": -100}
+    out = api.completions.create(model=model_name, prompt=prompt, max_tokens=6, temperature=0,
+                                 logit_bias=bias, logprobs=0)
+    ref = reference.generate([prompt], SamplingParams(
+        max_tokens=6, temperature=0.0, logit_bias=[(77, 100.0), (3, -100.0)]))[0]
+    assert ref.token_ids == [77] * 6
+    assert out.choices[0].text == reference.tokenizer.decode(ref.token_ids)
+    with pytest.raises(openai.BadRequestError, match="logit_bias"):
+        api.completions.create(model=model_name, prompt=prompt, logit_bias={"10000000": 1})

@@ -106,3 +106,20 @@ def test_bad_input_is_a_clear_error(llm, prompt, kwargs, message):
     with pytest.raises(ValueError, match=message):
         llm.generate([prompt], SamplingParams(**kwargs))
     assert not llm.engine.has_unfinished()
+
+
+@pytest.mark.parametrize("k", [0, 2])
+def test_logit_bias_forces_a_token_with_and_without_mtp(tiny_model_dir, llm, k):
+    """A +100 bias makes a token the greedy choice everywhere; a -100 bias on the unbiased run's
+    first token moves it off, in plain and MTP decoding alike (MTP's graphed greedy path
+    leaves biased rows to the sampler)."""
+    engine = llm if k == 0 else LLM(tiny_model_dir, num_blocks=256, num_speculative_tokens=k)
+    prompt = prompts(1, seed=9)[0]
+    forced = engine.generate([prompt], SamplingParams(max_tokens=8, temperature=0.0,
+                                                      ignore_eos=True, logit_bias=[(77, 100.0)]))[0]
+    assert forced.token_ids == [77] * 8
+    free = engine.generate([prompt], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))[0]
+    banned = engine.generate([prompt], SamplingParams(
+        max_tokens=8, temperature=0.0, ignore_eos=True,
+        logit_bias=[(free.token_ids[0], -100.0)]))[0]
+    assert banned.token_ids[0] != free.token_ids[0]

@@ -277,3 +277,22 @@ def test_bad_parameters_raise(bad):
 def test_logits_rows_mismatch_raises():
     with pytest.raises(ValueError):
         Sampler(0)(rand_logits(2, 10, 0), [row()])
+
+
+def test_logit_bias_moves_the_argmax_and_is_validated():
+    import torch
+
+    from pd.engine.sampler import Sampler, SamplingRow
+    from pd.wire.sampling_params import SamplingParams
+
+    logits = torch.tensor([[3.0, 1.0, 0.0, -1.0], [3.0, 1.0, 0.0, -1.0]])
+    rows = [SamplingRow(SamplingParams(temperature=0, logit_bias={2: 5.0}.items()), [], [], 0),
+            SamplingRow(SamplingParams(temperature=0, logit_bias=[(0, -100.0)]), [], [], 0)]
+    out = Sampler()(logits, rows)
+    assert out.token_ids.tolist() == [2, 1]
+    assert logits[0, 2] == 0.0  # the caller's logits are never written
+    for bad in ([(1, 101.0)], [(-1, 1.0)], [(1, 1.0), (1, 2.0)], [(True, 1.0)], [(1,)]):
+        with pytest.raises(ValueError, match="logit_bias"):
+            SamplingParams(logit_bias=bad)
+    p = SamplingParams(logit_bias=[[3, 2]])
+    assert p.logit_bias == ((3, 2.0),) and SamplingParams.from_dict(p.to_dict()) == p
