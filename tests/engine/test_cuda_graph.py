@@ -96,3 +96,19 @@ def test_varlen_prefill_graphs_match_eager_bfloat16(tiny_model_dir):
             assert top_a[t] == pytest.approx(top_b[t], abs=5e-2)
         assert len(top_a.keys() & top_b.keys()) >= 4
     assert same >= len(prompts) - 1
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
+@pytest.mark.parametrize("k", [0, 2])
+def test_logit_bias_through_the_graphs(tiny_model_dir, k):
+    """Biased rows on CUDA (decode graphs, MTP graphs with overlap): a +100 bias forces its
+    token at every position, beside unbiased requests that keep their own greedy output."""
+    engine = Engine(EngineConfig(model=str(tiny_model_dir), device="cuda", dtype="bfloat16",
+                                 num_blocks=256), num_speculative_tokens=k)
+    prompt = [5, 17, 42, 99, 3]
+    free = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    alone = engine.generate([prompt], [free])[0].output_token_ids
+    forced = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logit_bias=[(77, 100.0)])
+    both = engine.generate([prompt, prompt], [forced, free])
+    assert both[0].output_token_ids == [77] * 12
+    assert both[1].output_token_ids == alone
