@@ -1,6 +1,7 @@
 """The decode node: takes requests handed over by prefill nodes, forwards each first token to
 the router at once, installs the KV into its own blocks, and decodes them in its running batch,
-streaming every token to the router.
+streaming every token to the router: each step's tokens of the requests of one router go in one
+message (`TokenStreams`).
 
 Intake, per request, on the KV ingest socket (from one prefill node, in order):
   RequestMeta -> FIRST_TOKEN (forwarded to the router; blocks reserved, or queued until free)
@@ -297,13 +298,18 @@ class DecodeNode(NodeService):
 
     def stream(self, reply_to: str, req: Req, n: int, finish_reason: str | None) -> None:
         """Send the request's last n tokens (with logprobs when asked) to the router."""
+        self.events.send(reply_to, self.token_stream(req, n, finish_reason))
+
+    @staticmethod
+    def token_stream(req: Req, n: int, finish_reason: str | None) -> m.TokenStream:
+        """The request's last n tokens, with logprobs when asked."""
         extra = {}
         if req.params.logprobs is not None:
             extra = {"logprobs": req.output_logprobs[-n:],
                      "top_logprobs": [[list(p) for p in top] for top in req.output_top_logprobs[-n:]]}
-        self.events.send(reply_to, m.TokenStream(
+        return m.TokenStream(
             req.req_id, req.token_ids[-n:], finish_reason=finish_reason,
-            num_prompt_tokens=req.num_prompt_tokens, num_output_tokens=req.num_output_tokens, **extra))
+            num_prompt_tokens=req.num_prompt_tokens, num_output_tokens=req.num_output_tokens, **extra)
 
     # -- endings -------------------------------------------------------------------------------
     def fail(self, inc: Incoming, error: str, tell_peer: bool = True) -> None:

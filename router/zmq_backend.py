@@ -189,15 +189,14 @@ class ZmqBackend(Backend):
             try:
                 if len(frames) != 1:
                     raise m.MessageError(f"event of {len(frames)} frames")
-                msg = m.decode(frames[0])
-                if not isinstance(msg, m.TokenStream):
-                    raise m.MessageError(f"{type(msg).__name__} on the event socket")
+                streams = m.unpack_streams(m.decode(frames[0]))
             except m.MessageError as e:
                 _refuse("events", str(e))
                 continue
-            flight = self.flights.get(msg.req_id)
-            if flight is not None:  # else: a request already ended (aborted, failed over)
-                flight.queue.put_nowait(msg)
+            for msg in streams:
+                flight = self.flights.get(msg.req_id)
+                if flight is not None:  # else: a request already ended (aborted, failed over)
+                    flight.queue.put_nowait(msg)
 
     def _node_down(self, node: Node) -> None:
         for flight in list(self.flights.values()):

@@ -78,21 +78,22 @@ class NodeClient:
         if self.events.poll(int(timeout * 1000)):
             while True:
                 try:
-                    msg = m.decode(self.events.recv(zmq.NOBLOCK))
+                    streams = m.unpack_streams(m.decode(self.events.recv(zmq.NOBLOCK)))
                 except zmq.Again:
                     break
-                out.append(msg)
-                res = self.results.get(msg.req_id)
-                if res is None:
-                    continue
-                if msg.token_ids and res.first_token_time is None:
-                    res.first_token_time = time.perf_counter()
-                res.num_messages += 1
-                res.token_ids += msg.token_ids
-                res.logprobs += msg.logprobs or []
-                res.top_logprobs += msg.top_logprobs or []
-                res.finish_reason = res.finish_reason or msg.finish_reason
-                res.error = res.error or msg.error
+                for msg in streams:
+                    out.append(msg)
+                    res = self.results.get(msg.req_id)
+                    if res is None:
+                        continue
+                    if msg.token_ids and res.first_token_time is None:
+                        res.first_token_time = time.perf_counter()
+                    res.num_messages += 1
+                    res.token_ids += msg.token_ids
+                    res.logprobs += msg.logprobs or []
+                    res.top_logprobs += msg.top_logprobs or []
+                    res.finish_reason = res.finish_reason or msg.finish_reason
+                    res.error = res.error or msg.error
         return out
 
     def wait(self, req_ids: list[str], timeout: float = 60.0) -> list[Result]:

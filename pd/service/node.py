@@ -32,7 +32,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, Counter, generate_latest
 from pd.wire import messages
 
 from pd.wire import security
-from pd.wire.messages import MessageError, Ping, Pong, TokenStream
+from pd.wire.messages import MessageError, Ping, Pong, TokenStream, TokenStreams
 from pd.wire.refusals import RefusalLog
 
 log = logging.getLogger(__name__)
@@ -78,7 +78,7 @@ class EventSender:
         self.gone_after = gone_after
         self.links: dict[str, _RouterLink] = {}
 
-    def send(self, addr: str, msg: TokenStream) -> None:
+    def send(self, addr: str, msg: TokenStream | TokenStreams) -> None:
         link = self.links.get(addr)
         if link is None:
             sock = self.ctx.socket(zmq.PUSH)

@@ -12,7 +12,8 @@ Who sends what:
   router -> P     PrefillRequest, Abort, Ping          (P's control socket)
   router -> D     Abort, Ping                          (D's control socket)
   P, D -> router  Pong (reply to Ping)                 (same socket)
-  P, D -> router  TokenStream                          (the router's event socket, `reply_to`)
+  P, D -> router  TokenStream, TokenStreams (D: a step's streams of one router in one message)
+                                                       (the router's event socket, `reply_to`)
   P -> D          Hello, RequestMeta, KVDone, Abort    (D's KV ingest, in order with records)
   D -> P          HelloOk, HelloRefused, KVAccept, KVAck, KVRefuse
 """
@@ -120,6 +121,32 @@ class TokenStream:
     error: str | None = None
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
+
+
+@message
+class TokenStreams:
+    """D -> router: one step's TokenStream of every request of one router, in one message
+    (one encode and one send per step, not one per request). Each item is a TokenStream map
+    (`to_dict`), checked as one when taken apart (`unpack_streams`)."""
+
+    TYPE: ClassVar[str] = "token_streams"
+    VERSION: ClassVar[int] = 1
+    streams: list
+
+
+def unpack_streams(msg) -> list:
+    """The TokenStreams of an event message (a TokenStream, or a TokenStreams batch)."""
+    if isinstance(msg, TokenStream):
+        return [msg]
+    if not isinstance(msg, TokenStreams):
+        raise MessageError(f"{type(msg).__name__} on the event socket")
+    out = []
+    for item in msg.streams:
+        ts = from_dict(item)
+        if not isinstance(ts, TokenStream):
+            raise MessageError(f"{type(ts).__name__} inside a token_streams batch")
+        out.append(ts)
+    return out
 
 
 @message

@@ -74,3 +74,17 @@ def test_random_bytes_never_crash(data):
         m.decode(data)
     except m.MessageError:
         pass
+
+
+def test_token_streams_batch_round_trips_and_checks_each_item():
+    a = m.TokenStream("a" * 32, [1, 2], finish_reason=None)
+    b = m.TokenStream("b" * 32, [3], logprobs=[-0.5], top_logprobs=[[[3, -0.5]]], finish_reason="stop")
+    got = m.unpack_streams(m.decode(m.encode(m.TokenStreams([m.to_dict(a), m.to_dict(b)]))))
+    assert got == [a, b]
+    assert m.unpack_streams(a) == [a]
+    with pytest.raises(m.MessageError, match="inside a token_streams batch"):
+        m.unpack_streams(m.TokenStreams([m.to_dict(m.Ping(1))]))
+    with pytest.raises(m.MessageError):
+        m.unpack_streams(m.TokenStreams([{"type": "tokens", "version": 1, "req_id": 5}]))
+    with pytest.raises(m.MessageError, match="on the event socket"):
+        m.unpack_streams(m.Ping(1))
