@@ -33,7 +33,7 @@ from pd.wire.messages import is_timeout
 from router.admission import Admission, QueueFull, TooLarge
 from router.backend import Backend, BackendOverloaded, BackendUnavailable, GenerateRequest
 from router.choice import Choice, Delta
-from router.errors import (APIError, bad_param, model_not_found, overloaded, server_error,
+from router.errors import (APIError, bad_param, model_not_found, overloaded,
                            unauthorized, unavailable)
 from router.generation import Generation
 from router.metrics import CONTENT_TYPE_LATEST, RequestTimer, RouterMetrics
