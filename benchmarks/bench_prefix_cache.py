@@ -45,8 +45,9 @@ BS = 16
 def launch(args, *extra: str) -> Launch:
     # NOTE: a node's first long prompts capture prefill CUDA graphs (seconds with no heartbeat
     # answered), which the router's default 3 s on CUDA would take for a dead node
+    # --insecure: the benchmark reads the nodes' counters over their (then plain) sockets
     flags = ["--device", args.device, "--num-blocks", str(args.num_blocks),
-             "--heartbeat-timeout", "60", *extra]
+             "--heartbeat-timeout", "60", "--insecure", *extra]
     return Launch(args.model, *flags, timeout=300)
 
 

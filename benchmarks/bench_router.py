@@ -85,7 +85,8 @@ def main() -> None:
     ap.add_argument("--stream-tokens", type=int, default=256)
     args = ap.parse_args()
     model = args.model or str(default_model_dir())
-    launch = Launch(model, "--num-blocks", "4096", "--max-num-seqs", "128")
+    # --insecure: the direct measurement reads the decode node over a plain socket
+    launch = Launch(model, "--num-blocks", "4096", "--max-num-seqs", "128", "--insecure")
     try:
         name = launch.served_model_name
         api = openai.OpenAI(base_url=launch.url + "/v1", api_key="x", max_retries=0, timeout=300)

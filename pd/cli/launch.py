@@ -11,6 +11,9 @@ of its role (--transport, --queue-timeout, --handoff-timeout to prefill nodes; -
 is refused before any node starts. Every node serves /metrics and /health on a free port of its own,
 printed on its `node ...` line (`metrics HOST:PORT`); the router's are at the router's URL.
 On the way out every node gets SIGTERM at once and --drain-timeout to end what it still runs.
+Without --curve-keys (and unless --insecure), the router and nodes use CURVE keys made for this
+launch alone in a 0700 temporary directory, removed at the end: no other local user can reach a
+node's ZMQ sockets.
 The router takes a node out when its connection drops, or when it leaves pings unanswered for
 --heartbeat-timeout (longer on CPU, where one prefill step can take seconds).
 """
@@ -20,9 +23,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import shutil
 import signal
 import socket
 import sys
+import tempfile
 import time
 
 from pd.service.flags import add_engine_arguments, add_launch_arguments, launch_flags, model_dir
@@ -54,6 +59,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "during a step)")
     g.add_argument("--ready-timeout", type=float, default=120.0,
                    help="seconds to wait for every node to come up")
+    g.add_argument("--insecure", action="store_true",
+                   help="plain ZMQ sockets: without --curve-keys, pd launch otherwise makes CURVE "
+                        "keys for this launch alone (in a 0700 temporary directory) so that no "
+                        "other local user can reach its nodes' sockets")
     add_router_arguments(p.add_argument_group("router"), with_nodes=False)
 
 
@@ -71,6 +80,22 @@ def node_args(args: argparse.Namespace, names: tuple[str, ...]) -> list[str]:
 
 
 def main(args: argparse.Namespace) -> int:
+    ephemeral = None
+    if args.curve_keys is None and not args.insecure:
+        # NOTE: keys of this launch alone, in a 0700 directory: no other local user can reach a
+        # node's sockets (submit work, inject tokens, take a peer's identity)
+        from pd.wire.security import generate
+
+        ephemeral = tempfile.mkdtemp(prefix="pd-launch-keys-")
+        args.curve_keys = generate(ephemeral).directory
+    try:
+        return _main(args)
+    finally:
+        if ephemeral is not None:
+            shutil.rmtree(ephemeral, ignore_errors=True)
+
+
+def _main(args: argparse.Namespace) -> int:
     from pd.config import ModelConfig
     from pd.service.procs import spawn_node
     from pd.wire.sampling_params import generation_defaults

@@ -10,6 +10,7 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from dataclasses import dataclass
@@ -72,7 +73,7 @@ def secured(tiny_model_dir, keys):
 @pytest.fixture(scope="module")
 def plain(tiny_model_dir):
     launch = Launch(tiny_model_dir, "--num-blocks", "256", "--transport", "zmq",
-                    "--log-level", "debug")
+                    "--log-level", "debug", "--insecure")
     yield launch
     assert launch.stop() == 0
 
@@ -229,3 +230,22 @@ def test_logs_hold_no_prompt(plain, tiny_model_dir):
         forms.append(text)
     leaks = {name: f for name, log in logs.items() for f in forms if f in log}
     assert not leaks, f"prompt or completion in the logs: {leaks}"
+
+
+def test_pd_launch_defaults_keep_strangers_out(shared_launch, plain):
+    """Without --curve-keys pd launch makes CURVE keys of its own (0700, removed at the end):
+    a local stranger's Ping on a node's control port gets no answer, plain or with a keypair
+    of its own; with --insecure a plain Ping is answered."""
+    fresh = zmq.curve_keypair()[0]  # a stranger cannot know the launch's server key
+    for node in nodes(shared_launch).values():
+        assert flag(node.pid, "--curve-keys").startswith(tempfile.gettempdir())
+        for who, pair in strangers().items():
+            sock = dealer(node.control, pair, fresh)
+            sock.send(m.encode(m.Ping(3)))
+            assert not sock.poll(QUIET_S * 1000), f"a {who} stranger got an answer from {node.node_id}"
+            sock.close()
+    node = nodes(plain)["prefill-0"]
+    sock = dealer(node.control, None, b"")
+    sock.send(m.encode(m.Ping(4)))
+    assert sock.poll(10_000) and isinstance(m.decode(sock.recv()), m.Pong)
+    sock.close()
