@@ -80,12 +80,19 @@ def node_args(args: argparse.Namespace, names: tuple[str, ...]) -> list[str]:
 
 
 def main(args: argparse.Namespace) -> int:
+    from pd.wire.security import configure, generate
+
+    try:  # the router's port, before any key or node is made
+        with socket.create_server((args.host, args.port)):
+            pass
+    except OSError as e:
+        print(f"pd launch: error: cannot serve on {args.host}:{args.port} (--host, --port): "
+              f"{e.strerror or e}", file=sys.stderr)
+        return 1
     ephemeral = None
     if args.curve_keys is None and not args.insecure:
         # NOTE: keys of this launch alone, in a 0700 directory: no other local user can reach a
         # node's sockets (submit work, inject tokens, take a peer's identity)
-        from pd.wire.security import generate
-
         ephemeral = tempfile.mkdtemp(prefix="pd-launch-keys-")
         args.curve_keys = generate(ephemeral).directory
     try:
@@ -93,6 +100,7 @@ def main(args: argparse.Namespace) -> int:
     finally:
         if ephemeral is not None:
             shutil.rmtree(ephemeral, ignore_errors=True)
+            configure(None)  # this process's sockets made from now on are plain again
 
 
 def _main(args: argparse.Namespace) -> int:
@@ -103,13 +111,6 @@ def _main(args: argparse.Namespace) -> int:
 
     keys = configure_from_args(args)
     args.model = model_dir(args)
-    try:  # the router's port, before any node starts
-        with socket.create_server((args.host, args.port)):
-            pass
-    except OSError as e:
-        print(f"pd launch: error: cannot serve on {args.host}:{args.port} (--host, --port): "
-              f"{e.strerror or e}", file=sys.stderr)
-        return 1
     # a checkpoint pd would compute wrongly starts nothing (pd.cli.main prints the one line)
     ModelConfig.from_dir(args.model)
     generation_defaults(args.model, args.generation_config)

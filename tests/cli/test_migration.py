@@ -40,8 +40,11 @@ def test_vllm_spellings_parse(tiny_model_dir):
 
 
 def test_launch_refuses_a_busy_port_before_starting_nodes(tiny_model_dir, capsys):
+    from pd.wire import security
+
     with socket.create_server(("127.0.0.1", 0)) as busy:
         port = busy.getsockname()[1]
         assert main(["launch", "--model", str(tiny_model_dir), "--port", str(port)]) == 1
     err = capsys.readouterr().err
     assert f"cannot serve on 127.0.0.1:{port}" in err and "node" not in err
+    assert security.active() is None  # no keys made, none left configured in this process
