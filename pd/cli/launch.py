@@ -80,8 +80,14 @@ def node_args(args: argparse.Namespace, names: tuple[str, ...]) -> list[str]:
 
 
 def main(args: argparse.Namespace) -> int:
+    from pd.config import ModelConfig
+    from pd.wire.sampling_params import generation_defaults
     from pd.wire.security import configure, generate
 
+    args.model = model_dir(args)
+    # a checkpoint pd would compute wrongly starts nothing (pd.cli.main prints the one line)
+    ModelConfig.from_dir(args.model)
+    generation_defaults(args.model, args.generation_config)
     try:  # the router's port, before any key or node is made
         with socket.create_server((args.host, args.port)):
             pass
@@ -104,16 +110,10 @@ def main(args: argparse.Namespace) -> int:
 
 
 def _main(args: argparse.Namespace) -> int:
-    from pd.config import ModelConfig
     from pd.service.procs import spawn_node
-    from pd.wire.sampling_params import generation_defaults
     from pd.wire.security import configure_from_args
 
     keys = configure_from_args(args)
-    args.model = model_dir(args)
-    # a checkpoint pd would compute wrongly starts nothing (pd.cli.main prints the one line)
-    ModelConfig.from_dir(args.model)
-    generation_defaults(args.model, args.generation_config)
     common = ["--model", args.model, "--metrics-port", "0", *node_args(args, ENGINE_FLAGS)]
     if keys is not None:
         common += ["--curve-keys", keys.directory]
