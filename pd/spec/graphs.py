@@ -38,7 +38,7 @@ import torch
 
 from kernels import draft_preprocess, update_status, verify_accept
 from kernels.launch import use_kernels
-from pd.engine.cuda_graph import BATCH_SIZES
+from pd.engine.cuda_graph import BATCH_SIZES, capture
 from pd.engine.logprobs import Logprobs, compute_logprobs
 from pd.model.context import ForwardContext, forward_context
 
@@ -166,16 +166,7 @@ class StepGraphs:
         if self.graphs is None or self.verified.logits.numel() > LOGPROB_GRAPH_ELEMENTS:
             return packed()
         if num_top not in self.lp_graphs:
-            dev = self.owner.device
-            side = torch.cuda.Stream(dev)
-            side.wait_stream(torch.cuda.current_stream(dev))
-            with torch.cuda.stream(side):
-                packed()
-            torch.cuda.current_stream(dev).wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.owner.pool_owner.pool):
-                out = packed()
-            self.lp_graphs[num_top] = (graph, out)
+            self.lp_graphs[num_top] = capture(packed, self.owner.pool_owner, self.owner.device)
         graph, out = self.lp_graphs[num_top]
         graph.replay()
         return out
