@@ -4,14 +4,26 @@ metrics, so that the serving path can be held against the engine.
 
     python benchmarks/bench_serving.py                                  # CPU, the embedded model
     python benchmarks/bench_serving.py --device cuda --synthetic-1b     # random Llama-3.2-1B shape
+
+Beside the figures: how busy each process was over the run (CPU seconds per second of wall:
+1.0 is one core flat out), the router (inside `pd launch`), each node and this client; with
+--profile-router the router's hottest functions (cProfile, which slows it down); with --spy S
+(`py-spy` on PATH) S seconds of samples of the router and the decode node from the middle of
+the run, each process's threads and its hottest frames (py-spy barely slows them).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import pstats
+import shutil
+import subprocess
 import sys
 import tempfile
+import threading
+import time
+from collections import Counter
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -33,6 +45,10 @@ def main() -> None:
     p.add_argument("--output-len", type=int, default=256)
     p.add_argument("--num-prompts", type=int, default=256)
     p.add_argument("--concurrency", type=int, default=64)
+    p.add_argument("--profile-router", type=int, default=0, metavar="N",
+                   help="profile the router and print its N hottest functions")
+    p.add_argument("--spy", type=float, default=0, metavar="S",
+                   help="sample the router and the decode node with py-spy for S seconds")
     args = p.parse_args()
     if args.synthetic_1b:
         from bench_decode import LLAMA_1B
@@ -42,12 +58,23 @@ def main() -> None:
         args.model = str(write_tiny_checkpoint(tempfile.mkdtemp(prefix="pd-serving-"), "llama",
                                                mtp=False, dtype="bfloat16",
                                                **{**LLAMA_1B, "vocab_size": 512}))
+    profile = tempfile.mktemp(suffix=".prof") if args.profile_router else ""
+    os.environ["PD_ROUTER_PROFILE"] = profile
     lau = launch(args)
+    pids = {"router": lau.proc.pid, **{name: n["pid"] for name, n in lau.nodes.items()}}
     try:
+        before, wall = {k: cpu_seconds(pid) for k, pid in pids.items()}, time.perf_counter()
+        own = time.process_time()
+        spies = spy(args.spy, {k: pids[k] for k in ("router", "decode-0")}) if args.spy else []
         r = run_bench(lau, args, "--num-prompts", str(args.num_prompts),
                       "--random-input-len", str(args.input_len),
                       "--random-output-len", str(args.output_len),
                       "--max-concurrency", str(args.concurrency), "--seed", "3")
+        wall = time.perf_counter() - wall
+        busy = {k: (cpu_seconds(pid) - before[k]) / wall for k, pid in pids.items()}
+        busy["client"] = (time.process_time() - own) / wall
+        for t in spies:
+            t.join()
         step = mean_seconds(lau, "decode", "pd_step_duration_seconds")
         batch = mean_seconds(lau, "decode", "pd_batch_size") / 1000
     finally:
@@ -57,6 +84,64 @@ def main() -> None:
           f"{r['output_throughput']:.0f} output tok/s, TPOT p50 {r['median_tpot_ms']:.2f} ms, "
           f"ITL p50 / p99 {r['median_itl_ms']:.2f} / {r['p99_itl_ms']:.2f} ms; decode node: "
           f"step {step:.2f} ms, batch {batch:.1f}", flush=True)
+    print("busy (CPU s per s): " + ", ".join(f"{k} {v:.2f}" for k, v in busy.items()), flush=True)
+    for t in spies:
+        print(t.summary, flush=True)
+    if profile:
+        pstats.Stats(profile).sort_stats("tottime").print_stats(args.profile_router)
+        os.unlink(profile)
+
+
+class Spy(threading.Thread):
+    """`delay` s from its start, records `seconds` of py-spy samples of one process; `summary`
+    holds what it found once joined."""
+
+    def __init__(self, exe: str, name: str, pid: int, seconds: float, delay: float) -> None:
+        super().__init__(daemon=True)
+        self.exe, self.name, self.pid, self.seconds, self.delay = exe, name, pid, seconds, delay
+        self.summary = ""
+
+    def run(self) -> None:
+        time.sleep(self.delay)
+        out = tempfile.mktemp(suffix=".txt")
+        run = subprocess.run([self.exe, "record", "-p", str(self.pid), "-d", str(max(1, round(self.seconds))),
+                              "-r", "250", "-f", "raw", "-o", out, "--threads", "--nonblocking"],
+                             capture_output=True, text=True)
+        found = summarize_spy(out, max(1, round(self.seconds)) * 250) if os.path.exists(out) else run.stderr[-500:]
+        self.summary = f"py-spy {self.name}: {found}"
+
+
+def spy(seconds: float, pids: dict[str, int], delay: float = 8.0) -> list[Spy]:
+    exe = shutil.which("py-spy")
+    if exe is None:
+        print("--spy: py-spy is not on PATH; no samples", flush=True)
+        return []
+    spies = [Spy(exe, name, pid, seconds, delay) for name, pid in pids.items()]
+    for t in spies:
+        t.start()
+    return spies
+
+
+def summarize_spy(path: str, possible: float, top: int = 18) -> str:
+    """Busy share per thread and the frames with the most samples of their own (py-spy raw)."""
+    own, threads, total = Counter(), Counter(), 0
+    for line in open(path):
+        stack, n = line.rsplit(" ", 1)
+        frames = stack.split(";")
+        threads[frames[0]] += int(n)
+        own[frames[-1]] += int(n)
+        total += int(n)
+    os.unlink(path)
+    lines = [f"{total} samples of {possible:.0f} per thread"]
+    lines += [f"  {n / possible:6.1%}  {name}" for name, n in threads.most_common(6)]
+    lines += [f"  {n / possible:6.1%}  own: {frame[:140]}" for frame, n in own.most_common(top)]
+    return "\n".join(lines)
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of a live process and its threads (Linux /proc)."""
+    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 if __name__ == "__main__":

@@ -282,14 +282,18 @@ class DecodeNode(NodeService):
         self.metrics.generation_tokens.inc(len(emitted))
         self.metrics.count_steps_ahead(self.loop.num_ahead)
         counts = Counter(emitted)  # with MTP a request is emitted once per kept token
+        batches: dict[str, list] = {}  # router -> this step's streams for it
         for req in counts:
             reply_to = self.reply_to.get(req.req_id)
             if reply_to is None:
                 continue
             reason = req.finish_reason.value if req.is_finished else None
-            self.stream(reply_to, req, counts[req], reason)
+            batches.setdefault(reply_to, []).append(self.token_stream(req, counts[req], reason))
             if req.is_finished:
                 del self.reply_to[req.req_id]
+        for reply_to, streams in batches.items():
+            self.events.send(reply_to, streams[0] if len(streams) == 1 else
+                             m.TokenStreams([m.to_dict(s) for s in streams]))
         self.may_reserve()
         if self.engine.spec is not None:
             self.spec_seen = self.engine.spec.stats.export(self.metrics, self.spec_seen)

@@ -48,7 +48,16 @@ class Generation:
     async def __anext__(self) -> Delta:
         if self._num_open == 0:
             raise StopAsyncIteration
-        item = await self._queue.get()
+        return self._take(await self._queue.get())
+
+    def ready(self) -> list[Delta]:
+        """The deltas that have arrived and not been read, without waiting."""
+        out = []
+        while self._num_open and not self._queue.empty():
+            out.append(self._take(self._queue.get_nowait()))
+        return out
+
+    def _take(self, item) -> Delta:
         if isinstance(item, tuple):
             index, exc = item
             if not self._yielded:

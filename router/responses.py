@@ -5,11 +5,14 @@
 `usage_chunk(usage)` for `stream_options.include_usage`, and `Accumulator` gathers deltas
 into the single non-streamed response. Logprobs take each endpoint's own shape (completions:
 tokens / token_logprobs / top_logprobs / text_offset; chat: content entries with bytes).
-Serialising to bytes and writing to the socket is left to the server.
+`sse_chunk(delta)` is a chunk as SSE bytes: the router writes one per token per stream, so a
+chunk without logprobs or usage is filled into bytes made once per request instead of being
+built and serialised whole. Writing to the socket is left to the server.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import time
 
@@ -20,6 +23,15 @@ _MIN_LOGPROB = -9999.0  # JSON has no -inf
 
 def _lp(v: float) -> float:
     return v if math.isfinite(v) else _MIN_LOGPROB
+
+
+def dumps(obj) -> bytes:
+    """Compact JSON, UTF-8 (the router's one serialisation)."""
+    return json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode()
+
+
+def sse(obj) -> bytes:
+    return b"data: " + dumps(obj) + b"\n\n"
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:
@@ -64,6 +76,11 @@ class ResponseFormat:
         self.want_logprobs = want_logprobs
         self.include_usage = include_usage
         self.continuous_usage = continuous_usage  # each chunk carries its choice's usage so far
+        # a plain chunk's bytes around its index, text and finish reason (`sse_chunk`)
+        head = dumps({"id": self.id, "object": "chat.completion.chunk" if self.chat
+                      else "text_completion", "created": self.created, "model": self.model})
+        self._head = b"data: " + head[:-1] + b',"choices":[{"index":'
+        self._tail = b'}]' + (b',"usage":null' if include_usage else b"") + b"}\n\n"
 
     def _envelope(self, obj: str, choices: list, u: dict | None = None) -> dict:
         out = {"id": self.id, "object": obj, "created": self.created, "model": self.model,
@@ -93,6 +110,19 @@ class ResponseFormat:
         choice = {"index": d.index, "text": d.text, "logprobs": lp,
                   "finish_reason": d.finish_reason}
         return self._envelope("text_completion", [choice], u)
+
+    def sse_chunk(self, d: Delta, u: dict | None = None) -> bytes:
+        """`chunk(d, u)` as an SSE event."""
+        if d.logprobs or (self.want_logprobs and not self.chat) or self.continuous_usage:
+            return sse(self.chunk(d, u))
+        text = dumps(d.text)
+        if self.chat:
+            body = b',"delta":{"content":' + text + b"}," if d.text or not d.finish_reason \
+                else b',"delta":{},'
+        else:
+            body = b',"text":' + text + b","
+        return b"".join((self._head, str(d.index).encode(), body, b'"logprobs":null,"finish_reason":',
+                         dumps(d.finish_reason), self._tail))
 
     def usage_chunk(self, u: dict) -> dict:
         obj = "chat.completion.chunk" if self.chat else "text_completion"

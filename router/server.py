@@ -39,7 +39,7 @@ from router.generation import Generation
 from router.metrics import CONTENT_TYPE_LATEST, RequestTimer, RouterMetrics
 from router.openapi import openapi_document
 from router.protocol import ApiRequest, decode_body, parse_chat, parse_completion
-from router.responses import Accumulator, ResponseFormat, usage
+from router.responses import Accumulator, ResponseFormat, dumps, sse, usage
 
 log = logging.getLogger(__name__)
 CLIENT_GONE = web.RequestKey("pd_client_gone", bool)  # left while its answer was written
@@ -47,6 +47,9 @@ MAX_BYTES_PER_TOKEN = 64  # no token of a real vocabulary is longer (characters 
 MAX_BODY = 64 * 2**20  # a request body is never larger than this, whatever the context
 _SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                 "X-Accel-Buffering": "no"}
+# a write that leaves less than this in the client's send buffer cannot wait on the client
+# (the transport pauses at its high-water mark, 64 KiB by default): it skips the timeout's timer
+_UNTIMED_WRITE_BYTES = 16 * 2**10
 IGNORED_HEADER = "X-PD-Ignored-Fields"  # the request's fields this server ignored
 
 
@@ -92,16 +95,8 @@ class ServerConfig:
     write_timeout: float = 60.0  # seconds one write to a client may wait for it to read
 
 
-def _dumps(obj) -> bytes:
-    return json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode()
-
-
-def _sse(obj) -> bytes:
-    return b"data: " + _dumps(obj) + b"\n\n"
-
-
 def error_response(e: APIError) -> web.Response:
-    return web.Response(status=e.status, body=_dumps(e.body()), content_type="application/json")
+    return web.Response(status=e.status, body=dumps(e.body()), content_type="application/json")
 
 
 class RouterServer:
@@ -259,6 +254,11 @@ class RouterServer:
     async def _write(self, request: web.Request, resp: web.StreamResponse, data: bytes) -> None:
         """Write to a streaming client; one that stops reading for `write_timeout` is treated
         as gone (its connection closed, its request aborted, its admission slot freed)."""
+        transport = request.transport
+        if transport is not None and \
+                transport.get_write_buffer_size() + len(data) < _UNTIMED_WRITE_BYTES:
+            await resp.write(data)  # the common case: the client keeps up
+            return
         try:
             await asyncio.wait_for(resp.write(data), self.config.write_timeout)
         except asyncio.TimeoutError:
@@ -417,24 +417,28 @@ class RouterServer:
             return usage(num_prompt_tokens, choices[index].num_generated) \
                 if fmt.continuous_usage else None
 
-        out = [_sse(fmt.role_chunk(c.index, so_far(c.index))) for c in choices] if fmt.chat else []
+        out = [sse(fmt.role_chunk(c.index, so_far(c.index))) for c in choices] if fmt.chat else []
         d = first
         try:
             await resp.prepare(request)
             while d is not None:
-                timer.observe(d)
-                if d.text or d.finish_reason or d.logprobs:
-                    out.append(_sse(fmt.chunk(d, so_far(d.index))))
-                if d.error:
-                    out.append(_sse(_generation_failed(d).body()))
-                await self._write(request, resp, b"".join(out))
-                out.clear()
+                # NOTE: the deltas already here go out in one write (several only when this
+                # loop fell behind the stream); then wait for the next
+                for d in (d, *gen.ready()):
+                    timer.observe(d)
+                    if d.text or d.finish_reason or d.logprobs:
+                        out.append(fmt.sse_chunk(d, so_far(d.index)))
+                    if d.error:
+                        out.append(sse(_generation_failed(d).body()))
+                if out:
+                    await self._write(request, resp, b"".join(out))
+                    out.clear()
                 d = await anext(gen, None)
             release()
             timer.done()
             if fmt.include_usage:
                 u = usage(num_prompt_tokens, sum(c.num_generated for c in choices))
-                out.append(_sse(fmt.usage_chunk(u)))
+                out.append(sse(fmt.usage_chunk(u)))
             out.append(b"data: [DONE]\n\n")
             await self._write(request, resp, b"".join(out))
             await resp.write_eof()
@@ -458,7 +462,7 @@ class RouterServer:
         timer.done()
         acc.stop_reason = [c.stop_reason for c in choices]
         u = usage(num_prompt_tokens, sum(c.num_generated for c in choices))
-        return web.Response(body=_dumps(acc.response(u)), content_type="application/json",
+        return web.Response(body=dumps(acc.response(u)), content_type="application/json",
                             headers=headers)
 
 

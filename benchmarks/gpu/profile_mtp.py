@@ -2,7 +2,7 @@
 MTP k (0: plain decoding), overlap on or off (host functions by own time), and for MTP the
 device time of the verify and draft graphs from CUDA events.
 
-    python benchmarks/gpu/profile_mtp.py [--k 3] [--batch 1] [--no-overlap] [--top 25]
+    python benchmarks/gpu/profile_mtp.py [--k 3] [--batch 1] [--no-overlap] [--logprobs N] [--top 25]
 """
 
 from __future__ import annotations
@@ -30,11 +30,13 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--top", type=int, default=25)
     p.add_argument("--no-overlap", action="store_true")
+    p.add_argument("--logprobs", type=int, default=None, help="top_logprobs width (default: none)")
     args = p.parse_args()
     llm = LLM(device="cuda", num_speculative_tokens=args.k, num_blocks=1024,
               overlap=not args.no_overlap)
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(args.batch)]
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True,
+                            logprobs=args.logprobs)
     llm.generate(prompts, params)  # warm-up and capture
     spec = llm.engine.spec
     torch.cuda.synchronize()
@@ -46,7 +48,8 @@ def main() -> None:
     wall = time.perf_counter() - t0
     tokens = sum(len(o.token_ids) for o in outs)
     loop = llm.engine.loop
-    print(f"k={args.k} batch {args.batch} overlap {'off' if args.no_overlap else 'on'}: {tokens} "
+    print(f"k={args.k} batch {args.batch} overlap {'off' if args.no_overlap else 'on'} "
+          f"logprobs {args.logprobs}: {tokens} "
           f"tokens in {wall * 1e3:.1f} ms under the profiler; device busy per step "
           f"{sum(loop.busy) / max(1, len(loop.busy)) * 1e6:.0f} us over {len(loop.busy)} steps")
     if spec is not None and spec.graphs is not None and spec.graphs.graphs:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import shutil
 import signal
 import socket
@@ -203,6 +204,19 @@ def run_router(args: argparse.Namespace, prefill: list[str], decode: list[str], 
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         import uvloop
-        uvloop.run(serve())
+        run_loop = uvloop.run
     except ImportError:
-        asyncio.run(serve())
+        run_loop = asyncio.run
+    profile_path = os.environ.get("PD_ROUTER_PROFILE")  # a benchmark's look inside the router
+    if not profile_path:
+        run_loop(serve())
+        return
+    import cProfile
+
+    prof = cProfile.Profile()
+    prof.enable()
+    try:
+        run_loop(serve())
+    finally:
+        prof.disable()
+        prof.dump_stats(profile_path)

@@ -91,7 +91,8 @@ class EventSender:
         try:
             link.sock.send(messages.encode(msg), zmq.NOBLOCK)
         except zmq.Again:
-            log.error("router %s is not reading its events; dropped one for %s", addr, msg.req_id)
+            log.error("router %s is not reading its events; dropped a message for %s", addr,
+                      getattr(msg, "req_id", f"{len(getattr(msg, 'streams', ()))} requests"))
 
     def gone(self, now: float) -> list[str]:
         """Endpoints found gone since the last call; their sockets are closed."""

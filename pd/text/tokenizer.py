@@ -212,9 +212,11 @@ class Tokenizer:
         """Text of `ids`. An id past the tokenizer's vocabulary (a model's vocabulary padded
         beyond it, e.g. 152064 rows for 151665 tokens) decodes as empty text, as vLLM does."""
         ids = list(ids)
-        if any(i < 0 for i in ids):
+        if ids and min(ids) < 0:
             raise ValueError(f"negative token ids: {[i for i in ids if i < 0][:8]}")
-        ids = [i for i in ids if i < self.vocab_size]
+        limit = self.vocab_size
+        if ids and max(ids) >= limit:
+            ids = [i for i in ids if i < limit]
         text = self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
         if self.clean_up_tokenization_spaces:
             for old, new in _CLEANUPS:

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import MISSING, asdict, dataclass, fields
+from dataclasses import MISSING, dataclass, fields
 from typing import ClassVar
 
 import msgpack
@@ -44,7 +44,8 @@ def message(cls):
     """Register a message dataclass by its TYPE."""
     cls = dataclass(frozen=True)(cls)
     _REGISTRY[cls.TYPE] = cls
-    cls._field_names = frozenset(f.name for f in fields(cls))
+    cls._field_order = tuple(f.name for f in fields(cls))
+    cls._field_names = frozenset(cls._field_order)
     cls._required = frozenset(f.name for f in fields(cls) if f.default is MISSING)
     cls._types = {f.name: _accepted_types(f.type) for f in fields(cls)}
     return cls
@@ -231,7 +232,9 @@ def is_endpoint(addr: str) -> bool:
 
 
 def to_dict(msg) -> dict:
-    d = asdict(msg)
+    """The message as a msgpack map. Shallow: a message's fields hold plain values only (the
+    registry's type check refuses anything else), and a step's streams are packed per step."""
+    d = {name: getattr(msg, name) for name in msg._field_order}
     d["type"], d["version"] = msg.TYPE, msg.VERSION
     return d
 
