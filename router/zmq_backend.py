@@ -197,6 +197,10 @@ class ZmqBackend(Backend):
                 flight = self.flights.get(msg.req_id)
                 if flight is not None:  # else: a request already ended (aborted, failed over)
                     flight.queue.put_nowait(msg)
+            # NOTE: a message already waiting is returned without a pass of the event loop:
+            # yield one, so this step's tokens are written before the next step's are read
+            # (else a router that falls behind reads several steps and writes them in bursts)
+            await asyncio.sleep(0)
 
     def _node_down(self, node: Node) -> None:
         for flight in list(self.flights.values()):

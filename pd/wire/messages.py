@@ -48,6 +48,11 @@ def message(cls):
     cls._field_names = frozenset(cls._field_order)
     cls._required = frozenset(f.name for f in fields(cls) if f.default is MISSING)
     cls._types = {f.name: _accepted_types(f.type) for f in fields(cls)}
+    cls._endpoint_fields = tuple(n for n in _ENDPOINT_FIELDS if n in cls._field_names)
+    # from_dict builds messages without the frozen __init__ (its setattr per field is most of
+    # the cost); a default factory or __post_init__ would need it
+    assert not hasattr(cls, "__post_init__") and all(f.default_factory is MISSING for f in fields(cls))
+    cls._defaults = {f.name: f.default for f in fields(cls) if f.default is not MISSING}
     return cls
 
 
@@ -257,27 +262,39 @@ def from_dict(d) -> object:
     """A decoded msgpack map -> its typed message, with every check `decode` promises."""
     if not isinstance(d, dict):
         raise MessageError(f"message is a {type(d).__name__}, not a map")
-    d = dict(d)
-    kind, version = d.pop("type", None), d.pop("version", None)
+    kind, version = d.get("type"), d.get("version")
     cls = _REGISTRY.get(kind) if isinstance(kind, str) else None
     if cls is None:
         raise MessageError(f"unknown message type {kind!r}")
     if version != cls.VERSION:
         raise MessageError(f"{kind} version {version!r} not supported (expected {cls.VERSION})")
-    unknown = set(d) - cls._field_names
-    if unknown:
-        raise MessageError(f"{kind}: unknown field(s) {sorted(unknown)}")
-    missing = cls._required - set(d)
-    if missing:
-        raise MessageError(f"{kind}: missing field(s) {sorted(missing)}")
+    # NOTE: one pass over the fields (a router takes apart a TokenStream per token); the
+    # checks and which one is reported first are those of the field sets
+    types, values, unknown, wrong = cls._types, {}, [], None
     for name, value in d.items():
-        if not isinstance(value, cls._types[name]) or (isinstance(value, bool) and bool not in cls._types[name]):
-            raise MessageError(f"{kind}: field {name} has type {type(value).__name__}")
-    for name in _ENDPOINT_FIELDS:
-        value = d.get(name)
+        accepted = types.get(name)
+        if accepted is None:
+            if name != "type" and name != "version":
+                unknown.append(name)
+        else:
+            if wrong is None and (not isinstance(value, accepted) or (
+                    value.__class__ is bool and bool not in accepted)):
+                wrong = name
+            values[name] = value
+    if unknown:
+        raise MessageError(f"{kind}: unknown field(s) {sorted(unknown, key=str)}")
+    if len(values) < len(cls._required) or not cls._required <= values.keys():
+        raise MessageError(f"{kind}: missing field(s) {sorted(cls._required - values.keys())}")
+    if wrong is not None:
+        raise MessageError(f"{kind}: field {wrong} has type {type(values[wrong]).__name__}")
+    for name in cls._endpoint_fields:
+        value = values.get(name)
         if value is not None and not is_endpoint(value) and not (name == "kv_addr" and value == ""):
             raise MessageError(f"{kind}: field {name} is not a ZMQ endpoint: {value[:100]!r}")
-    deadline = d.get("deadline_s")
+    deadline = values.get("deadline_s")
     if deadline is not None and not (math.isfinite(deadline) and deadline > 0):
         raise MessageError(f"{kind}: deadline_s must be a finite number > 0, got {deadline!r}")
-    return cls(**d)
+    msg = object.__new__(cls)
+    msg.__dict__.update(cls._defaults)
+    msg.__dict__.update(values)
+    return msg
