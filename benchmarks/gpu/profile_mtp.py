@@ -3,6 +3,9 @@ MTP k (0: plain decoding), overlap on or off (host functions by own time), and f
 device time of the verify and draft graphs from CUDA events.
 
     python benchmarks/gpu/profile_mtp.py [--k 3] [--batch 1] [--no-overlap] [--logprobs N] [--top 25]
+
+With --torch, torch.profiler instead of cProfile: the run's kernel time against its wall time
+and the CPU-side operations (CUDA runtime calls included) by their own time.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--top", type=int, default=25)
     p.add_argument("--no-overlap", action="store_true")
+    p.add_argument("--torch", action="store_true", help="torch.profiler instead of cProfile")
     p.add_argument("--logprobs", type=int, default=None, help="top_logprobs width (default: none)")
     args = p.parse_args()
     llm = LLM(device="cuda", num_speculative_tokens=args.k, num_blocks=1024,
@@ -40,6 +44,9 @@ def main() -> None:
     llm.generate(prompts, params)  # warm-up and capture
     spec = llm.engine.spec
     torch.cuda.synchronize()
+    if args.torch:
+        torch_profile(llm, prompts, params, args.top)
+        return
     prof = cProfile.Profile()
     t0 = time.perf_counter()
     prof.enable()
@@ -62,6 +69,22 @@ def main() -> None:
               f"{ev[1].elapsed_time(ev[2]) * 1e3:.0f} us (slots x width {next(iter(spec.graphs.graphs))})")
     stats = pstats.Stats(prof)
     stats.sort_stats("tottime").print_stats(args.top)
+
+
+def torch_profile(llm: LLM, prompts: list[str], params: SamplingParams, top: int) -> None:
+    from torch.profiler import ProfilerActivity, profile
+
+    t0 = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        outs = llm.generate(prompts, params)
+        torch.cuda.synchronize()
+    wall = time.perf_counter() - t0
+    events = prof.key_averages()
+    kernels = sum(e.self_device_time_total for e in events if e.device_type.name == "CUDA")
+    tokens = sum(len(o.token_ids) for o in outs)
+    print(f"torch.profiler: {tokens} tokens, wall {wall * 1e3:.1f} ms (profiled), device kernels "
+          f"{kernels / 1e3:.1f} ms ({kernels / 1e3 / (wall * 1e3):.0%} of the wall)")
+    print(events.table(sort_by="self_cpu_time_total", row_limit=top, max_name_column_width=48))
 
 
 if __name__ == "__main__":

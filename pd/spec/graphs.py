@@ -46,6 +46,7 @@ log = logging.getLogger(__name__)
 
 STOP_WIDTH = 8  # stop ids a graphed slot may carry (EOS ids + stop_token_ids); more: eager
 MAX_ROWS = 1024  # S * (k + 1) rows at most per graph (the logits of every row are kept)
+HOST_RING = 3  # host buffers per result shape: the step being read, the one in flight, the next
 LOGPROB_GRAPH_ELEMENTS = 1 << 25  # logits larger than this compute their logprobs eagerly
 
 
@@ -115,6 +116,7 @@ class StepGraphs:
         self.lp_graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.verified: Verified | None = None
         self.result: torch.Tensor | None = None  # [S, 2k + 4] int64
+        self.rings: dict[tuple, tuple[list[torch.Tensor], list[int]]] = {}
         if capture:
             self._capture()
 
@@ -140,6 +142,20 @@ class StepGraphs:
         with torch.cuda.graph(advance, pool=owner.pool_owner.pool):
             owner._advance(self.views, self.result, self.width)
         self.graphs = (verify, draft, advance)
+
+    def host_buffer(self, like: torch.Tensor) -> torch.Tensor:
+        """A page-locked host buffer shaped like `like` for a step's device-to-host copy, from
+        a ring of HOST_RING per shape: a step's result is read before the step after next
+        is launched, so a buffer is free again when its turn comes (no allocation per step)."""
+        key = (tuple(like.shape), like.dtype)
+        ring = self.rings.get(key)
+        if ring is None:
+            pin = like.device.type == "cuda"
+            ring = self.rings[key] = ([torch.empty(like.shape, dtype=like.dtype, pin_memory=pin)
+                                       for _ in range(HOST_RING)], [0])
+        buffers, turn = ring
+        turn[0] = (turn[0] + 1) % HOST_RING
+        return buffers[turn[0]]
 
     def verify(self) -> None:
         if self.graphs is not None:

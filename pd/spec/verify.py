@@ -250,7 +250,7 @@ class SpecDecoder:
 
     @torch.inference_mode()
     def execute(self, step: SpecStep):
-        runner, model, k = self.runner, self.runner.model, self.k
+        model, k = self.runner.model, self.k
         with forward_context(step.context):
             hidden = model(step.input_ids, step.positions)
         num_slots = len(step.reqs)
@@ -419,14 +419,14 @@ class SpecDecoder:
         """Queue the result's copy to the host (and the logprobs of the accepted tokens)."""
         k, reqs = self.k, batch.reqs
         num_slots = len(reqs)
-        out = torch.empty(num_slots, 2 * k + 4, dtype=torch.int64, pin_memory=self.device.type == "cuda")
+        out = g.host_buffer(g.result)[:num_slots]
         out.copy_(g.result[:num_slots], non_blocking=True)
         lp = None
         asked = [r.params.logprobs for r in reqs if r.params.logprobs is not None]
         if asked:
-            lp = g.logprobs(min(max(asked), self.runner.model_config.vocab_size))[:num_slots * (k + 1)]
-            if self.device.type == "cuda":
-                lp = torch.empty(lp.shape, dtype=lp.dtype, pin_memory=True).copy_(lp, non_blocking=True)
+            packed = g.logprobs(min(max(asked), self.runner.model_config.vocab_size))
+            lp = g.host_buffer(packed)[:num_slots * (k + 1)]
+            lp.copy_(packed[:num_slots * (k + 1)], non_blocking=True)
         end_event = self._event()
         return SpecFlight(batch, key, g, out, lp, start_event, end_event, rows,
                           {r: b for b, r in enumerate(reqs)}, [], chainable)
