@@ -49,6 +49,8 @@ def main() -> None:
                    help="profile the router and print its N hottest functions")
     p.add_argument("--spy", type=float, default=0, metavar="S",
                    help="sample the router and the decode node with py-spy for S seconds")
+    p.add_argument("--no-engine", action="store_true",
+                   help="skip the engine-alone run (pd.LLM, batch = --concurrency) it is held against")
     args = p.parse_args()
     if args.synthetic_1b:
         from bench_decode import LLAMA_1B
@@ -84,9 +86,16 @@ def main() -> None:
           f"{r['output_throughput']:.0f} output tok/s, TPOT p50 {r['median_tpot_ms']:.2f} ms, "
           f"ITL p50 / p99 {r['median_itl_ms']:.2f} / {r['p99_itl_ms']:.2f} ms; decode node: "
           f"step {step:.2f} ms, batch {batch:.1f}", flush=True)
+    if not args.no_engine:
+        alone = engine_alone(args)
+        print(f"engine alone ({args.device}, batch {args.concurrency}, {args.output_len} out): "
+              f"{alone:.0f} tok/s; served / engine = {r['output_throughput'] / alone:.2f}", flush=True)
+    print(f"TTFT p50 / p99 {r['median_ttft_ms']:.1f} / {r['p99_ttft_ms']:.1f} ms; " + gaps(r["itls"]),
+          flush=True)
     print("busy (CPU s per s): " + ", ".join(f"{k} {v:.2f}" for k, v in busy.items()), flush=True)
     for t in spies:
         print(t.summary, flush=True)
+
     if profile:
         pstats.Stats(profile).sort_stats("tottime").print_stats(args.profile_router)
         os.unlink(profile)
@@ -111,7 +120,7 @@ class Spy(threading.Thread):
         self.summary = f"py-spy {self.name}: {found}"
 
 
-def spy(seconds: float, pids: dict[str, int], delay: float = 8.0) -> list[Spy]:
+def spy(seconds: float, pids: dict[str, int], delay: float = 3.0) -> list[Spy]:
     exe = shutil.which("py-spy")
     if exe is None:
         print("--spy: py-spy is not on PATH; no samples", flush=True)
@@ -124,18 +133,56 @@ def spy(seconds: float, pids: dict[str, int], delay: float = 8.0) -> list[Spy]:
 
 def summarize_spy(path: str, possible: float, top: int = 18) -> str:
     """Busy share per thread and the frames with the most samples of their own (py-spy raw)."""
-    own, threads, total = Counter(), Counter(), 0
+    own, threads, compiling, total = Counter(), Counter(), Counter(), 0
     for line in open(path):
         stack, n = line.rsplit(" ", 1)
         frames = stack.split(";")
         threads[frames[0]] += int(n)
         own[frames[-1]] += int(n)
         total += int(n)
+        if any("triton/compiler" in f or "triton/backends" in f for f in frames):
+            ours = [f for f in frames if "(pd/" in f or "(kernels/" in f or "_node/" in f]
+            compiling[ours[-1] if ours else "?"] += int(n)
     os.unlink(path)
     lines = [f"{total} samples of {possible:.0f} per thread"]
     lines += [f"  {n / possible:6.1%}  {name}" for name, n in threads.most_common(6)]
     lines += [f"  {n / possible:6.1%}  own: {frame[:140]}" for frame, n in own.most_common(top)]
+    lines += [f"  {n / possible:6.1%}  compiling Triton from: {frame[:140]}"
+              for frame, n in compiling.most_common(6)]
     return "\n".join(lines)
+
+
+def engine_alone(args) -> float:
+    """Output tokens/s of pd.LLM on the same model, `concurrency` prompts of `input_len` random
+    ids decoding `output_len` tokens at once (the figure serving is held against)."""
+    import random
+
+    from pd.engine.llm import LLM
+    from pd.wire.sampling_params import SamplingParams
+
+    llm = LLM(args.model, device=args.device, num_blocks=args.num_blocks)
+    rng = random.Random(3)
+    vocab = min(llm.tokenizer.vocab_size, llm.engine.model_config.vocab_size)
+    prompts = [[rng.randrange(vocab) for _ in range(args.input_len)] for _ in range(args.concurrency)]
+    params = SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True)
+    llm.generate(prompts[:2], SamplingParams(max_tokens=4, temperature=0.0))  # warm-up
+    best = 0.0
+    for _ in range(2):
+        t0 = time.perf_counter()
+        outs = llm.generate(prompts, params)
+        best = max(best, sum(len(o.token_ids) for o in outs) / (time.perf_counter() - t0))
+    llm.engine.close()
+    return best
+
+
+def gaps(itls: list[list[float]]) -> str:
+    """How the tokens reached the client: the share of gaps under 1 ms (tokens that came
+    together) and one request's first gaps in ms."""
+    flat = [g for one in itls for g in one]
+    together = sum(g < 1e-3 for g in flat) / max(1, len(flat))
+    one = max(itls, key=len) if itls else []
+    return (f"{together:.0%} of the {len(flat)} gaps under 1 ms; one request's first gaps (ms): "
+            + " ".join(f"{g * 1e3:.1f}" for g in one[:40]))
 
 
 def cpu_seconds(pid: int) -> float:

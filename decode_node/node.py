@@ -89,7 +89,8 @@ class DecodeNode(NodeService):
                  metrics_port: int | None, max_queue: int = default("max_queue", "decode"),
                  kv_timeout: float = default("kv_timeout", "decode"), overlap: bool = True,
                  spec_fallback: str = default("spec_fallback", "decode"),
-                 drain_timeout: float = default("drain_timeout", "decode")) -> None:
+                 drain_timeout: float = default("drain_timeout", "decode"),
+                 capture_graphs_tokens: int = default("cuda_graph_max_tokens", "decode")) -> None:
         super().__init__(node_id, host, port, metrics_port, drain_timeout)
         self.engine = engine
         self.scheduler = engine.scheduler
@@ -113,7 +114,27 @@ class DecodeNode(NodeService):
                                      on_gap=self.metrics.step_gap_seconds.observe, spec=engine.spec,
                                      spec_fallback=fallback)
         self.spec_seen = SpecStats()  # MTP counters already exported
+        self.capture_graphs(capture_graphs_tokens)
         self.last_gap_log = time.monotonic()
+
+    def capture_graphs(self, max_tokens: int) -> None:
+        """On CUDA, capture the decode step graphs (and MTP's) of every batch size for sequences
+        of up to `max_tokens` tokens before serving: captured on first use instead, each new
+        (batch, length) stalls every stream of the running batch (seen as ITL p99)."""
+        runner, spec = self.engine.runner, self.engine.spec
+        if runner.graphs is None or max_tokens <= 0:
+            return
+        keys = runner.graphs.keys_up_to(min(max_tokens, self.engine.max_model_len))
+        start = time.perf_counter()
+        log.info("capturing %d decode CUDA graphs (sequences up to %d tokens)", len(keys), max_tokens)
+        runner.graphs.capture_all(keys)
+        spec_keys = []
+        if spec is not None and spec.graphs is not None:
+            spec_keys = sorted({k for b, w in keys if (k := spec.graphs.key(b, w)) is not None})
+            for key in spec_keys:
+                spec.graphs.get(key)
+        log.info("captured %d decode and %d MTP CUDA graphs in %.1f s", len(keys), len(spec_keys),
+                 time.perf_counter() - start)
 
     # -- router control ------------------------------------------------------------------------
     def on_control(self, identity: bytes, msg) -> None:

@@ -74,6 +74,21 @@ class DecodeGraphs:
                 and ctx.num_seqs <= self.batch_sizes[-1]
                 and ctx.block_tables.shape[1] <= self.block_widths[-1])
 
+    def keys_up_to(self, max_tokens: int) -> list[tuple[int, int]]:
+        """Every (batch, width) key whose sequences hold at most `max_tokens` tokens (widths
+        rounded up, so the first width that holds them is included)."""
+        widths = [w for w in self.block_widths if w * self.block_size < max_tokens]
+        widths += [w for w in self.block_widths if w * self.block_size >= max_tokens][:1]
+        return [(b, w) for w in widths for b in self.batch_sizes]
+
+    @torch.inference_mode()
+    def capture_all(self, keys: list[tuple[int, int]]) -> None:
+        """Capture these keys now: a step that meets a new key captures it on the spot, tens
+        of ms (and Triton compiling on a first use) in which every running stream waits."""
+        for key in keys:
+            if key not in self.graphs:
+                self.graphs[key] = self._capture(*key, level=logging.DEBUG)
+
     def _context(self, batch: int, width: int) -> ForwardContext:
         """The static buffers as a decode context (the mask is computed in the graph)."""
         lens = self.context_lens[:batch]
@@ -88,10 +103,12 @@ class DecodeGraphs:
         with forward_context(self._context(batch, width)):
             return self.model(self.input_ids[:batch], self.positions[:batch])
 
-    def _capture(self, batch: int, width: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    def _capture(self, batch: int, width: int,
+                 level: int = logging.INFO) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         self._pad(0, batch, width)
         graph, out = capture(lambda: self._forward(batch, width), self, self.device)
-        log.info("captured a decode CUDA graph: batch %d, %d KV blocks per sequence", batch, width)
+        log.log(level, "captured a decode CUDA graph: batch %d, %d KV blocks per sequence",
+                batch, width)
         return graph, out
 
     def _pad(self, start: int, batch: int, width: int) -> None:

@@ -127,6 +127,10 @@ NODE_FLAGS = (
     NodeFlag("no_overlap", False, "run the plain decode loop (wait for each step before "
              "scheduling the next) instead of the overlap scheduler; PD_DISABLE_OVERLAP=1 does "
              "the same", ("decode",), action="store_true"),
+    NodeFlag("cuda_graph_max_tokens", 4096, "CUDA: before serving, capture the decode step "
+             "graphs of every batch size for sequences of up to this many tokens (longer ones "
+             "are captured when first met, a stall of the running batch); 0 = capture each on "
+             "first use (default: %(default)s)", ("decode",), int),
     NodeFlag("spec_fallback", "auto", "with MTP: run plain decode steps for batch sizes where "
              "they measure faster than MTP steps (auto: on CUDA; on, off) (default: %(default)s)",
              ("decode",), choices=("auto", "on", "off")),

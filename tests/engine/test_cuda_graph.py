@@ -27,6 +27,30 @@ def test_cpu_runner_builds_no_graphs_and_flag_reaches_config(tiny_model_dir):
     assert not engine_config(p.parse_args([])).enforce_eager
 
 
+def test_start_up_capture_keys_cover_every_batch_size_up_to_the_length():
+    from pd.engine.cuda_graph import DecodeGraphs
+
+    g = DecodeGraphs(None, dummy_block=0, block_size=16, max_num_seqs=24, max_model_len=8192,
+                     device=torch.device("cpu"))
+    keys = g.keys_up_to(300)  # 300 tokens: 19 blocks, so widths up to 32
+    assert {w for _, w in keys} == {1, 2, 4, 8, 16, 32}
+    assert {b for b, _ in keys} == set(g.batch_sizes) and g.batch_sizes[-1] == 24
+    assert len(keys) == len(set(keys)) == 6 * len(g.batch_sizes)
+    assert {w for _, w in g.keys_up_to(256)} == {1, 2, 4, 8, 16}  # 256 tokens fill 16 blocks
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
+def test_start_up_capture_then_serving_captures_nothing_new(tiny_model_dir):
+    engine = Engine(EngineConfig(model=str(tiny_model_dir), device="cuda", dtype="float32",
+                                 num_blocks=512, max_num_seqs=24))
+    graphs = engine.runner.graphs
+    graphs.capture_all(graphs.keys_up_to(128))
+    before = set(graphs.graphs)
+    prompts = [[5 + i] * (3 + 7 * i) for i in range(12)]
+    engine.generate(prompts, SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True))
+    assert set(graphs.graphs) == before  # every step's key was captured at start
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
 def test_graphs_equal_eager_float32(tiny_model_dir):
     rng = random.Random(1)
