@@ -47,7 +47,7 @@ def test_start_up_capture_then_serving_captures_nothing_new(tiny_model_dir):
     graphs.capture_all(graphs.keys_up_to(128))
     before = set(graphs.graphs)
     prompts = [[5 + i] * (3 + 7 * i) for i in range(12)]
-    engine.generate(prompts, SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True))
+    engine.generate(prompts, [SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)] * 12)
     assert set(graphs.graphs) == before  # every step's key was captured at start
 
 
