@@ -36,7 +36,7 @@ def main() -> None:
     p.add_argument("--torch", action="store_true", help="torch.profiler instead of cProfile")
     p.add_argument("--logprobs", type=int, default=None, help="top_logprobs width (default: none)")
     args = p.parse_args()
-    llm = LLM(device="cuda", num_speculative_tokens=args.k, num_blocks=1024,
+    llm = LLM(device="cuda", num_speculative_tokens=args.k, num_blocks=1024, spec_fallback=False,
               overlap=not args.no_overlap)
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(args.batch)]
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True,
