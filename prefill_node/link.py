@@ -18,9 +18,8 @@ be watched, the hand-off events it raises, and nothing else; the KV it sends com
 from __future__ import annotations
 
 import enum
-import itertools
 import logging
-import os
+import secrets
 import time
 from typing import Callable, Protocol
 
@@ -37,7 +36,6 @@ from shm_ipc.records import AbortRecord, FirstTokenRecord, TokensRecord
 from shm_ipc.transport import make_transport
 
 log = logging.getLogger(__name__)
-_ids = itertools.count()
 
 
 class LinkState(enum.Enum):
@@ -88,8 +86,10 @@ class DecodeLink:
         self.reason = ""
         self.pending: list[Handoff] = []
         self.hello_deadline = time.monotonic() + handoff_timeout
-        instance = f"{owner.node_id}-{os.getpid()}-{next(_ids)}"
-        self.transport = make_transport(addr, instance, mode=transport)
+        # NOTE: the link's identity on D's KV port is random and named nowhere (not in a
+        # segment name, not in a log): D's KV socket takes no identity handover, and a request's
+        # messages count only from the identity that handed it over
+        self.transport = make_transport(addr, secrets.token_hex(16), mode=transport)
         self.monitor = self.transport.socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         owner.register(self.transport.socket, self.on_socket)
         owner.register(self.monitor, self.on_monitor)

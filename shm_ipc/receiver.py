@@ -59,7 +59,8 @@ class KVReceiver:
         self.liveness_interval = liveness_interval
         self.max_batch = max_batch
         self.socket = (ctx or zmq.Context.instance()).socket(zmq.ROUTER)
-        self.socket.setsockopt(zmq.ROUTER_HANDOVER, 1)
+        # NOTE: no ROUTER_HANDOVER: a second connection with a peer's identity must not take
+        # its place (its requests' KV, aborts and acks); peers' identities are random
         self.socket.setsockopt(zmq.LINGER, 0)
         # NOTE: a frame over this is dropped by libzmq with its sender's connection, unseen here.
         self.socket.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)

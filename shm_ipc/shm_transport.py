@@ -16,6 +16,7 @@ no control message is still on its way.
 from __future__ import annotations
 
 import os
+import secrets
 
 import torch
 import zmq
@@ -47,7 +48,8 @@ class ShmTransport(Transport):
         self.attached = False
         self.waker: WakeWriter | None = None
         try:
-            self.ring = Ring.create(segment_name(instance_id, endpoint), ring_bytes)
+            # a name that reveals nothing (no identity, pid or port): D learns it from the attach
+            self.ring = Ring.create(segment_name(secrets.token_hex(16)), ring_bytes)
         except BaseException:
             self.socket.close(linger=0)
             raise

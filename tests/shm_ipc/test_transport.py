@@ -21,7 +21,7 @@ from shm_ipc.kv import install_kv
 from shm_ipc.metrics import refused_count
 from shm_ipc.receiver import KVReceiver, PeerGone
 from shm_ipc.records import AbortRecord, FirstTokenRecord, KVRecord, TokensRecord
-from shm_ipc.segment import SHM_DIR, segment_name
+from shm_ipc.segment import SHM_DIR
 from shm_ipc.transport import Transport, choose_mode, is_local, make_transport
 
 from shm_peer import spawn_peer
@@ -220,6 +220,7 @@ def test_idle_receiver_sleeps(rx):
 def test_killed_prefill_process_is_reported_gone_then_reattaches(rx):
     procs = []
     try:
+        before = set(os.listdir(SHM_DIR))
         for round_ in range(2):
             proc = spawn_peer("tx", rx.endpoint, "p-crash", 5)  # same instance id both times
             procs.append(proc)
@@ -231,8 +232,7 @@ def test_killed_prefill_process_is_reported_gone_then_reattaches(rx):
                 gone = _collect(rx, 1, timeout=10)
                 assert isinstance(gone[0], PeerGone) and "died" in gone[0].reason
                 # the killed producer could not remove its ring: the consumer did
-                ring = segment_name("p-crash", rx.endpoint)
-                assert not os.path.exists(os.path.join(SHM_DIR, ring))
+                assert not set(os.listdir(SHM_DIR)) - before
     finally:
         for p in procs:
             p.terminate()  # the live one removes its segment on SIGTERM
@@ -334,3 +334,42 @@ def test_a_dead_processs_wake_pipe_is_swept_by_the_next_one():
     child.stdout.close()
     WakePipe().close()
     assert not os.path.exists(os.path.dirname(path))
+
+
+def test_a_second_connection_with_a_peers_identity_does_not_take_its_place(rx):
+    """D's KV port takes no identity handover: a stranger that connects with a live prefill
+    link's identity is not heard under it, and the link keeps its place."""
+    ctx = zmq.Context.instance()
+    owner, stranger = ctx.socket(zmq.DEALER), ctx.socket(zmq.DEALER)
+    try:
+        for s in (owner, stranger):
+            s.setsockopt(zmq.IDENTITY, b"link-identity")
+            s.setsockopt(zmq.LINGER, 0)
+        owner.connect(rx.endpoint)
+        owner.send(b"from the owner")
+        assert rx.socket.poll(5000) and rx.socket.recv_multipart() == [b"link-identity", b"from the owner"]
+        stranger.connect(rx.endpoint)
+        stranger.send(b"from the stranger")
+        owner.send(b"owner again")
+        got = []
+        while rx.socket.poll(1000):
+            got.append(rx.socket.recv_multipart())
+        assert [b"link-identity", b"from the stranger"] not in got
+        assert [b"link-identity", b"owner again"] in got
+    finally:
+        owner.close()
+        stranger.close()
+
+
+def test_shm_links_are_named_with_nothing_usable(rx):
+    """A ring's segment name holds no identity, pid or port (anyone may list /dev/shm)."""
+    tx = make_transport(rx.endpoint, "p-secret-identity", mode="shm", ring_bytes=64 << 10)
+    try:
+        name = tx.ring.name
+        port = rx.endpoint.rsplit(":", 1)[1]
+        assert "secret" not in name and str(os.getpid()) not in name and port not in name
+        other = make_transport(rx.endpoint, "p-secret-identity-2", mode="shm", ring_bytes=64 << 10)
+        assert other.ring.name != name
+        other.close()
+    finally:
+        tx.close()
