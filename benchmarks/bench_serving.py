@@ -8,7 +8,7 @@ metrics, so that the serving path can be held against the engine.
 Beside the figures: how busy each process was over the run (CPU seconds per second of wall:
 1.0 is one core flat out), the router (inside `pd launch`), each node and this client; with
 --profile-router the router's hottest functions (cProfile, which slows it down); with --spy S
-(`py-spy` on PATH) S seconds of samples of the router and the decode node from the middle of
+(`py-spy` on PATH) S seconds of samples of the router and both nodes from the middle of
 the run, each process's threads and its hottest frames (py-spy barely slows them).
 """
 
@@ -48,7 +48,7 @@ def main() -> None:
     p.add_argument("--profile-router", type=int, default=0, metavar="N",
                    help="profile the router and print its N hottest functions")
     p.add_argument("--spy", type=float, default=0, metavar="S",
-                   help="sample the router and the decode node with py-spy for S seconds")
+                   help="sample the router and the nodes with py-spy for S seconds")
     p.add_argument("--no-engine", action="store_true",
                    help="skip the engine-alone run (pd.LLM, batch = --concurrency) it is held against")
     args = p.parse_args()
@@ -67,7 +67,7 @@ def main() -> None:
     try:
         before, wall = {k: cpu_seconds(pid) for k, pid in pids.items()}, time.perf_counter()
         own = time.process_time()
-        spies = spy(args.spy, {k: pids[k] for k in ("router", "decode-0")}) if args.spy else []
+        spies = spy(args.spy, {k: pids[k] for k in ("router", "prefill-0", "decode-0")}) if args.spy else []
         r = run_bench(lau, args, "--num-prompts", str(args.num_prompts),
                       "--random-input-len", str(args.input_len),
                       "--random-output-len", str(args.output_len),
