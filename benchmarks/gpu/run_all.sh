@@ -9,7 +9,8 @@
 #   shape. Logs go to $OUT (or ./out) and one table each to stdout.
 #     bash benchmarks/gpu/run_all.sh [1|2|3|4]  (1: checks, KV, attention, decode; 2: graphs,
 #                                                 profile, overlap, MTP; 3: the two-GPU mixed load;
-#                                                 4: prefix caching through pd launch)
+#                                                 4: prefix caching and serving against the
+#                                                 engine through pd launch)
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-out}
@@ -54,6 +55,9 @@ if [[ $PART == all || $PART == 4 ]]; then  # prefix caching through pd launch
 TAIL=24 step prefix_cache python3 benchmarks/bench_prefix_cache.py --device cuda --synthetic-1b \
     --prefix-len 2048 --input-len 128 --output-len 16 --num-prompts 64 --concurrency 8 \
     --first-turn-len 1024 --routing-prompts 320
+TAIL=4 step serving python3 benchmarks/bench_serving.py --device cuda --synthetic-1b
+TAIL=4 step serving_256 python3 benchmarks/bench_serving.py --device cuda --synthetic-1b \
+    --concurrency 256 --num-prompts 768 --no-engine
 fi
 if [[ $PART == 3 ]]; then  # needs two GPUs: P on cuda:0, D on cuda:1
 TAIL=8 step mixed python3 benchmarks/gpu/bench_mixed.py
