@@ -45,6 +45,9 @@ def main() -> None:
     p.add_argument("--output-len", type=int, default=256)
     p.add_argument("--num-prompts", type=int, default=256)
     p.add_argument("--concurrency", type=int, default=64)
+    p.add_argument("--range-ratio", type=float, default=0.0,
+                   help="pd bench --random-range-ratio (0: every request the same length, so "
+                        "the batch's requests end together and the batch refills in waves)")
     p.add_argument("--profile-router", type=int, default=0, metavar="N",
                    help="profile the router and print its N hottest functions")
     p.add_argument("--spy", type=float, default=0, metavar="S",
@@ -71,7 +74,8 @@ def main() -> None:
         r = run_bench(lau, args, "--num-prompts", str(args.num_prompts),
                       "--random-input-len", str(args.input_len),
                       "--random-output-len", str(args.output_len),
-                      "--max-concurrency", str(args.concurrency), "--seed", "3")
+                      "--max-concurrency", str(args.concurrency), "--seed", "3",
+                      "--random-range-ratio", str(args.range_ratio))
         wall = time.perf_counter() - wall
         busy = {k: (cpu_seconds(pid) - before[k]) / wall for k, pid in pids.items()}
         busy["client"] = (time.process_time() - own) / wall
