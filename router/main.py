@@ -128,6 +128,15 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
                         body_timeout=args.body_timeout, write_timeout=args.write_timeout)
 
 
+def run_loop(main):
+    """Run coroutine `main` to the end on uvloop where installed, else on asyncio's loop."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(main)
+    return uvloop.run(main)
+
+
 async def start(server: RouterServer, host: str, port: int) -> web.AppRunner:
     """Serve `server` on the running loop; returns the runner (`await runner.cleanup()`)."""
     # NOTE: handler_cancellation makes a client disconnect cancel its handler, which closes
@@ -154,11 +163,6 @@ def run(args: argparse.Namespace, backend: Backend) -> None:
         finally:
             await runner.cleanup()
 
-    try:
-        import uvloop
-        run_loop = uvloop.run
-    except ImportError:
-        run_loop = asyncio.run
     try:
         run_loop(main())
     except KeyboardInterrupt:

@@ -283,6 +283,8 @@ async def _enumerate(items):
 
 
 def main(args: argparse.Namespace) -> int:
+    from router.main import run_loop
+
     try:
         goodput = parse_goodput(args.goodput)
         percentiles = [float(x) for x in args.metric_percentiles.split(",")]
@@ -300,11 +302,8 @@ def main(args: argparse.Namespace) -> int:
                                      args.random_output_len, args.random_range_ratio,
                                      args.random_prefix_len, args.seed,
                                      args.random_num_prefixes)
-        try:  # the client reads every stream's events: the faster loop keeps it off the figures
-            import uvloop
-            run_loop = uvloop.run
-        except ImportError:
-            run_loop = asyncio.run
+        # NOTE: on uvloop where installed: the client reads every stream's events, and the
+        # faster loop keeps its own cost off the figures
         outputs, duration, model = run_loop(run(args, prompts, tok))
     except (ValueError, OSError, RuntimeError) as e:
         print(f"pd bench: {e}", file=sys.stderr)

@@ -165,7 +165,7 @@ def _main(args: argparse.Namespace) -> int:
 def run_router(args: argparse.Namespace, prefill: list[str], decode: list[str], nodes) -> None:
     from pd.text.tokenizer import Tokenizer
     from router.command import make_backend
-    from router.main import server_config, start
+    from router.main import run_loop, server_config, start
     from router.server import RouterServer
 
     args.heartbeat_interval = 0.5
@@ -202,11 +202,6 @@ def run_router(args: argparse.Namespace, prefill: list[str], decode: list[str], 
 
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    try:
-        import uvloop
-        run_loop = uvloop.run
-    except ImportError:
-        run_loop = asyncio.run
     profile_path = os.environ.get("PD_ROUTER_PROFILE")  # a benchmark's look inside the router
     if not profile_path:
         run_loop(serve())
