@@ -77,9 +77,8 @@ class DecodeGraphs:
     def keys_up_to(self, max_tokens: int) -> list[tuple[int, int]]:
         """Every (batch, width) key whose sequences hold at most `max_tokens` tokens (widths
         rounded up, so the first width that holds them is included)."""
-        widths = [w for w in self.block_widths if w * self.block_size < max_tokens]
-        widths += [w for w in self.block_widths if w * self.block_size >= max_tokens][:1]
-        return [(b, w) for w in widths for b in self.batch_sizes]
+        top = _round_up(-(-max_tokens // self.block_size), self.block_widths)
+        return [(b, w) for w in self.block_widths if w <= top for b in self.batch_sizes]
 
     @torch.inference_mode()
     def capture_all(self, keys: list[tuple[int, int]]) -> None:
