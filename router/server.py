@@ -293,19 +293,15 @@ class RouterServer:
         else:
             prompts = [tok.encode(p) if isinstance(p, str) else p for p in req.prompts]
         param = "messages" if req.endpoint == "chat" else "prompt"
-        for ids in prompts:
-            if not ids:
+        checked = [(param, ids) for ids in prompts] + [
+            ("logit_bias", [t for t, _ in req.sampling.get("logit_bias", ())]),
+            ("stop_token_ids", req.stop_token_ids)]
+        for name, ids in checked:
+            if name == param and not ids:
                 raise bad_param(param, "the prompt has no tokens")
-            if max(ids) >= tok.vocab_size:
-                raise bad_param(param, f"token id {max(ids)} is outside the vocabulary "
-                                       f"(size {tok.vocab_size})")
-        biased = [t for t, _ in req.sampling.get("logit_bias", ())]
-        if biased and max(biased) >= tok.vocab_size:
-            raise bad_param("logit_bias", f"token id {max(biased)} is outside the vocabulary "
-                                          f"(size {tok.vocab_size})")
-        if req.stop_token_ids and max(req.stop_token_ids) >= tok.vocab_size:
-            raise bad_param("stop_token_ids", f"token id {max(req.stop_token_ids)} is outside "
-                                              f"the vocabulary (size {tok.vocab_size})")
+            if ids and max(ids) >= tok.vocab_size:
+                raise bad_param(name, f"token id {max(ids)} is outside the vocabulary "
+                                      f"(size {tok.vocab_size})")
         return prompts
 
     def _max_tokens(self, req: ApiRequest, prompt_len: int) -> int:
