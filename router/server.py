@@ -172,18 +172,20 @@ class RouterServer:
             raise model_not_found(name, self.config.served_model_name)
         return web.json_response(self._model_card())
 
-    def _check_model(self, body: dict) -> None:
+    async def _utility_body(self, request: web.Request) -> dict:
+        """The JSON object of a /tokenize or /detokenize request, its model (if named) checked."""
+        body = await self._body(request)
+        if not isinstance(body, dict):
+            raise bad_param("", "the request body must be a JSON object")
         model = body.get("model")
         if model is not None and model != self.config.served_model_name:
             raise model_not_found(str(model), self.config.served_model_name)
+        return body
 
     async def tokenize(self, request: web.Request) -> web.Response:
         """vLLM's /tokenize: `prompt` (text; `add_special_tokens`, default true) or `messages`
         (a chat, rendered by the template; `add_generation_prompt`, default true)."""
-        body = await self._body(request)
-        if not isinstance(body, dict):
-            raise bad_param("", "the request body must be a JSON object")
-        self._check_model(body)
+        body = await self._utility_body(request)
         flags = {name: body.get(name, True) for name in ("add_special_tokens", "add_generation_prompt")}
         for name, v in flags.items():
             if not isinstance(v, bool):
@@ -208,10 +210,7 @@ class RouterServer:
                                   "tokens": ids})
 
     async def detokenize(self, request: web.Request) -> web.Response:
-        body = await self._body(request)
-        if not isinstance(body, dict):
-            raise bad_param("", "the request body must be a JSON object")
-        self._check_model(body)
+        body = await self._utility_body(request)
         ids = body.get("tokens")
         vocab = self.tokenizer.vocab_size
         if (not isinstance(ids, list) or len(ids) > self.backend.max_model_len()
