@@ -116,7 +116,7 @@ class StepGraphs:
         self.lp_graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.verified: Verified | None = None
         self.result: torch.Tensor | None = None  # [S, 2k + 4] int64
-        self.rings: dict[tuple, tuple[list[torch.Tensor], list[int]]] = {}
+        self.rings: dict[tuple, list[torch.Tensor]] = {}  # `host_buffer`'s, by shape and dtype
         if capture:
             self._capture()
 
@@ -151,11 +151,10 @@ class StepGraphs:
         ring = self.rings.get(key)
         if ring is None:
             pin = like.device.type == "cuda"
-            ring = self.rings[key] = ([torch.empty(like.shape, dtype=like.dtype, pin_memory=pin)
-                                       for _ in range(HOST_RING)], [0])
-        buffers, turn = ring
-        turn[0] = (turn[0] + 1) % HOST_RING
-        return buffers[turn[0]]
+            ring = self.rings[key] = [torch.empty(like.shape, dtype=like.dtype, pin_memory=pin)
+                                      for _ in range(HOST_RING)]
+        ring.append(ring.pop(0))  # the least recently handed out goes next
+        return ring[-1]
 
     def verify(self) -> None:
         if self.graphs is not None:
