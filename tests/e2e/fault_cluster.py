@@ -1,8 +1,9 @@
 """A router and its prefill and decode nodes as real processes on fixed loopback ports, for the
 fault tests: any of them can be killed, stopped and started again on the same ports.
 
-Each node gets an id with the cluster's tag, so its shared-memory segments (named after the node
-id) and its processes can be told from those of other tests. `Stream` is one streaming OpenAI
+Each node gets an id with the cluster's tag, so its processes can be told from those of other
+tests; its shared-memory segments (named at random) are told by the creator pid in their header,
+from the pids of every node the cluster started. `Stream` is one streaming OpenAI
 completion in a thread, whose outcome is ok, errored (after tokens), lost (an error before any
 token: a retry should have saved it) or hung (past its timeout).
 """
@@ -101,6 +102,7 @@ class FaultCluster:
         self.router_port = free_port()
         self.url = f"http://127.0.0.1:{self.router_port}"
         self.nodes: dict[str, NodeProcess] = {}
+        self.pids: dict[int, str] = {}  # every node process started -> its name
         self.router: subprocess.Popen | None = None
         self.num_routers = 0  # started so far
 
@@ -118,6 +120,7 @@ class FaultCluster:
             args += ["--kv-port", str(p["kv"])]
         node = start_node(role, args, log_dir=self.log_dir)
         self.nodes[name] = node
+        self.pids[node.pid] = name
         return node
 
     def addresses(self, kind: str) -> list[str]:
@@ -203,22 +206,32 @@ class FaultCluster:
             time.sleep(0.1)
 
     # -- what is left behind ---------------------------------------------------------------------
-    def segments(self) -> list[str]:
-        return sorted(f for f in os.listdir(SHM_DIR) if f.startswith(PREFIX + self.tag))
-
-    def stale_segments(self) -> list[str]:
-        """This cluster's segments whose creator process is gone."""
-        out = []
-        for name in self.segments():
+    def _creators(self) -> dict[str, tuple[int, int]]:
+        """This cluster's segments -> their creator's (pid, start time), from their headers."""
+        out = {}
+        for name in sorted(os.listdir(SHM_DIR)):
+            if not name.startswith(PREFIX):
+                continue
             try:
                 with open(os.path.join(SHM_DIR, name), "rb") as f:
                     raw = f.read(SEGMENT_HEADER.itemsize)
-            except FileNotFoundError:
+            except OSError:
                 continue
-            h = np.frombuffer(raw, dtype=SEGMENT_HEADER)[0]
-            if not is_alive(int(h["creator_pid"]), int(h["creator_start"])):
-                out.append(name)
+            if len(raw) == SEGMENT_HEADER.itemsize:
+                h = np.frombuffer(raw, dtype=SEGMENT_HEADER)[0]
+                if int(h["creator_pid"]) in self.pids:
+                    out[name] = (int(h["creator_pid"]), int(h["creator_start"]))
         return out
+
+    def segments(self, node: str | None = None) -> list[str]:
+        """This cluster's segments (those made by any process of `node`, when given)."""
+        return [name for name, (pid, _) in self._creators().items()
+                if node is None or self.pids[pid] == node]
+
+    def stale_segments(self) -> list[str]:
+        """This cluster's segments whose creator process is gone."""
+        return [name for name, (pid, start) in self._creators().items()
+                if not is_alive(pid, start)]
 
     def leftover_processes(self) -> list[int]:
         """Processes this cluster started that still run, and any other carrying its tag."""
