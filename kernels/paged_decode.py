@@ -4,9 +4,10 @@ Triton kernel split along the sequence, with a torch twin.
 Per sequence b with `context_lens[b]` = n cached tokens whose blocks are `block_tables[b]`:
 out[b, h] = softmax(q[b, h] . K[b, :n, h // G]^T * scale) V[b, :n, h // G], G query heads per KV
 head. The kernel runs one program per (sequence, KV head, split of the block table); each
-program walks its blocks through the block table with an online softmax for the G query heads
-of its KV head and writes an unnormalized partial (accumulator, running max, running sum); a
-second small kernel merges the partials with a log-sum-exp. Splitting the sequence keeps the
+program loads its split's keys and values as one tile (their block ids first, then every row at
+once), takes the softmax of the G query heads of its KV head over them and writes an
+unnormalized partial (accumulator, max, sum); a second small kernel merges the partials with a
+log-sum-exp. Splitting the sequence keeps the
 GPU busy for long contexts at small batch; the split is a fixed SPLIT_TOKENS keys, so a
 sequence's output does not depend on the batch it is in (batch-invariant). Everything is on the current stream and capturable
 in a CUDA graph (shapes depend only on the batch and the block-table width). Writing the step's
@@ -30,47 +31,49 @@ def _kernel():
     import triton  # noqa: PLC0415 (deferred: CPU machines have no triton)
     import triton.language as tl
 
-    # NOTE: the split size and count vary with the batch, the block-table stride with an eager
-    # step's context; unspecialized, so a new batch size or length never waits for a compile
-    @triton.jit(do_not_specialize=["split", "stride_bt"])
+    # NOTE: the block-table stride varies with an eager step's context; unspecialized, so a
+    # new length never waits for a compile
+    @triton.jit(do_not_specialize=["stride_bt"])
     def decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, acc_ptr, m_ptr, l_ptr, scale,
                       stride_qb, stride_qh, stride_kn, stride_kt, stride_kh, stride_bt,
                       stride_ab, stride_ah, stride_as, stride_mb, stride_mh,
                       G: tl.constexpr, GP: tl.constexpr, BLOCK: tl.constexpr, D: tl.constexpr,
-                      split, IEEE: tl.constexpr):
+                      TILE: tl.constexpr, IEEE: tl.constexpr):
         b, h, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         n = tl.load(lens_ptr + b)
         rows = tl.arange(0, GP)
         cols = tl.arange(0, D)
-        toks = tl.arange(0, BLOCK)
         row_ok = rows < G
-        q = tl.load(q_ptr + b * stride_qb + (h * G + rows)[:, None] * stride_qh + cols[None, :],
-                    mask=row_ok[:, None], other=0.0)
-        m_i = tl.full([GP], float("-inf"), tl.float32)
-        l_i = tl.zeros([GP], tl.float32)
-        acc = tl.zeros([GP, D], tl.float32)
-        first = s * split
-        last = tl.minimum(first + split, tl.cdiv(n, BLOCK))
-        for blk in range(first, last):
-            phys = tl.load(bt_ptr + b * stride_bt + blk).to(tl.int64)
-            offs = phys * stride_kn + toks[:, None] * stride_kt + h * stride_kh + cols[None, :]
-            k = tl.load(k_ptr + offs)  # [BLOCK, D]
-            v = tl.load(v_ptr + offs)
-            if IEEE:
-                scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
-            else:
-                scores = tl.dot(q, tl.trans(k)) * scale  # [GP, BLOCK]
-            scores = tl.where((blk * BLOCK + toks)[None, :] < n, scores, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(scores, 1))
-            p = tl.exp(scores - m_new[:, None])
-            alpha = tl.exp(m_i - m_new)
-            l_i = l_i * alpha + tl.sum(p, 1)
-            if IEEE:
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-            else:
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-            m_i = m_new
         heads = h * G + rows
+        first = s * TILE
+        if first >= n:  # a split past the sequence's end: weight 0 in the merge
+            tl.store(acc_ptr + b * stride_ab + heads[:, None] * stride_ah + s * stride_as
+                     + cols[None, :], tl.zeros([GP, D], tl.float32), mask=row_ok[:, None])
+            tl.store(m_ptr + b * stride_mb + heads * stride_mh + s, float("-inf"), mask=row_ok)
+            tl.store(l_ptr + b * stride_mb + heads * stride_mh + s, 0.0, mask=row_ok)
+            return
+        # NOTE: the whole split is one tile: its block ids, then every key and value of it, are
+        # loaded at once (a walk block by block waits on one dependent load after another)
+        toks = first + tl.arange(0, TILE)
+        ok = toks < n
+        phys = tl.load(bt_ptr + b * stride_bt + toks // BLOCK, mask=ok, other=0).to(tl.int64)
+        offs = (phys * stride_kn + (toks % BLOCK) * stride_kt + h * stride_kh)[:, None] + cols[None, :]
+        k = tl.load(k_ptr + offs, mask=ok[:, None], other=0.0)  # [TILE, D]
+        v = tl.load(v_ptr + offs, mask=ok[:, None], other=0.0)
+        q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + cols[None, :],
+                    mask=row_ok[:, None], other=0.0)
+        if IEEE:
+            scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
+        else:
+            scores = tl.dot(q, tl.trans(k)) * scale  # [GP, TILE]
+        scores = tl.where(ok[None, :], scores, float("-inf"))
+        m_i = tl.max(scores, 1)
+        p = tl.exp(scores - m_i[:, None])
+        l_i = tl.sum(p, 1)
+        if IEEE:
+            acc = tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        else:
+            acc = tl.dot(p.to(v.dtype), v)
         tl.store(acc_ptr + b * stride_ab + heads[:, None] * stride_ah + s * stride_as + cols[None, :],
                  acc, mask=row_ok[:, None])
         tl.store(m_ptr + b * stride_mb + heads * stride_mh + s, m_i, mask=row_ok)
@@ -145,9 +148,10 @@ def paged_decode_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
-                 use_kernel: bool | None = None) -> torch.Tensor:
+                 use_kernel: bool | None = None, num_warps: int | None = None) -> torch.Tensor:
     """Decode attention (see the module docstring); the kernel on CUDA, else the twin.
-    Every sequence must have context_lens >= 1 and block_tables wide enough for it."""
+    Every sequence must have context_lens >= 1 and block_tables wide enough for it.
+    `num_warps` overrides the kernel's warps per program (for the benchmark)."""
     if use_kernel is None:
         use_kernel = can_use_kernel(q, k_cache)
     if not use_kernel:
@@ -181,8 +185,11 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0), acc.stride(0), acc.stride(1), acc.stride(2), m.stride(0), m.stride(1),
         G=group, GP=max(16, 1 << (group - 1).bit_length()), BLOCK=block, D=head_dim,
-        split=per_split, IEEE=q.dtype == torch.float32)
+        TILE=per_split * block, IEEE=q.dtype == torch.float32,
+        num_warps=num_warps or (4 if per_split * block * head_dim <= 8192 else 8))
     # merge the splits (log-sum-exp): splits past a sequence's end hold m = -inf and l = 0
+    # NOTE: CH is fixed: a chunk sized to the table's width would sum in another order
+    # (float32 outputs would then differ with the width)
     out = torch.empty_like(q)
     _merge_kernel()[(num_seqs, num_heads)](
         acc, m, s, out, acc.stride(0), acc.stride(1), acc.stride(2), m.stride(0), m.stride(1),

@@ -18,6 +18,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_decode import copy_bandwidth, timed  # noqa: E402
 
+from kernels.paged_decode import paged_decode  # noqa: E402
 from pd.model.attention import paged_attention  # noqa: E402
 from pd.model.context import build_context, forward_context  # noqa: E402
 
@@ -49,6 +50,15 @@ def main() -> None:
                 return paged_attention(q, k, v, HEAD_DIM ** -0.5)
 
         times = {}
+        for warps in (4, 8):  # the kernel alone at each warp count, beside the chosen one
+            def kernel(warps=warps):
+                return paged_decode(q, k, v, ctx.block_tables, ctx.context_lens, HEAD_DIM ** -0.5,
+                                    use_kernel=True, num_warps=warps)
+            kernel()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                kernel()
+            times[warps] = timed(graph.replay, 50)
         for mode in ("triton", "torch"):
             os.environ["PD_ATTENTION"] = mode
             side = torch.cuda.Stream()
@@ -63,7 +73,8 @@ def main() -> None:
         os.environ.pop("PD_ATTENTION")
         print(f"{batch:>5} {ctx_len:>7} | {times['triton'] * 1e6:>9.1f} {kv_bytes / times['triton'] / 1e9:>6.0f} | "
               f"{times['torch'] * 1e6:>9.1f} {kv_bytes / times['torch'] / 1e9:>6.0f} | "
-              f"{times['torch'] / times['triton']:>6.1f}x")
+              f"{times['torch'] / times['triton']:>6.1f}x | 4 / 8 warps {times[4] * 1e6:.1f} / "
+              f"{times[8] * 1e6:.1f} us")
 
 
 if __name__ == "__main__":
