@@ -6,7 +6,9 @@ weights, in one run.
   1 GiB copy) and the bf16 matmul rate (8192^3);
 - decode: the decode loop as a decode node runs it (overlap on, CUDA graphs unless
   --enforce-eager), requests joined with `--prompt-len` tokens of KV, `--steps` steps; the step
-  time beside the bandwidth floor = (weight bytes + KV bytes read in a step) / copy bandwidth;
+  time beside the bandwidth floor = (weight bytes + KV bytes read in a step) / copy bandwidth,
+  with the device's busy time per step (start to end event, median) and the idle gap between
+  steps (p50): a gap near zero means the device, not the host, sets the step;
 - HF: `generate()` (greedy, `--steps` new tokens, same prompts' length) decode tokens/s, its
   prefill subtracted (a generate of one new token timed alone);
 - prefill: one prompt of 1k and 8k tokens through the engine (first token), tokens/s beside the
@@ -129,18 +131,20 @@ def main() -> None:
           f"layers, KV {kv_per_token / 1024:.0f} KiB per token; "
           f"{'eager' if args.enforce_eager else 'CUDA graphs'}\n")
 
-    print(f"{'batch':>5} | {'step ms':>8} {'floor ms':>8} {'ratio':>6} | {'pd tok/s':>9} "
-          f"{'HF tok/s':>9} {'pd/HF':>6}")
+    print(f"{'batch':>5} | {'step ms':>8} {'busy ms':>8} {'gap us':>7} {'floor ms':>8} {'ratio':>6} | "
+          f"{'pd tok/s':>9} {'HF tok/s':>9} {'pd/HF':>6}")
     for batch in args.batch:
         run_once(engine, True, batch, args, 1)  # warm-up (captures)
-        runs = [run_once(engine, True, batch, args, 1) for _ in range(args.repeat)]
-        tps = sorted(r[0] for r in runs)[len(runs) // 2]
+        runs = sorted((run_once(engine, True, batch, args, 1) for _ in range(args.repeat)),
+                      key=lambda r: r[0])
+        tps, gaps, _, _, busy = runs[len(runs) // 2]
+        gap = sorted(gaps)[len(gaps) // 2] if gaps else float("nan")
         step = batch / tps
         ctx = args.prompt_len + args.steps / 2  # mean context over the run
         floor = (weight_bytes + batch * ctx * kv_per_token) / copy_bw
         hf = float("nan") if args.no_hf else hf_decode_tps(model, batch, args.prompt_len, args.steps)
-        print(f"{batch:>5} | {step * 1e3:>8.3f} {floor * 1e3:>8.3f} {step / floor:>6.2f} | "
-              f"{tps:>9.0f} {hf:>9.0f} {tps / hf:>6.1f}")
+        print(f"{batch:>5} | {step * 1e3:>8.3f} {busy * 1e3:>8.3f} {gap * 1e6:>7.1f} "
+              f"{floor * 1e3:>8.3f} {step / floor:>6.2f} | {tps:>9.0f} {hf:>9.0f} {tps / hf:>6.1f}")
 
     print(f"\n{'prompt':>6} | {'prefill ms':>10} {'tok/s':>9} | {'floor ms':>8} {'ratio':>6}")
     for n in args.prefill:

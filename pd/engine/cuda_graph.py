@@ -9,9 +9,13 @@ graphs share one memory pool and one set of static input buffers; replay copies 
 inputs into those buffers on the current stream, so it composes with the overlap loop's
 compute stream and never waits on the host.
 
+Each decode graph also runs the LM head into one static logits buffer (`logits`, in the model's
+dtype, shared by every graph) and the greedy argmax of it into `tokens`: a batch of plain
+greedy rows needs nothing after the replay; any other sampling runs eagerly on `logits`.
+
 Which steps run as graphs (pure decode, no invalid slot, a batch no larger than the largest
 size) is decided here (`can_run`); everything else, and everything with `--enforce-eager`, runs
-eagerly. The sampler always runs eagerly on the graph's output.
+eagerly.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import logging
 
 import torch
 
+from kernels.argmax import argmax
 from pd.model.context import ForwardContext, forward_context
 
 log = logging.getLogger(__name__)
@@ -65,6 +70,12 @@ class DecodeGraphs:
         self.slot_mapping = torch.zeros(max_batch, **long)
         self.context_lens = torch.ones(max_batch, **long)
         self.block_tables = torch.full((max_batch, width), dummy_block, **long)
+        # what the last replay's rows 0..batch-1 gave: logits [B, V] and their argmax [B]
+        self.logits = self.tokens = None
+        if model is not None:
+            head = model.head_weight
+            self.logits = torch.empty(max_batch, head.shape[0], dtype=head.dtype, device=device)
+            self.tokens = torch.zeros(max_batch, **long)
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.pool = None
         self.device = device
@@ -100,7 +111,9 @@ class DecodeGraphs:
 
     def _forward(self, batch: int, width: int) -> torch.Tensor:
         with forward_context(self._context(batch, width)):
-            return self.model(self.input_ids[:batch], self.positions[:batch])
+            hidden = self.model(self.input_ids[:batch], self.positions[:batch])
+        argmax(self.model.head_logits(hidden, out=self.logits[:batch]), out=self.tokens[:batch])
+        return hidden
 
     def _capture(self, batch: int, width: int,
                  level: int = logging.INFO) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
@@ -120,10 +133,11 @@ class DecodeGraphs:
 
     @torch.inference_mode()
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        """The decode forward of `ctx`'s batch through a graph: hidden states [n, H].
+        """The decode forward of `ctx`'s batch through a graph: hidden states [n, H]; its
+        logits and greedy tokens are then `logits[:n]` and `tokens[:n]`.
 
-        NOTE: the result is a view of the graph's output buffer; it is valid until the next
-        replay, which stream order puts after everything queued behind this one."""
+        NOTE: the results are views of static buffers; they are valid until the next replay,
+        which stream order puts after everything queued behind this one."""
         n, m = ctx.num_seqs, ctx.block_tables.shape[1]
         batch = _round_up(n, self.batch_sizes)
         width = _round_up(m, self.block_widths)

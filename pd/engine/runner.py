@@ -232,6 +232,17 @@ class ModelRunner:
                 raise ValueError("the batch has future token ids but no previous step's tokens")
             ids = inp.input_ids.index_put((inp.future_index,), prev_tokens[inp.future_slots])
             inp = inp._replace(input_ids=ids)
+        graphs = self.graphs
+        if graphs is not None and graphs.can_run(inp.context):
+            # NOTE: a decode step samples every row (logits_index is 0..n-1), and its graph ran
+            # the LM head and the greedy argmax already
+            graphs.run(inp.input_ids, inp.positions, inp.context)
+            n = len(inp.rows)
+            if n != inp.context.num_seqs:
+                raise RuntimeError(f"a decode step sampled {n} of {inp.context.num_seqs} rows")
+            if all(r.is_plain_greedy for r in inp.rows):
+                return SamplerOutput(graphs.tokens[:n], None, None, None, None)
+            return self.sampler(graphs.logits[:n].float(), inp.rows)
         hidden = self.forward(inp)
         if not inp.rows:
             return None

@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kernels.argmax import argmax
 from pd.engine.logprobs import compute_logprobs
 from pd.wire.sampling_params import SamplingParams
 
@@ -55,6 +56,14 @@ class SamplingRow:
     @property
     def is_greedy(self) -> bool:
         return self.params.temperature < GREEDY_EPS
+
+    @property
+    def is_plain_greedy(self) -> bool:
+        """Greedy on the raw logits: no penalty, bias or min_tokens ban, no logprobs (the
+        argmax a decode graph takes is this row's token)."""
+        p = self.params
+        return (self.is_greedy and not p.processes_logits and self.step >= p.min_tokens
+                and p.logprobs is None)
 
     @property
     def banned_token_ids(self) -> tuple[int, ...]:
@@ -293,7 +302,7 @@ class Sampler:
         x = process_logits(logits, rows)
         greedy = [i for i, r in enumerate(rows) if r.is_greedy]
         if len(greedy) == len(rows):
-            token_ids = x.argmax(dim=-1)
+            token_ids = argmax(x)
         elif not greedy:
             token_ids = self.draw(truncated_probs(x, [r.params for r in rows]), rows)
         else:

@@ -1,5 +1,5 @@
-"""Small building blocks of a Llama-family decoder: RMSNorm, rotary embedding (plain, linear,
-dynamic NTK, YaRN and Llama-3 scaling), the gated MLP.
+"""Small building blocks of a Llama-family decoder: the linear layer, RMSNorm, rotary embedding
+(plain, linear, dynamic NTK, YaRN and Llama-3 scaling), the gated MLP.
 
 Numerics follow the Hugging Face reference (norm statistics in float32, RoPE tables from a
 float32 `inv_freq`) so that greedy outputs match it token for token.
@@ -15,7 +15,17 @@ from torch import nn
 
 from kernels.activation import silu_and_mul
 from kernels.rms_norm import rms_norm
+from kernels.skinny_linear import skinny_linear
 from pd.model.context import get_context
+
+
+class Linear(nn.Linear):
+    """nn.Linear (same parameters and names) whose product goes through
+    `kernels.skinny_linear`: its kernel for a decode step's few rows where it measured faster
+    than cuBLAS, `F.linear` everywhere else."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return skinny_linear(x, self.weight, self.bias)
 
 
 class RMSNorm(nn.Module):
@@ -173,8 +183,8 @@ class MLP(nn.Module):
         super().__init__()
         self.act_name, self.act = act, ACTIVATIONS[act]
         self.intermediate_size = intermediate_size
-        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=bias)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+        self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, bias=bias)
+        self.down_proj = Linear(intermediate_size, hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)

@@ -4,7 +4,8 @@ names.
 
 Layers take `forward(positions, hidden)`; batch metadata comes from the forward context
 (`pd.model.context`). `forward` returns the last layer's output before the final norm (what the MTP
-layer consumes); `compute_logits` applies the final norm and the LM head.
+layer consumes); `compute_logits` applies the final norm and the LM head (`head_logits`: the same
+in the model's dtype).
 
 MTP (DeepSeek-V3 style) weight names, present when config.json has
 `"num_nextn_predict_layers": 1`:
@@ -22,10 +23,11 @@ import torch
 from torch import nn
 
 from kernels.rope_cache import rope_and_cache
+from kernels.skinny_linear import skinny_linear
 from pd.config import ModelConfig
 from pd.model.attention import paged_attention
 from pd.model.context import get_context
-from pd.model.layers import MLP, RMSNorm, RotaryEmbedding
+from pd.model.layers import MLP, Linear, RMSNorm, RotaryEmbedding
 
 
 class Attention(nn.Module):
@@ -39,8 +41,8 @@ class Attention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         h = cfg.hidden_size
         self.q_size, self.kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        self.qkv_proj = nn.Linear(h, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, h, bias=cfg.o_bias)
+        self.qkv_proj = Linear(h, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
+        self.o_proj = Linear(self.q_size, h, bias=cfg.o_bias)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
@@ -114,7 +116,7 @@ class MTPLayer(nn.Module):
         super().__init__()
         self.enorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.hnorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.eh_proj = nn.Linear(2 * cfg.hidden_size, cfg.hidden_size, bias=False)
+        self.eh_proj = Linear(2 * cfg.hidden_size, cfg.hidden_size, bias=False)
         self.layer = DecoderLayer(cfg, rotary)
 
     def forward(self, positions: torch.Tensor, embeds: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
@@ -151,7 +153,13 @@ class CausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Pre-norm hidden states [N, H] -> float32 logits [N, V]."""
-        return torch.nn.functional.linear(self.model.norm(hidden), self.head_weight).float()
+        return self.head_logits(hidden).float()
+
+    def head_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Pre-norm hidden states [N, H] -> logits [N, V] in the model's dtype (what
+        `compute_logits` widens), written into `out` when given (a CUDA graph's static buffer).
+        Enough for an argmax: widening to float32 keeps every value and its order."""
+        return skinny_linear(self.model.norm(hidden), self.head_weight, out=out)
 
     def mtp_forward(self, input_ids: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         """One MTP entry per token: input_ids are the *next* tokens, hidden the states they follow."""

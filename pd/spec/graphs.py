@@ -37,6 +37,7 @@ import numpy as np
 import torch
 
 from kernels import draft_preprocess, update_status, verify_accept
+from kernels.argmax import argmax
 from kernels.launch import use_kernels
 from pd.engine.cuda_graph import BATCH_SIZES, capture
 from pd.engine.logprobs import Logprobs, compute_logprobs
@@ -282,7 +283,7 @@ class SpecGraphs:
         with forward_context(ctx):
             hidden = self.model(v["input_ids"].reshape(rows), v["positions"].reshape(rows))
         logits = self.model.compute_logits(hidden)
-        return Verified(hidden, logits, logits.argmax(dim=-1).view(num_slots, k1), ctx)
+        return Verified(hidden, logits, argmax(logits).view(num_slots, k1), ctx)
 
     def _draft(self, v: dict[str, torch.Tensor], ver: Verified, p_draft: torch.Tensor,
                uniforms: torch.Tensor, width: int) -> torch.Tensor:
@@ -321,7 +322,7 @@ class SpecGraphs:
         with forward_context(ver.context):
             out = model.mtp_forward(mtp_ids, positions, ver.hidden)
         prev = out[draft_rows]  # [S, H]
-        drafts = [model.compute_logits(prev).argmax(dim=-1)]
+        drafts = [argmax(model.head_logits(prev))]
         for m in range(k - 1):
             ctx = ForwardContext(
                 slot_mapping=chain_slots[:, m].contiguous(), block_tables=v["block_tables"],
@@ -329,7 +330,7 @@ class SpecGraphs:
                 attn_mask=None, max_q_len=1, max_kv_len=width * self.block_size)
             with forward_context(ctx):
                 prev = model.mtp_forward(drafts[-1], chain_pos + m, prev)
-            drafts.append(model.compute_logits(prev).argmax(dim=-1))
+            drafts.append(argmax(model.head_logits(prev)))
         return torch.stack(drafts, dim=1)
 
     def _advance(self, v: dict[str, torch.Tensor], result: torch.Tensor, width: int) -> None:
