@@ -7,9 +7,11 @@ The wrappers pick the kernel on CUDA when cupy is present and the twin otherwise
 `cupy` is imported lazily by `kernels.launch`. The model passes and sampling around them are
 `pd.spec.mtp`'s and `pd.spec.verify`'s.
 
-`kernels.paged_decode` (not re-exported here, so importing this package never needs triton) is
-the decode attention over the paged cache, a Triton kernel with its torch twin, used by
-`pd.model.attention` on CUDA.
+The Triton kernels (not re-exported here, so importing this package never needs triton), each
+with its torch twin: `kernels.paged_decode` (the decode attention over the paged cache, used by
+`pd.model.attention` on CUDA), `kernels.rms_norm`, `kernels.rope_cache`, `kernels.activation`
+(the decode layer's fused elementwise steps), `kernels.skinny_linear` (the linear layers' product
+at a few rows) and `kernels.argmax` (greedy sampling inside the decode graphs).
 """
 
 from kernels.draft_preprocess import draft_preprocess

@@ -105,7 +105,8 @@ def main() -> None:
     p.add_argument("--batch", type=int, nargs="+", default=[1, 8, 64])
     p.add_argument("--prompt-len", type=int, default=512)
     p.add_argument("--steps", type=int, default=64)
-    p.add_argument("--prefill", type=int, nargs="+", default=[1024, 8192])
+    p.add_argument("--prefill", type=int, nargs="*", default=[1024, 8192],
+                   help="prompt lengths to time prefill at (none: skip prefill)")
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--no-hf", action="store_true", help="skip transformers generate()")
     args = p.parse_args()
@@ -146,7 +147,8 @@ def main() -> None:
         print(f"{batch:>5} | {step * 1e3:>8.3f} {busy * 1e3:>8.3f} {gap * 1e6:>7.1f} "
               f"{floor * 1e3:>8.3f} {step / floor:>6.2f} | {tps:>9.0f} {hf:>9.0f} {tps / hf:>6.1f}")
 
-    print(f"\n{'prompt':>6} | {'prefill ms':>10} {'tok/s':>9} | {'floor ms':>8} {'ratio':>6}")
+    if args.prefill:
+        print(f"\n{'prompt':>6} | {'prefill ms':>10} {'tok/s':>9} | {'floor ms':>8} {'ratio':>6}")
     for n in args.prefill:
         secs = prefill_seconds(engine, n)
         flops = (2 * (params - embed) * n + 2 * n * n * mc.hidden_size * mc.num_layers

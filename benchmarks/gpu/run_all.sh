@@ -2,7 +2,8 @@
 # Every GPU check and figure of the project in one call of the device machine:
 #   the checkpoint parity matrix through pd generate --device cuda, kernels vs their torch
 #   twins, MTP engine parity, GPU tests (graphs, fused kernels, KV fast path, P+D on CUDA), KV
-#   transfer, decode/prefill vs floors and HF, where a prefill's time goes, CUDA graphs vs
+#   transfer, decode attention, the skinny product vs cuBLAS, decode/prefill vs floors and HF
+#   (and without the skinny kernel), where a prefill's time goes, CUDA graphs vs
 #   eager, the decode step's kernels
 #   and host time (profiler), overlap on/off (parity of 64 requests, sync check, throughput and
 #   step gap), MTP on/off (graphed, overlap on/off, logprobs) and the MTP machinery on the 1B
@@ -37,7 +38,9 @@ TAIL=4 step pd_path env PD_TEST_DEVICE=cuda python3 -m pytest -q -p no:cacheprov
     tests/e2e/test_pd_path.py -k equals_single_process
 TAIL=6 step kv python3 benchmarks/gpu/bench_kv.py
 TAIL=8 step attention python3 benchmarks/gpu/bench_attention.py
+TAIL=12 step skinny python3 benchmarks/gpu/bench_skinny.py
 TAIL=14 step decode python3 benchmarks/gpu/bench_decode.py
+TAIL=6 step decode_no_skinny env PD_SKINNY=0 python3 benchmarks/gpu/bench_decode.py --no-hf --prefill
 TAIL=22 step profile_prefill python3 benchmarks/gpu/profile_prefill.py --top 8
 fi
 if [[ $PART == all || $PART == 2 ]]; then
