@@ -234,16 +234,16 @@ class ModelRunner:
             inp = inp._replace(input_ids=ids)
         graphs = self.graphs
         if graphs is not None and graphs.can_run(inp.context):
-            # NOTE: a decode step samples every row (logits_index is 0..n-1), and its graph ran
-            # the LM head and the greedy argmax already
-            graphs.run(inp.input_ids, inp.positions, inp.context)
+            hidden = graphs.run(inp.input_ids, inp.positions, inp.context)
             n = len(inp.rows)
-            if n != inp.context.num_seqs:
-                raise RuntimeError(f"a decode step sampled {n} of {inp.context.num_seqs} rows")
-            if all(r.is_plain_greedy for r in inp.rows):
-                return SamplerOutput(graphs.tokens[:n], None, None, None, None)
-            return self.sampler(graphs.logits[:n].float(), inp.rows)
-        hidden = self.forward(inp)
+            # NOTE: a decode step samples every row (logits_index is 0..n-1), and its graph ran
+            # the LM head and the greedy argmax of them already
+            if n == inp.context.num_seqs:
+                if all(r.is_plain_greedy for r in inp.rows):
+                    return SamplerOutput(graphs.tokens[:n], None, None, None, None)
+                return self.sampler(graphs.logits[:n].float(), inp.rows)
+        else:
+            hidden = self.forward(inp)
         if not inp.rows:
             return None
         return self.sampler(self.model.compute_logits(hidden[inp.logits_index]), inp.rows)
