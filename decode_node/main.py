@@ -27,10 +27,11 @@ def main(args: argparse.Namespace) -> int:
     from decode_node.node import DecodeNode
     from pd.engine.engine import Engine
     from pd.engine.decode_loop import overlap_disabled_by_env
-    from pd.wire.security import configure_from_args
+    from pd.wire.security import check_bind, configure_from_args
     from pd.text.tokenizer import Tokenizer
 
     configure_from_args(args)
+    check_bind(args.host, args.insecure)
     cfg = engine_config(args)
     overlap = not (args.no_overlap or overlap_disabled_by_env(os.environ))
     engine = Engine(cfg, eos_token_ids=Tokenizer.from_dir(cfg.model).eos_token_ids,

@@ -26,11 +26,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     from pd.engine.engine import Engine
-    from pd.wire.security import configure_from_args
+    from pd.wire.security import check_bind, configure_from_args
     from pd.text.tokenizer import Tokenizer
     from prefill_node.node import PrefillNode
 
     configure_from_args(args)
+    check_bind(args.host, args.insecure)
     cfg = engine_config(args)
     engine = Engine(cfg, eos_token_ids=Tokenizer.from_dir(cfg.model).eos_token_ids,
                     num_speculative_tokens=args.num_speculative_tokens)

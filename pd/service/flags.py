@@ -87,6 +87,9 @@ def add_node_arguments(p: argparse.ArgumentParser, default_port: int) -> None:
                    help="HTTP port for /metrics and /health (default: none; 0 = any free port)")
     g.add_argument("--node-id", default=None, help="name in logs and metrics (default: role-port)")
     security.add_arguments(g)
+    g.add_argument("--insecure", action="store_true",
+                   help="serve plain ZMQ sockets on a --host other machines can reach (without "
+                        "it, such a node refuses to start unless given --curve-keys)")
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,10 @@ deployment's secret key and accepts only a server holding it. So a peer without 
 cannot reach a node or a router, nor pose as one; traffic is encrypted. Without `configure`,
 both functions do nothing and sockets stay plain (the NULL mechanism).
 
+A node that binds an address other machines can reach refuses to start without keys unless it
+is told `--insecure` (`check_bind`): plain sockets on a network let anyone who reaches a port
+submit work, push tokens into another's stream or take a peer's place.
+
 Leaves to others: calling these on every socket they create (pd/service/node.py, pd/service/client.py,
 router/zmq_backend.py, shm_ipc transports, receiver and doorbell), and copying DIR to every host.
 """
@@ -17,8 +21,10 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import ipaddress
 import logging
 import os
+import socket
 import stat
 import threading
 from dataclasses import dataclass, field
@@ -137,6 +143,38 @@ def configure_from_args(args: argparse.Namespace) -> CurveKeys | None:
 
 def active() -> CurveKeys | None:
     return _keys
+
+
+def is_loopback(host: str) -> bool:
+    """Whether a socket bound to `host` is reachable from this machine alone: a loopback
+    address, or a name whose every address is one (0.0.0.0, ::, and names that do not
+    resolve are not)."""
+    try:
+        return ipaddress.ip_address(host.strip("[]").split("%")[0]).is_loopback
+    except ValueError:
+        pass
+    try:
+        infos = socket.getaddrinfo(host, None)
+    except OSError:
+        return False
+    return bool(infos) and all(
+        ipaddress.ip_address(str(info[4][0]).split("%")[0]).is_loopback for info in infos)
+
+
+def check_bind(host: str, insecure: bool) -> None:
+    """Refuse (SystemExit, one line) to serve plain sockets on `host` when other machines can
+    reach it, unless `insecure`; call after `configure`. With `insecure` it warns instead."""
+    if _keys is not None or is_loopback(host):
+        return
+    if insecure:
+        log.warning("plain ZMQ sockets on %s (--insecure): anyone who reaches its ports can "
+                    "submit work and push tokens or KV into this node", host)
+        return
+    raise SystemExit(
+        f"pd: --host {host} is reachable from other machines but no --curve-keys were given: "
+        f"anyone who reaches its ports could submit work and push tokens or KV into it. Give the "
+        f"deployment's keys (pd keygen DIR, then --curve-keys DIR or {ENV}=DIR), or --insecure "
+        f"to serve plain sockets anyway")
 
 
 def secure_server(sock: zmq.Socket) -> None:

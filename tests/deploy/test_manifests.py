@@ -119,6 +119,12 @@ def test_containers_run_real_pd_commands_with_probes_and_scrape_ports(name):
                 assert args.metrics_port == ports["metrics"] and args.port == ports["control"]
                 assert "nvidia.com/gpu" in c["resources"]["requests"]
                 assert obj["kind"] == "StatefulSet" and obj["spec"]["serviceName"] in headless
+            # every pd process takes the deployment's CURVE keys from the Secret's mount (nodes
+            # on the pod network refuse to start without them)
+            mounts = {m["mountPath"]: m["name"] for m in c["volumeMounts"]}
+            volumes = {v["name"]: v for v in obj["spec"]["template"]["spec"]["volumes"]}
+            secret = volumes[mounts[config["PD_CURVE_KEYS"]]]["secret"]
+            assert secret["secretName"] == "pd-curve-keys" and not getattr(args, "insecure", False)
             if args.command == "decode":
                 assert args.kv_port == ports["kv"] and args.host == "<POD_IP>"
             if args.command == "prefill":

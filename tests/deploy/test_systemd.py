@@ -50,3 +50,6 @@ def test_unit_runs_a_valid_pd_command(unit):
     if command in ("prefill", "decode"):
         assert args.metrics_port is not None and args.node_id == instance
         assert args.host not in ("0.0.0.0", "127.0.0.1") or command == "prefill"
+        # a node on a network address starts only with the deployment's keys
+        from pd.wire.security import is_loopback
+        assert is_loopback(args.host) or env.get("PD_CURVE_KEYS") or args.insecure

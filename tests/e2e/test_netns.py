@@ -118,7 +118,7 @@ def nodes(netns, tiny_model_dir, tmp_path):
     """(prefill, decode) running in namespaces A and B; the prefill node sends KV over ZMQ."""
     started = []
     common = ["--model", str(tiny_model_dir), "--host", "0.0.0.0", "--port", "0",
-              "--num-blocks", "256"]
+              "--num-blocks", "256", "--insecure"]  # the namespaces' links only
     try:
         decode = start_node("decode", [*common, "--kv-port", "0", "--kv-timeout", str(KV_TIMEOUT)],
                             log_dir=str(tmp_path), prefix=netns.exec_prefix(netns.b))

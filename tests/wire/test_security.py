@@ -170,3 +170,32 @@ def test_every_socket_the_packages_create_is_secured():
               for f in files if "import zmq" in (t := f.read_text())}
     assert sum(n for n, _ in counts.values()) >= 9, counts
     assert all(s >= n for n, s in counts.values()), counts
+
+
+def test_nodes_on_a_network_address_need_keys_or_insecure(ctx, keys_dir, caplog):
+    for host in ("127.0.0.1", "::1", "localhost", "127.0.0.5"):
+        security.check_bind(host, insecure=False)  # loopback: no keys needed
+    for host in ("0.0.0.0", "::", "10.0.0.11", "no-such-host.invalid"):
+        assert not security.is_loopback(host)
+        with pytest.raises(SystemExit, match="--curve-keys.*--insecure"):
+            security.check_bind(host, insecure=False)
+    with caplog.at_level("WARNING", logger="pd.wire.security"):
+        security.check_bind("0.0.0.0", insecure=True)
+    assert "plain ZMQ sockets on 0.0.0.0" in caplog.text
+    security.configure(keys_dir)
+    security.check_bind("0.0.0.0", insecure=False)  # keys: every socket is CURVE
+
+
+@pytest.mark.parametrize("command", ["prefill", "decode"])
+def test_a_node_on_a_network_address_without_keys_refuses_to_start(command, tmp_path):
+    """A real `pd prefill|decode --host 0.0.0.0` without keys exits at once with the reason,
+    before it loads a model or binds anything."""
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != security.ENV}
+    out = subprocess.run([sys.executable, "-m", "pd", command, "--host", "0.0.0.0", "--port", "0"],
+                         capture_output=True, text=True, timeout=60, env=env, cwd=tmp_path)
+    assert out.returncode != 0
+    assert "reachable from other machines but no --curve-keys" in out.stderr
+    assert "Traceback" not in out.stderr
