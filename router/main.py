@@ -92,6 +92,14 @@ def add_router_arguments(p, with_nodes: bool = True) -> None:
     p.add_argument("--write-timeout", type=float, default=60.0,
                    help="seconds a streaming client may stop reading before it is dropped and "
                         "its request aborted (default: %(default)s)")
+    p.add_argument("--header-timeout", type=float, default=10.0,
+                   help="seconds a new connection has to send its first request line and "
+                        "headers before it is closed (default: %(default)s)")
+    p.add_argument("--keepalive-timeout", type=float, default=75.0,
+                   help="seconds an idle kept-alive connection stays open (default: %(default)s)")
+    p.add_argument("--max-connections", type=int, default=None,
+                   help="open client connections at most; past it a new one is answered 503 "
+                        "and closed (default: the open-file limit less 256)")
     p.add_argument("--log-requests", action="store_true",
                    help="log each request's id, prompt length and sampling parameters")
     security.add_arguments(p)
@@ -125,7 +133,10 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
     return ServerConfig(served_model_name=name, max_running=args.max_running,
                         max_queue=args.max_queue, api_key=api_key(args),
                         log_requests=args.log_requests, sampling_defaults=defaults,
-                        body_timeout=args.body_timeout, write_timeout=args.write_timeout)
+                        body_timeout=args.body_timeout, write_timeout=args.write_timeout,
+                        header_timeout=args.header_timeout,
+                        keepalive_timeout=args.keepalive_timeout,
+                        max_connections=args.max_connections)
 
 
 def run_loop(main):
@@ -138,12 +149,21 @@ def run_loop(main):
 
 
 async def start(server: RouterServer, host: str, port: int) -> web.AppRunner:
-    """Serve `server` on the running loop; returns the runner (`await runner.cleanup()`)."""
+    """Serve `server` on the running loop behind the connection guard (`router.guard`);
+    returns the runner (`await runner.cleanup()`)."""
+    from router.guard import ConnectionGuard, GuardedSite, default_max_connections
+
+    config, metrics = server.config, server.metrics
     # NOTE: handler_cancellation makes a client disconnect cancel its handler, which closes
     # the generation and aborts the request on the nodes even while no token is flowing.
-    runner = web.AppRunner(server.app(), handler_cancellation=True, access_log=None)
+    runner = web.AppRunner(server.app(), handler_cancellation=True, access_log=None,
+                           keepalive_timeout=config.keepalive_timeout)
     await runner.setup()
-    await web.TCPSite(runner, host, port).start()
+    guard = ConnectionGuard(config.max_connections or default_max_connections(),
+                            config.header_timeout,
+                            on_refused=metrics.connections_refused.inc,
+                            on_timeout=metrics.header_timeouts.inc)
+    await GuardedSite(runner, host, port, guard).start()
     return runner
 
 

@@ -75,6 +75,12 @@ class RouterMetrics:
                                registry=r)
         self.healthy_nodes = Gauge("pd_router_healthy_nodes", "Healthy nodes by role", ["role"],
                                    registry=r)
+        self.connections_refused = Counter(
+            "pd_http_connections_refused", "Connections answered 503 at once: --max-connections "
+            "were open", registry=r)
+        self.header_timeouts = Counter(
+            "pd_http_header_timeouts", "Connections closed for not sending a request head "
+            "within --header-timeout", registry=r)
         self._health = health
         self.labels = {"role": "router", "node": os.environ.get("PD_NODE_ID") or socket.gethostname()}
 

@@ -93,6 +93,9 @@ class ServerConfig:
     sampling_defaults: dict = field(default_factory=dict)  # from generation_config.json
     body_timeout: float = 30.0  # seconds to receive a request body
     write_timeout: float = 60.0  # seconds one write to a client may wait for it to read
+    header_timeout: float = 10.0  # seconds a new connection has to send its first request head
+    keepalive_timeout: float = 75.0  # seconds an idle kept-alive connection stays open
+    max_connections: int | None = None  # open connections (None: the fd limit less a reserve)
 
 
 def error_response(e: APIError) -> web.Response:
