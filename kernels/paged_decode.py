@@ -38,7 +38,8 @@ def _kernel():
                       stride_qb, stride_qh, stride_kn, stride_kt, stride_kh, stride_bt,
                       stride_ab, stride_ah, stride_as, stride_mb, stride_mh,
                       G: tl.constexpr, GP: tl.constexpr, BLOCK: tl.constexpr, D: tl.constexpr,
-                      TILE: tl.constexpr, IEEE: tl.constexpr):
+                      TILE: tl.constexpr, SUB: tl.constexpr, STAGES: tl.constexpr,
+                      IEEE: tl.constexpr):
         b, h, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         n = tl.load(lens_ptr + b)
         rows = tl.arange(0, GP)
@@ -52,28 +53,37 @@ def _kernel():
             tl.store(m_ptr + b * stride_mb + heads * stride_mh + s, float("-inf"), mask=row_ok)
             tl.store(l_ptr + b * stride_mb + heads * stride_mh + s, 0.0, mask=row_ok)
             return
-        # NOTE: the whole split is one tile: its block ids, then every key and value of it, are
-        # loaded at once (a walk block by block waits on one dependent load after another)
-        toks = first + tl.arange(0, TILE)
-        ok = toks < n
-        phys = tl.load(bt_ptr + b * stride_bt + toks // BLOCK, mask=ok, other=0).to(tl.int64)
-        offs = (phys * stride_kn + (toks % BLOCK) * stride_kt + h * stride_kh)[:, None] + cols[None, :]
-        k = tl.load(k_ptr + offs, mask=ok[:, None], other=0.0)  # [TILE, D]
-        v = tl.load(v_ptr + offs, mask=ok[:, None], other=0.0)
         q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + cols[None, :],
                     mask=row_ok[:, None], other=0.0)
-        if IEEE:
-            scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
-        else:
-            scores = tl.dot(q, tl.trans(k)) * scale  # [GP, TILE]
-        scores = tl.where(ok[None, :], scores, float("-inf"))
-        m_i = tl.max(scores, 1)
-        p = tl.exp(scores - m_i[:, None])
-        l_i = tl.sum(p, 1)
-        if IEEE:
-            acc = tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        else:
-            acc = tl.dot(p.to(v.dtype), v)
+        m_i = tl.full([GP], float("-inf"), tl.float32)
+        l_i = tl.zeros([GP], tl.float32)
+        acc = tl.zeros([GP, D], tl.float32)
+        # NOTE: the split's keys in sub-tiles of SUB (SUB == TILE: the whole split as one tile),
+        # each loaded at once (its block ids, then every key and value row of it): a walk block
+        # by block waits on one dependent load after another
+        for j in tl.range(0, TILE, SUB, num_stages=STAGES):
+            toks = first + j + tl.arange(0, SUB)
+            ok = toks < n
+            phys = tl.load(bt_ptr + b * stride_bt + toks // BLOCK, mask=ok, other=0).to(tl.int64)
+            offs = (phys * stride_kn + (toks % BLOCK) * stride_kt + h * stride_kh)[:, None] \
+                + cols[None, :]
+            k = tl.load(k_ptr + offs, mask=ok[:, None], other=0.0)  # [SUB, D]
+            v = tl.load(v_ptr + offs, mask=ok[:, None], other=0.0)
+            if IEEE:
+                scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
+            else:
+                scores = tl.dot(q, tl.trans(k)) * scale  # [GP, SUB]
+            scores = tl.where(ok[None, :], scores, float("-inf"))
+            # NOTE: the first sub-tile holds a key (first < n), so m_new is finite from it on
+            m_new = tl.maximum(m_i, tl.max(scores, 1))
+            p = tl.exp(scores - m_new[:, None])
+            alpha = tl.exp(m_i - m_new)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            if IEEE:
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+            else:
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            m_i = m_new
         tl.store(acc_ptr + b * stride_ab + heads[:, None] * stride_ah + s * stride_as + cols[None, :],
                  acc, mask=row_ok[:, None])
         tl.store(m_ptr + b * stride_mb + heads * stride_mh + s, m_i, mask=row_ok)
@@ -148,10 +158,14 @@ def paged_decode_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
-                 use_kernel: bool | None = None, num_warps: int | None = None) -> torch.Tensor:
+                 use_kernel: bool | None = None, num_warps: int | None = None,
+                 sub_tokens: int | None = None, stages: int = 1) -> torch.Tensor:
     """Decode attention (see the module docstring); the kernel on CUDA, else the twin.
     Every sequence must have context_lens >= 1 and block_tables wide enough for it.
-    `num_warps` overrides the kernel's warps per program (for the benchmark)."""
+    For the benchmark's sweep: `num_warps` overrides the warps per program, `sub_tokens` (a
+    power of two, 16 up to the split) the keys loaded at once, `stages` the software
+    pipelining of those loads. Each choice is one fixed order of work, so each is
+    batch-invariant; they differ from each other in rounding."""
     if use_kernel is None:
         use_kernel = can_use_kernel(q, k_cache)
     if not use_kernel:
@@ -168,6 +182,9 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                          f"{tuple(context_lens.shape)} do not match {num_seqs} sequences")
     if q.stride(2) != 1 or k_cache.stride(3) != 1 or v_cache.stride() != k_cache.stride():
         raise ValueError("q and the caches need a contiguous last dimension and equal cache strides")
+    if sub_tokens is not None and (sub_tokens < 16 or sub_tokens & (sub_tokens - 1)
+                                   or sub_tokens > max(1, SPLIT_TOKENS // block) * block):
+        raise ValueError(f"sub_tokens={sub_tokens}: a power of two from 16 up to the split")
     block_tables = block_tables.contiguous()
     group = num_heads // kv_heads
     width = block_tables.shape[1]
@@ -185,7 +202,8 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0), acc.stride(0), acc.stride(1), acc.stride(2), m.stride(0), m.stride(1),
         G=group, GP=max(16, 1 << (group - 1).bit_length()), BLOCK=block, D=head_dim,
-        TILE=per_split * block, IEEE=q.dtype == torch.float32,
+        TILE=per_split * block, SUB=sub_tokens or per_split * block, STAGES=stages,
+        IEEE=q.dtype == torch.float32,
         num_warps=num_warps or (4 if per_split * block * head_dim <= 8192 else 8))
     # merge the splits (log-sum-exp): splits past a sequence's end hold m = -inf and l = 0
     # NOTE: CH is fixed: a chunk sized to the table's width would sum in another order

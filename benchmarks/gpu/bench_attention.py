@@ -3,7 +3,8 @@
 for one layer of a Llama-3.2-1B shape (32 query heads, 8 KV heads, head dim 64, bf16, 16-token
 blocks), with achieved GB/s (KV bytes read / time) beside the device-to-device copy bandwidth.
 Each path is captured in a CUDA graph and its replays are timed, as the engine runs it (the host
-launch cost of either path stays out of the figure).
+launch cost of either path stays out of the figure); then the kernel alone in each of `VARIANTS`
+(keys loaded at once, pipelining stages, warps), to choose its default.
 
     python benchmarks/gpu/bench_attention.py
 """
@@ -23,13 +24,18 @@ from pd.model.attention import paged_attention  # noqa: E402
 from pd.model.context import build_context, forward_context  # noqa: E402
 
 KV_HEADS, GROUP, HEAD_DIM, BLOCK = 8, 4, 64, 16
+# (keys loaded at once, pipelining stages, warps) of the kernel, timed alone after the table
+# (the first is the default: the whole 128-key split as one tile, 4 warps)
+VARIANTS = ((128, 1, 4), (128, 1, 8), (64, 1, 4), (64, 2, 4), (32, 2, 4), (32, 3, 4), (16, 3, 4))
 
 
 def main() -> None:
     copy_bw = copy_bandwidth()
     torch.cuda.empty_cache()
     print(f"{torch.cuda.get_device_name()}: copy {copy_bw / 1e9:.0f} GB/s (read + write)")
-    print(f"{'batch':>5} {'context':>7} | {'triton us':>9} {'GB/s':>6} | {'torch us':>9} {'GB/s':>6} | speedup")
+    print(f"{'batch':>5} {'context':>7} | {'triton us':>9} {'GB/s':>6} | {'torch us':>9} {'GB/s':>6} | "
+          f"speedup | kernel alone, us, (keys at once, stages, warps) = "
+          + " ".join(str(v) for v in VARIANTS))
     for batch, ctx_len in ((1, 1024), (1, 8192), (8, 1024), (64, 512), (64, 2048), (256, 1024)):
         per_seq = -(-ctx_len // BLOCK)
         num_blocks = batch * per_seq + 1
@@ -50,15 +56,18 @@ def main() -> None:
                 return paged_attention(q, k, v, HEAD_DIM ** -0.5)
 
         times = {}
-        for warps in (4, 8):  # the kernel alone at each warp count, beside the chosen one
-            def kernel(warps=warps):
+        for variant in VARIANTS:  # the kernel alone in each variant, beside the chosen one
+            sub, stages, warps = variant
+
+            def kernel(sub=sub, stages=stages, warps=warps):
                 return paged_decode(q, k, v, ctx.block_tables, ctx.context_lens, HEAD_DIM ** -0.5,
-                                    use_kernel=True, num_warps=warps)
+                                    use_kernel=True, num_warps=warps, sub_tokens=sub,
+                                    stages=stages)
             kernel()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
                 kernel()
-            times[warps] = timed(graph.replay, 50)
+            times[variant] = timed(graph.replay, 50)
         for mode in ("triton", "torch"):
             os.environ["PD_ATTENTION"] = mode
             side = torch.cuda.Stream()
@@ -73,8 +82,8 @@ def main() -> None:
         os.environ.pop("PD_ATTENTION")
         print(f"{batch:>5} {ctx_len:>7} | {times['triton'] * 1e6:>9.1f} {kv_bytes / times['triton'] / 1e9:>6.0f} | "
               f"{times['torch'] * 1e6:>9.1f} {kv_bytes / times['torch'] / 1e9:>6.0f} | "
-              f"{times['torch'] / times['triton']:>6.1f}x | 4 / 8 warps {times[4] * 1e6:.1f} / "
-              f"{times[8] * 1e6:.1f} us")
+              f"{times['torch'] / times['triton']:>6.1f}x | "
+              + " ".join(f"{times[v] * 1e6:6.1f}" for v in VARIANTS))
 
 
 if __name__ == "__main__":

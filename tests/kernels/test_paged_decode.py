@@ -84,3 +84,24 @@ def test_kernel_is_batch_invariant(dtype):
             alone = paged_decode(q[b:b + 1], k_cache, v_cache, padded([tables[b]], "cuda", width),
                                  lens_t[b:b + 1], scale)
             assert torch.equal(alone[0], batch[b]), (b, width)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the Triton kernel needs a CUDA device")
+@pytest.mark.parametrize("sub_tokens,stages,warps", [(16, 2, 4), (32, 2, 4), (64, 2, 4),
+                                                     (64, 1, 8), (128, 1, 4)])
+def test_sub_tiles_equal_twin_and_stay_batch_invariant(sub_tokens, stages, warps):
+    """Each of the benchmark's kernel variants (keys loaded `sub_tokens` at a time) against
+    the twin, and a sequence alone against it in the batch, bit for bit."""
+    q, k_cache, v_cache, tables, lens = case(sub_tokens + stages, 24, 8, 4, 64, 16, 1500,
+                                             torch.bfloat16, "cuda")
+    bt = padded(tables, "cuda", width=max(map(len, tables)) + 3)
+    lens_t = torch.tensor(lens, device="cuda")
+    kw = dict(use_kernel=True, sub_tokens=sub_tokens, stages=stages, num_warps=warps)
+    got = paged_decode(q, k_cache, v_cache, bt, lens_t, 64 ** -0.5, **kw)
+    want = paged_decode_ref(q, k_cache, v_cache, bt, lens_t, 64 ** -0.5)
+    err = (got.float() - want.float()).norm() / want.float().norm()
+    assert torch.isfinite(got).all() and err < 2e-2, f"relative error {err:.2e}"
+    for b in (0, 7, 23):
+        alone = paged_decode(q[b:b + 1], k_cache, v_cache, bt[b:b + 1], lens_t[b:b + 1],
+                             64 ** -0.5, **kw)
+        assert torch.equal(alone[0], got[b])
