@@ -73,8 +73,12 @@ def add_router_arguments(p, with_nodes: bool = True) -> None:
                         "prompts x n; one that asks for more is refused with HTTP 400 "
                         "(default: %(default)s)")
     p.add_argument("--max-queue", type=int, default=1024,
-                   help="requests waiting for --max-running before new ones get HTTP 429 "
+                   help="requests waiting for --max-running before new ones get HTTP 429; "
+                        "clients (a request's 'user', else its address) take turns in it "
                         "(default: %(default)s)")
+    p.add_argument("--max-queue-per-client", type=int, default=None,
+                   help="requests one client may have waiting before its next gets HTTP 429 "
+                        "(default: half of --max-queue, so another client always finds room)")
     p.add_argument("--api-key", default=os.environ.get("PD_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on /v1/* (default: $PD_API_KEY; "
                         "none: open). On the command line every local user can read it (ps): "
@@ -131,7 +135,8 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
         logging.getLogger("router").info("sampling defaults from the generation config: %s",
                                          defaults)
     return ServerConfig(served_model_name=name, max_running=args.max_running,
-                        max_queue=args.max_queue, api_key=api_key(args),
+                        max_queue=args.max_queue, max_queue_per_client=args.max_queue_per_client,
+                        api_key=api_key(args),
                         log_requests=args.log_requests, sampling_defaults=defaults,
                         body_timeout=args.body_timeout, write_timeout=args.write_timeout,
                         header_timeout=args.header_timeout,

@@ -52,6 +52,7 @@ class ApiRequest:
     logprobs: int | None = None  # top logprobs per token; None: no logprobs at all
     sampling: dict = field(default_factory=dict)  # the other SamplingParams fields given
     ignored: list[str] = field(default_factory=list)  # unknown fields, accepted and ignored
+    user: str | None = None  # OpenAI's end-user id: the client, for the admission queue's turns
 
     @property
     def num_choices(self) -> int:
@@ -203,6 +204,7 @@ def _common(body: dict, allowed: set[str], endpoint: str) -> ApiRequest:
     user = body.get("user")
     if user is not None and not isinstance(user, str):
         raise bad_param("user", "must be a string")
+    req.user = user
     logit_bias = body.get("logit_bias")
     if logit_bias:
         req.sampling["logit_bias"] = _logit_bias(logit_bias)

@@ -88,6 +88,7 @@ class ServerConfig:
     served_model_name: str
     max_running: int = 512
     max_queue: int = 1024
+    max_queue_per_client: int | None = None  # requests one client may have waiting (None: half)
     api_key: str | None = None
     log_requests: bool = False
     sampling_defaults: dict = field(default_factory=dict)  # from generation_config.json
@@ -108,7 +109,8 @@ class RouterServer:
         self.tokenizer = tokenizer
         self.config = config
         self.metrics = RouterMetrics(health=backend.health)
-        self.admission = Admission(config.max_running, config.max_queue)
+        self.admission = Admission(config.max_running, config.max_queue,
+                                   config.max_queue_per_client)
         self._created = int(time.time())
 
     def body_limit(self) -> int:
@@ -361,7 +363,9 @@ class RouterServer:
         try:
             self.metrics.waiting.inc()
             try:
-                waited = await self.admission.acquire(len(greqs))
+                # NOTE: clients take turns in the queue: the request's `user`, else its address
+                client = f"user:{req.user}" if req.user else f"addr:{request.remote or ''}"
+                waited = await self.admission.acquire(len(greqs), client)
             finally:
                 self.metrics.waiting.dec()
         except QueueFull as e:
