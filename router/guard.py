@@ -141,8 +141,10 @@ class GuardedSite(web.BaseSite):
     """`web.TCPSite` with every connection behind `guard`."""
 
     def __init__(self, runner: web.BaseRunner, host: str, port: int,
-                 guard: ConnectionGuard) -> None:
-        super().__init__(runner)
+                 guard: ConnectionGuard, backlog: int = 1024) -> None:
+        # NOTE: a deep listen backlog: a burst of connections is accepted (and, past the cap,
+        # answered 503) at once rather than left to the kernel's SYN retries
+        super().__init__(runner, backlog=backlog)
         self._host, self._port, self._guard = host, port, guard
         self._bound_port = port
 
@@ -158,6 +160,7 @@ class GuardedSite(web.BaseSite):
         await super().start()
         inner = self._runner.server
         self._server = await asyncio.get_running_loop().create_server(
-            lambda: self._guard.protocol(inner()), self._host, self._port, reuse_address=True)
+            lambda: self._guard.protocol(inner()), self._host, self._port, reuse_address=True,
+            backlog=self._backlog)
         if self._server.sockets:
             self._bound_port = self._server.sockets[0].getsockname()[1]
