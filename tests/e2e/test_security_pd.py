@@ -2,21 +2,27 @@
 `openai` client): with `--curve-keys` (made by `pd keygen`) completions equal those without;
 strangers on the network (plain ZMQ, or CURVE with another keypair) get nothing from a node's
 control or KV port (no answer, no work done, counters unchanged) while the router is still
-served; every listening socket of every pd process is on 127.0.0.1; and nodes and router,
-logging at debug level without --log-requests, write neither a prompt's text nor its ids."""
+served; every listening socket of every pd process is on 127.0.0.1; another local user (a
+child that drops to `nobody`, where the tests run as root) can read neither `pd launch`'s keys
+nor its rings and gets no answer from its nodes; and nodes and router, logging at debug level
+without --log-requests, write neither a prompt's text nor its ids."""
 
 from __future__ import annotations
 
+import json
+import os
 import re
 import subprocess
 import sys
 import tempfile
+import textwrap
 import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+import numpy as np
 import openai
 import pytest
 import zmq
@@ -28,6 +34,7 @@ from pd.wire.sampling_params import SamplingParams
 from pd.wire.security import CurveKeys
 from pd.text.tokenizer import Tokenizer
 from shm_ipc import header, records
+from shm_ipc.segment import PREFIX, SEGMENT_HEADER, SHM_DIR
 
 PROMPTS = ["def fibonacci(n):", "class Stack:"]
 CANARY = "zebra_quartz_canary = 'hunter2'"
@@ -249,3 +256,78 @@ def test_pd_launch_defaults_keep_strangers_out(shared_launch, plain):
     sock.send(m.encode(m.Ping(4)))
     assert sock.poll(10_000) and isinstance(m.decode(sock.recv()), m.Pong)
     sock.close()
+
+
+NOBODY = 65534
+
+# run as root, then as `nobody`: every path must be unreadable, every socket silent
+_OTHER_USER = textwrap.dedent("""
+    import json, os, sys
+    import zmq
+    paths, controls, ping, quiet_ms = json.loads(sys.argv[1])
+    os.setgroups([])
+    os.setgid(65534)
+    os.setuid(65534)
+    out = {}
+    for path in paths:
+        try:
+            if os.path.isdir(path):
+                os.listdir(path)
+            else:
+                with open(path, "rb") as f:
+                    f.read(1)
+            out[path] = "read"
+        except PermissionError:
+            out[path] = "denied"
+    for addr in controls:
+        sock = zmq.Context.instance().socket(zmq.DEALER)
+        sock.linger = 0
+        sock.connect(addr)
+        sock.send(bytes.fromhex(ping))
+        out[addr] = "answered" if sock.poll(quiet_ms) else "silent"
+        sock.close()
+    print(json.dumps(out))
+""")
+
+
+def ring_segments(pids: set[int]) -> list[str]:
+    """Paths of the shared-memory segments these processes created (told by their header)."""
+    out = []
+    for name in sorted(os.listdir(SHM_DIR)):
+        if not name.startswith(PREFIX):
+            continue
+        with open(os.path.join(SHM_DIR, name), "rb") as f:
+            raw = f.read(SEGMENT_HEADER.itemsize)
+        if len(raw) == SEGMENT_HEADER.itemsize:
+            if int(np.frombuffer(raw, dtype=SEGMENT_HEADER)[0]["creator_pid"]) in pids:
+                out.append(os.path.join(SHM_DIR, name))
+    return out
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="a child can run as another uid (nobody) only "
+                                                "when the tests run as root")
+def test_another_local_user_reads_no_key_or_ring_and_gets_no_answer(shared_launch, plain):
+    """pd launch's defaults against a local user of another uid; the same user's Ping to an
+    --insecure launch's node is answered (what shows the Ping would have worked)."""
+    assert complete(shared_launch, PROMPTS[0])  # the prefill node's ring to the decode node exists
+    ns = nodes(shared_launch)
+    keys_dir = flag(ns["prefill-0"].pid, "--curve-keys")
+    rings = ring_segments({n.pid for n in ns.values()})
+    assert rings, "no ring segment of the launch found"
+    paths = [keys_dir, os.path.join(keys_dir, "pd.key_secret"), *rings]
+
+    def addr(node: NodeInfo) -> str:
+        return node.control if node.control.startswith("tcp://") else f"tcp://{node.control}"
+
+    secured_controls = [addr(n) for n in ns.values()]
+    open_control = addr(nodes(plain)["prefill-0"])
+    out = subprocess.run([sys.executable, "-c", _OTHER_USER,
+                          json.dumps([paths, [*secured_controls, open_control],
+                                      m.encode(m.Ping(5)).hex(), int(QUIET_S * 1000)])],
+                         capture_output=True, text=True, timeout=60, cwd="/")
+    assert out.returncode == 0, out.stderr[-2000:]
+    seen = json.loads(out.stdout)
+    assert all(seen[p] == "denied" for p in paths), seen
+    assert all(seen[a] == "silent" for a in secured_controls), seen
+    assert seen[open_control] == "answered", seen
+    assert complete(shared_launch, PROMPTS[1])  # the launch is unharmed
