@@ -1,9 +1,9 @@
 """`skinny_linear`: y = x W^T (+ b) for a few rows of x (a decode step of up to `MAX_ROWS`
 sequences), as one Triton kernel with a torch twin.
 
-At such a batch a linear layer is a stream of its weight matrix; cuBLAS picks kernels for the
-1B shape's small projections (o_proj 2048 -> 2048, down 8192 -> 2048, the LM head 2048 -> 128256) that
-read the weights at 45-95% of the copy bandwidth. Here each program owns `BN` output columns
+At such a batch a linear layer is a stream of its weight matrix; for the 1B shape's o_proj
+(2048 -> 2048), down (8192 -> 2048) and LM head (2048 -> 128256) cuBLAS picks kernels that read
+the weights at 45-95% of the copy bandwidth. Here each program owns `BN` output columns
 and streams their weight rows through the whole K dimension in `BK` slices, software-pipelined
 `STAGES` deep; the rows of x are padded to 16 for one tensor-core dot per slice. Each output
 row is computed alone, in the same order whatever the number of rows: a sequence's result
@@ -119,9 +119,8 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     elif out.shape != (m, n) or out.dtype != x.dtype or out.stride(-1) != 1:
         raise ValueError(f"out {tuple(out.shape)} {out.dtype} does not fit [{m}, {n}] {x.dtype}")
-    y = out
-    _kernel()[(-(-n // bn),)](x, weight, bias if bias is not None else weight, y, m, n, k,
-                              x.stride(0), weight.stride(0), y.stride(0),
+    _kernel()[(-(-n // bn),)](x, weight, bias if bias is not None else weight, out, m, n, k,
+                              x.stride(0), weight.stride(0), out.stride(0),
                               HAS_BIAS=bias is not None, BN=bn, BK=bk, STAGES=stages,
                               num_warps=warps)
-    return y
+    return out
