@@ -17,7 +17,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_decode import copy_bandwidth, timed  # noqa: E402
+from bench_decode import copy_bandwidth, graph_time  # noqa: E402
 
 from kernels.paged_decode import paged_decode  # noqa: E402
 from pd.model.attention import paged_attention  # noqa: E402
@@ -58,27 +58,13 @@ def main() -> None:
         times = {}
         for variant in VARIANTS:  # the kernel alone in each variant, beside the chosen one
             sub, stages, warps = variant
-
-            def kernel(sub=sub, stages=stages, warps=warps):
-                return paged_decode(q, k, v, ctx.block_tables, ctx.context_lens, HEAD_DIM ** -0.5,
-                                    use_kernel=True, num_warps=warps, sub_tokens=sub,
-                                    stages=stages)
-            kernel()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                kernel()
-            times[variant] = timed(graph.replay, 50)
+            times[variant] = graph_time(
+                lambda sub=sub, stages=stages, warps=warps: paged_decode(
+                    q, k, v, ctx.block_tables, ctx.context_lens, HEAD_DIM ** -0.5,
+                    use_kernel=True, num_warps=warps, sub_tokens=sub, stages=stages), 50)
         for mode in ("triton", "torch"):
             os.environ["PD_ATTENTION"] = mode
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                run()  # warm-up: compilation, allocator
-            torch.cuda.current_stream().wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                run()
-            times[mode] = timed(graph.replay, 50)
+            times[mode] = graph_time(run, 50)
         os.environ.pop("PD_ATTENTION")
         print(f"{batch:>5} {ctx_len:>7} | {times['triton'] * 1e6:>9.1f} {kv_bytes / times['triton'] / 1e9:>6.0f} | "
               f"{times['torch'] * 1e6:>9.1f} {kv_bytes / times['torch'] / 1e9:>6.0f} | "

@@ -54,6 +54,20 @@ def timed(fn, repeat: int = 5) -> float:
     return sorted(times)[len(times) // 2]
 
 
+def graph_time(fn, repeat: int = 20) -> float:
+    """Median seconds of one replay of a CUDA graph of `fn()`: warmed up on a side stream
+    (compilation, the allocator), captured, then `timed`."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return timed(graph.replay, repeat)
+
+
 def copy_bandwidth() -> float:
     """Bytes/s of a 1 GiB device-to-device copy, counting bytes read and written."""
     src = torch.randn(1 << 28, device="cuda")  # 1 GiB of float32

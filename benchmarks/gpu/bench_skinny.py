@@ -12,37 +12,24 @@ from __future__ import annotations
 import argparse
 import itertools
 
+import os
+import sys
+
 import torch
 import torch.nn.functional as F
 
-from kernels.skinny_linear import skinny_linear
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_decode import graph_time  # noqa: E402
+
+from kernels.skinny_linear import skinny_linear  # noqa: E402
 
 SHAPES = {"qkv": (3072, 2048), "o_proj": (2048, 2048), "gate_up": (16384, 2048),
           "down": (2048, 8192), "lm_head": (128256, 2048)}
 
 
-def graph_time(fn, copies: int, repeat: int = 20) -> float:
+def per_call(fn, copies: int) -> float:
     """Seconds per call of fn(i) for i over the copies, from a CUDA graph of one pass."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for i in range(copies):
-            fn(i)
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for i in range(copies):
-            fn(i)
-    g.replay()
-    times = []
-    for _ in range(repeat):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) / 1000 / copies)
-    return sorted(times)[len(times) // 2]
+    return graph_time(lambda: [fn(i) for i in range(copies)]) / copies
 
 
 def main() -> None:
@@ -63,13 +50,13 @@ def main() -> None:
         for m in args.rows:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             ref = F.linear(x.double(), ws[0].double())
-            t_cublas = graph_time(lambda i: F.linear(x, ws[i]), copies)
+            t_cublas = per_call(lambda i: F.linear(x, ws[i]), copies)
             results = []
             for cfg in grid:
                 if cfg[0] > n:
                     continue
                 try:
-                    t = graph_time(lambda i: skinny_linear(x, ws[i], use_kernel=True, config=cfg), copies)
+                    t = per_call(lambda i: skinny_linear(x, ws[i], use_kernel=True, config=cfg), copies)
                 except Exception as e:  # out of shared memory and the like
                     print(f"  {name} m={m} {cfg}: {type(e).__name__}")
                     continue
