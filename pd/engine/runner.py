@@ -210,12 +210,11 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, inp: ForwardInput) -> torch.Tensor:
-        """Run the target model; returns the pre-norm hidden states of every token [T, H].
-        On CUDA, unless --enforce-eager, decode steps, a prompt's first chunk prefilled alone,
-        and (in 16 bits) every other step of prompt chunks up to `VARLEN_MAX_KEYS` keys replay
-        a CUDA graph (`pd.engine.cuda_graph`)."""
-        if self.graphs is not None and self.graphs.can_run(inp.context):
-            return self.graphs.run(inp.input_ids, inp.positions, inp.context)
+        """Run the target model on a step that is not a graphed decode step (`sample` replays
+        those, LM head and argmax included); returns the pre-norm hidden states of every token
+        [T, H]. On CUDA, unless --enforce-eager, a prompt's first chunk prefilled alone and (in
+        16 bits) every other step of prompt chunks up to `VARLEN_MAX_KEYS` keys replay a CUDA
+        graph (`pd.engine.cuda_graph`)."""
         if self.prefill_graphs is not None and self.prefill_graphs.can_run(inp.context):
             return self.prefill_graphs.run(inp.input_ids, inp.positions, inp.context)
         if self.varlen_graphs is not None and self.varlen_graphs.can_run(inp.context):
