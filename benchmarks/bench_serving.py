@@ -83,6 +83,11 @@ def main() -> None:
             t.join()
         step = mean_seconds(lau, "decode", "pd_step_duration_seconds")
         batch = mean_seconds(lau, "decode", "pd_batch_size") / 1000
+        life = {name: mean_seconds(lau, role, metric) for name, role, metric in (
+            ("prefill arrival -> first token sent", "prefill", "pd_first_token_send_seconds"),
+            ("prefill step", "prefill", "pd_step_duration_seconds"),
+            ("KV send -> ack", "prefill", "pd_kv_transfer_seconds"),
+            ("first token -> joined the batch", "decode", "pd_request_join_seconds"))}
     finally:
         lau.stop()
     print(f"{args.device}: {args.num_prompts} prompts of {args.input_len} tokens, "
@@ -95,6 +100,8 @@ def main() -> None:
         print(f"engine alone ({args.device}, batch {args.concurrency}, {args.output_len} out): "
               f"{alone:.0f} tok/s; served / engine = {r['output_throughput'] / alone:.2f}", flush=True)
     print(f"TTFT p50 / p99 {r['median_ttft_ms']:.1f} / {r['p99_ttft_ms']:.1f} ms; " + gaps(r["itls"]),
+          flush=True)
+    print("a request's way in, means (ms): " + ", ".join(f"{k} {v:.2f}" for k, v in life.items()),
           flush=True)
     print("busy (CPU s per s): " + ", ".join(f"{k} {v:.2f}" for k, v in busy.items()), flush=True)
     for t in spies:

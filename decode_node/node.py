@@ -80,6 +80,7 @@ class Incoming:
     state: IncomingState = IncomingState.META
     num_records: int = 0
     num_cached: int = 0  # leading prompt blocks found in this node's prefix cache, not sent
+    first_token_at: float = 0.0  # monotonic time of the first token's arrival
 
 
 class DecodeNode(NodeService):
@@ -220,6 +221,7 @@ class DecodeNode(NodeService):
     def on_first_token(self, inc: Incoming, rec: FirstTokenRecord) -> None:
         req = inc.req
         req.append_token(rec.token_id, rec.logprob, rec.rank, [tuple(p) for p in rec.top])
+        inc.first_token_at = time.monotonic()
         # NOTE: the first token goes to the router now; TTFT does not wait for the KV.
         self.stream(inc.reply_to, req, 1, None)
         INCOMING_STATES.move(inc, IncomingState.WAITING_BLOCKS)
@@ -284,6 +286,7 @@ class DecodeNode(NodeService):
         self.scheduler.register(req)  # the received blocks join the prefix cache
         self.reply_to[req.req_id] = inc.reply_to
         self.scheduler.add_running(req)
+        self.metrics.join_seconds.observe(time.monotonic() - inc.first_token_at)
 
     def on_peer_gone(self, peer: bytes, reason: str) -> None:
         self.peers.pop(peer, None)

@@ -121,6 +121,8 @@ def test_prometheus_scrapes_every_service_and_holds_ttft_and_itl(launch, prometh
     assert wait_value(prometheus, 'sum(pd_kv_transfer_seconds_count{role="prefill",node="prefill-0"})',
                       NUM_REQUESTS) == NUM_REQUESTS
     assert wait_value(prometheus, 'sum(pd_kv_received_bytes_total{role="decode",node="decode-0"})', 1) > 0
+    assert wait_value(prometheus, 'sum(pd_request_join_seconds_count{role="decode",node="decode-0"})',
+                      NUM_REQUESTS) == NUM_REQUESTS
     assert wait_value(prometheus, 'sum(pd_generation_tokens_total{role="decode"})',
                       NUM_REQUESTS * (MAX_TOKENS - 1)) == NUM_REQUESTS * (MAX_TOKENS - 1)
     healthy = query(prometheus, 'pd_router_healthy_nodes{service="router"}')
