@@ -23,6 +23,7 @@ import sys
 import tempfile
 import threading
 import time
+import urllib.request
 from collections import Counter
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -88,6 +89,8 @@ def main() -> None:
             ("prefill step", "prefill", "pd_step_duration_seconds"),
             ("KV send -> ack", "prefill", "pd_kv_transfer_seconds"),
             ("first token -> joined the batch", "decode", "pd_request_join_seconds"))}
+        host = host_per_step(lau)
+        gap = mean_seconds(lau, "decode", "pd_decode_step_gap_seconds")
     finally:
         lau.stop()
     print(f"{args.device}: {args.num_prompts} prompts of {args.input_len} tokens, "
@@ -103,6 +106,8 @@ def main() -> None:
           flush=True)
     print("a request's way in, means (ms): " + ", ".join(f"{k} {v:.2f}" for k, v in life.items()),
           flush=True)
+    print(f"decode node per step (ms): step gap {gap:.3f} on the device; host " + ", ".join(
+        f"{k} {v:.3f}" for k, v in host.items()), flush=True)
     print("busy (CPU s per s): " + ", ".join(f"{k} {v:.2f}" for k, v in busy.items()), flush=True)
     for t in spies:
         print(t.summary, flush=True)
@@ -194,6 +199,23 @@ def gaps(itls: list[list[float]]) -> str:
     one = max(itls, key=len) if itls else []
     return (f"{together:.0%} of the {len(flat)} gaps under 1 ms; one request's first gaps (ms): "
             + " ".join(f"{g * 1e3:.1f}" for g in one[:40]))
+
+
+def host_per_step(lau) -> dict[str, float]:
+    """The decode node's host time per step by phase (`pd_decode_host_seconds_total`), in ms,
+    with their sum."""
+    url = next(f"http://{n['metrics']}/metrics" for name, n in lau.nodes.items()
+               if name.startswith("decode"))
+    totals, steps = {}, 0.0
+    for line in urllib.request.urlopen(url, timeout=10).read().decode().splitlines():
+        if line.startswith("pd_decode_host_seconds_total{"):
+            phase = line.split('phase="', 1)[1].split('"', 1)[0]
+            totals[phase] = float(line.rsplit(" ", 1)[1])
+        elif line.startswith("pd_batch_size_count{"):
+            steps += float(line.rsplit(" ", 1)[1])
+    out = {k: 1000 * v / max(steps, 1.0) for k, v in totals.items()}
+    out["sum"] = sum(out.values())
+    return out
 
 
 def cpu_seconds(pid: int) -> float:

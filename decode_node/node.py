@@ -149,11 +149,13 @@ class DecodeNode(NodeService):
 
     # -- KV ingest -----------------------------------------------------------------------------
     def on_kv_socket(self) -> None:
+        t = time.perf_counter()
         for peer, item in self.receiver.recv(timeout=0):
             try:
                 self.dispatch(peer, item)
             except m.MessageError as e:
                 self.refuse("kv", e)
+        self.loop.times.add("intake", t)
 
     def dispatch(self, peer: bytes, item) -> None:
         if isinstance(item, dict):
@@ -305,6 +307,7 @@ class DecodeNode(NodeService):
         self.metrics.step_seconds.observe(time.perf_counter() - start)
         self.metrics.generation_tokens.inc(len(emitted))
         self.metrics.count_steps_ahead(self.loop.num_ahead)
+        t = time.perf_counter()
         counts = Counter(emitted)  # with MTP a request is emitted once per kept token
         batches: dict[str, list] = {}  # router -> this step's streams for it
         for req in counts:
@@ -318,6 +321,7 @@ class DecodeNode(NodeService):
         for reply_to, streams in batches.items():
             self.events.send(reply_to, streams[0] if len(streams) == 1 else
                              m.TokenStreams([m.to_dict(s) for s in streams]))
+        self.loop.times.add("stream", t)
         self.may_reserve()
         if self.engine.spec is not None:
             self.spec_seen = self.engine.spec.stats.export(self.metrics, self.spec_seen)
@@ -395,6 +399,7 @@ class DecodeNode(NodeService):
         mt.kv_usage.set(self.allocator.usage)
         mt.count_preemptions(self.scheduler.num_preemptions)
         node_metrics.export_prefix_cache(mt, self.engine)
+        mt.count_host_seconds(self.loop.times.total)
         if not self.incoming and not self.loop.has_work and self.integrity_due():
             self.allocator.check_integrity()
         if now - self.last_gap_log >= GAP_LOG_S:

@@ -90,6 +90,24 @@ class StepGaps:
         return text
 
 
+class HostTimes:
+    """Host seconds spent in each phase of the decode loop since it started: `schedule` (the
+    scheduler builds the batch), `launch` (inputs built and copied, the device work queued),
+    `wait` (for a step's results), `process` (tokens appended, stop checks); the node adds
+    `intake` (requests and KV arriving) and `stream` (tokens sent to routers). Set with
+    `t = times.add(phase, t)`, which returns now for the next phase."""
+
+    PHASES = ("schedule", "launch", "wait", "process", "intake", "stream")
+
+    def __init__(self) -> None:
+        self.total = dict.fromkeys(self.PHASES, 0.0)
+
+    def add(self, phase: str, since: float) -> float:
+        now = time.perf_counter()
+        self.total[phase] += now - since
+        return now
+
+
 class SpecChoice:
     """Whether MTP steps or plain steps serve the current batch size better, from measurement
     alone: per batch-size bucket (powers of two) the wall time per emitted token over the last
@@ -166,6 +184,7 @@ class DecodeLoop:
         self.num_syncs = 0  # overlap steps that had to wait for the previous one first
         self.num_ahead = 0  # steps launched while the previous one was still unprocessed
         self.batch_size = 0  # requests in the step launched last (0: none)
+        self.times = HostTimes()
 
     @property
     def in_flight(self) -> bool:
@@ -245,11 +264,15 @@ class DecodeLoop:
             self.num_syncs += self.overlap
             emitted, last = self.process(last, None), None
         if last is not None:
+            t = time.perf_counter()
             cur = self.spec.launch_chained(last)
+            self.times.add("launch", t)
             self.num_ahead += 1
             emitted += self.process(last, cur)
         else:
+            t = time.perf_counter()
             batch = self.scheduler.schedule()
+            t = self.times.add("schedule", t)
             self.batch_size = len(batch.reqs) if batch is not None else 0
             if batch is None:
                 self.last = None
@@ -258,11 +281,13 @@ class DecodeLoop:
             if key is None:  # eager: run to the end
                 results = self.spec.run(batch)
                 self.scheduler.update_spec(batch, results)
+                self.times.add("launch", t)
                 self.last = None
                 done = [batch.reqs[i] for i, res in sorted(results.items()) for _ in res.tokens]
                 self.measure(True, None, len(done))
                 return emitted + done
             cur = self.spec.launch_graphed(batch, key)
+            self.times.add("launch", t)
         if not self.overlap:
             emitted += self.process(cur, None)
             cur = None
@@ -325,13 +350,16 @@ class DecodeLoop:
                          or r.num_tokens >= self.max_model_len)
         preemptions = self.scheduler.num_preemptions
         try:
+            t = time.perf_counter()
             batch = self.scheduler.schedule(done)
+            t = self.times.add("schedule", t)
             self.batch_size = len(batch.reqs) if batch is not None else 0
             if batch is None:
                 return None
             if last is not None and self.scheduler.num_preemptions != preemptions:
                 raise RuntimeError("a step preempted while another was in flight")
             inp, out = self.executor.launch(self.runner, batch, last.out if last else None)
+            self.times.add("launch", t)
         finally:
             for req in pending:
                 req.token_ids.pop()
@@ -346,7 +374,9 @@ class DecodeLoop:
         """Wait for step f's results and apply them; `nxt` is the step launched after it."""
         if not isinstance(f, InFlight):
             return self.process_spec(f, nxt)
+        t = time.perf_counter()
         f.out.copy_done.wait()
+        t = self.times.add("wait", t)
         self.busy.append(self.executor.busy_seconds(f.out))
         if self.prev_done is not None:
             gap = self.executor.gap_seconds(self.prev_done, f.out)
@@ -376,10 +406,15 @@ class DecodeLoop:
         for req in f.free_after:
             self.scheduler.free_blocks(req)
         self.measure(False, f.batch, len(emitted))
+        self.times.add("process", t)
         return emitted
 
     def process_spec(self, f, nxt) -> list[Req]:
         """Apply a graphed MTP step's results (`pd.spec.verify.SpecFlight`)."""
+        t = time.perf_counter()
+        if f.end is not None:
+            f.end.synchronize()
+        t = self.times.add("wait", t)
         results = self.spec.collect(f)
         if f.start is not None:
             self.busy.append(f.start.elapsed_time(f.end) / 1000.0)
@@ -395,6 +430,7 @@ class DecodeLoop:
             self.scheduler.free_blocks(req)
         emitted = [f.batch.reqs[i] for i, res in sorted(results.items()) for _ in res.tokens]
         self.measure(True, f.batch, len(emitted))
+        self.times.add("process", t)
         return emitted
 
     def unpack(self, f: InFlight) -> list[SampledToken]:

@@ -58,6 +58,9 @@ _AHEAD = Counter("pd_decode_steps_ahead",
 _SPEC_PLAIN = Counter("pd_spec_decode_plain_steps",
                       "Decode steps run without MTP because plain steps measured faster for "
                       "that batch size (--spec-fallback)", LABELS)
+_HOST = Counter("pd_decode_host_seconds",
+                "Decode loop host time by phase: schedule, launch, wait (for the device), process, "
+                "intake (requests and KV arriving), stream (tokens sent)", LABELS + ("phase",))
 _PREFIX_QUERIES = Counter("pd_prefix_cache_queries",
                           "Prompt tokens looked up in the prefix cache (a decode node looks up "
                           "each handed-over prompt)", LABELS)
@@ -79,6 +82,18 @@ def _mirror(counter):
         nonlocal seen
         counter.inc(total - seen)
         seen = total
+
+    return mirror
+
+
+def _mirror_phases(role: str, node_id: str):
+    """`mirror(totals)` raises each phase's counter to `totals[phase]` (seconds kept elsewhere)."""
+    seen: dict[str, float] = {}
+
+    def mirror(totals: dict[str, float]) -> None:
+        for phase, total in totals.items():
+            _HOST.labels(role=role, node=node_id, phase=phase).inc(max(0.0, total - seen.get(phase, 0.0)))
+            seen[phase] = total
 
     return mirror
 
@@ -106,6 +121,7 @@ def for_node(role: str, node_id: str) -> SimpleNamespace:
         spec_drafts=_DRAFTS.labels(**lab), spec_draft_tokens=_DRAFT_TOKENS.labels(**lab),
         spec_accepted_tokens=_ACCEPTED.labels(**lab),
         count_spec_plain_steps=_mirror(_SPEC_PLAIN.labels(**lab)),
+        count_host_seconds=_mirror_phases(role, node_id),
         count_prefix_queries=_mirror(_PREFIX_QUERIES.labels(**lab)),
         count_prefix_hits=_mirror(_PREFIX_HITS.labels(**lab)),
         count_prefix_evictions=_mirror(_PREFIX_EVICTED.labels(**lab)),
