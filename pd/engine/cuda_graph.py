@@ -5,9 +5,9 @@ to the next size of `BATCH_SIZES`, the block-table width to the next power of tw
 point at the cache's spare block (`KVCache.dummy_block`, never handed out by the allocator), so
 their K/V writes land there and their outputs are dropped. The attention mask is computed inside
 the graph from the context lengths, so one graph serves every length up to its width. All
-graphs share one memory pool and one set of static input buffers; replay copies the step's
-inputs into those buffers on the current stream, so it composes with the overlap loop's
-compute stream and never waits on the host.
+graphs share one memory pool and one staging buffer for their inputs, which the host builds in
+the graph's layout and copies in one transfer on the current stream before the replay, so a
+step composes with the overlap loop's compute stream and never waits on the host.
 
 Each decode graph also runs the LM head into one static logits buffer (`logits`, in the model's
 dtype, shared by every graph) and the greedy argmax of it into `tokens`: a batch of plain
@@ -21,10 +21,13 @@ eagerly.
 from __future__ import annotations
 
 import logging
+from typing import NamedTuple
 
+import numpy as np
 import torch
 
 from kernels.argmax import argmax
+from pd.engine.host_ring import HostRing
 from pd.model.context import ForwardContext, forward_context
 
 log = logging.getLogger(__name__)
@@ -53,7 +56,59 @@ def capture(forward, owner: "DecodeGraphs", device: torch.device):
     return graph, out
 
 
+class DecodeLayout(NamedTuple):
+    """Where a decode graph of (batch B, block-table width W) finds its inputs in one flat
+    int64 buffer: ids, positions, KV slots, context lengths and future rows (B each), then the
+    block tables [B, W]. A future row j >= 0 means "this row's id is row j of the previous
+    step's tokens" (sampled by the step still in flight; its id is read on the device)."""
+
+    batch: int
+    width: int
+
+    @property
+    def size(self) -> int:
+        return self.batch * (5 + self.width)
+
+    def views(self, flat):
+        """(ids, positions, slots, context_lens, future, block_tables) of `flat` (a tensor or
+        an array)."""
+        b = self.batch
+        cols = [flat[i * b:(i + 1) * b] for i in range(5)]
+        return (*cols, flat[5 * b:self.size].reshape(b, self.width))
+
+
+def fill_decode_inputs(flat: np.ndarray, layout: DecodeLayout, reqs, block_size: int,
+                       dummy_block: int) -> None:
+    """A decode step's inputs in `layout` (`flat` int64): each request's one new token at
+    position num_computed_tokens, rows past the batch padded (token 0 at position 0 in the
+    spare block). A negative id -(j + 1) (the overlap loop's placeholder) becomes future row j."""
+    n = len(reqs)
+    ids, pos, slots, lens, future, tables = layout.views(flat)
+    start = np.fromiter((r.num_computed_tokens for r in reqs), np.int64, n)
+    new = np.fromiter((r.token_ids[r.num_computed_tokens] for r in reqs), np.int64, n)
+    tables.fill(dummy_block)
+    for i, r in enumerate(reqs):
+        tables[i, :len(r.block_ids)] = r.block_ids
+    ids[:n] = np.maximum(new, 0)
+    ids[n:] = 0
+    future[:n] = np.where(new < 0, -new - 1, -1)
+    future[n:] = -1
+    pos[:n] = start
+    pos[n:] = 0
+    lens[:n] = start + 1
+    lens[n:] = 1
+    slots[:n] = tables[np.arange(n), start // block_size] * block_size + start % block_size
+    slots[n:] = dummy_block * block_size
+
+
 class DecodeGraphs:
+    """Decode graphs per (padded batch, padded width). A step's inputs are built on the host
+    straight into a pinned buffer in the graph's layout (`DecodeLayout`, `fill_decode_inputs`)
+    and reach the device in one copy into a staging buffer shared by every graph, which the
+    graph reads at its start (stream order keeps a step's copy behind the replay before it).
+    The ids of future rows are gathered inside the graph from `tokens`, the previous step's
+    tokens (its argmax, or what the sampler drew, copied there by `ModelRunner.execute`)."""
+
     def __init__(self, model: torch.nn.Module, dummy_block: int, block_size: int,
                  max_num_seqs: int, max_model_len: int, device: torch.device) -> None:
         self.model = model
@@ -65,11 +120,8 @@ class DecodeGraphs:
         self.block_widths = tuple(1 << i for i in range((max_blocks - 1).bit_length() + 1))
         max_batch, width = self.batch_sizes[-1], self.block_widths[-1]
         long = dict(dtype=torch.int64, device=device)
-        self.input_ids = torch.zeros(max_batch, **long)
-        self.positions = torch.zeros(max_batch, **long)
-        self.slot_mapping = torch.zeros(max_batch, **long)
-        self.context_lens = torch.ones(max_batch, **long)
-        self.block_tables = torch.full((max_batch, width), dummy_block, **long)
+        self.staging = torch.zeros(DecodeLayout(max_batch, width).size, **long)
+        self.block_tables = torch.full((1, 1), dummy_block, **long)  # the prefill graphs' dummy
         # what the last replay's rows 0..batch-1 gave: logits [B, V] and their argmax [B]
         self.logits = self.tokens = None
         if model is not None:
@@ -77,13 +129,15 @@ class DecodeGraphs:
             self.logits = torch.empty(max_batch, head.shape[0], dtype=head.dtype, device=device)
             self.tokens = torch.zeros(max_batch, **long)
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.host = HostRing(pin=device.type == "cuda")
         self.pool = None
         self.device = device
 
-    def can_run(self, ctx: ForwardContext) -> bool:
-        return (ctx.is_decode and ctx.write_index is None
-                and ctx.num_seqs <= self.batch_sizes[-1]
-                and ctx.block_tables.shape[1] <= self.block_widths[-1])
+    def key(self, num_seqs: int, width: int) -> tuple[int, int] | None:
+        """(padded batch, padded width) of a decode step, or None when it is too large."""
+        if num_seqs > self.batch_sizes[-1] or width > self.block_widths[-1]:
+            return None
+        return _round_up(num_seqs, self.batch_sizes), _round_up(width, self.block_widths)
 
     def keys_up_to(self, max_tokens: int) -> list[tuple[int, int]]:
         """Every (batch, width) key whose sequences hold at most `max_tokens` tokens (widths
@@ -99,60 +153,52 @@ class DecodeGraphs:
             if key not in self.graphs:
                 self.graphs[key] = self._capture(*key, level=logging.DEBUG)
 
-    def _context(self, batch: int, width: int) -> ForwardContext:
-        """The static buffers as a decode context (the mask is computed in the graph)."""
-        lens = self.context_lens[:batch]
-        keys = torch.arange(width * self.block_size, device=self.device)
-        mask = (keys[None, :] < lens[:, None])[:, None, None, :]  # [B, 1, 1, max_kv]
-        return ForwardContext(
-            slot_mapping=self.slot_mapping[:batch], block_tables=self.block_tables[:batch, :width],
-            context_lens=lens, padded_index=torch.arange(batch, device=self.device),
-            attn_mask=mask, max_q_len=1, max_kv_len=width * self.block_size)
+    def host_inputs(self, reqs, key: tuple[int, int]) -> torch.Tensor:
+        """A pinned buffer (`HostRing`) holding the step's inputs in the graph's layout."""
+        layout = DecodeLayout(*key)
+        buf = self.host.get((layout.size,))
+        fill_decode_inputs(buf.numpy(), layout, reqs, self.block_size, self.dummy_block)
+        return buf
 
     def _forward(self, batch: int, width: int) -> torch.Tensor:
-        with forward_context(self._context(batch, width)):
-            hidden = self.model(self.input_ids[:batch], self.positions[:batch])
+        layout = DecodeLayout(batch, width)
+        ids, positions, slots, lens, future, tables = layout.views(self.staging)
+        ids = torch.where(future >= 0, self.tokens[future.clamp(min=0)], ids)
+        keys = torch.arange(width * self.block_size, device=self.device)
+        mask = (keys[None, :] < lens[:, None])[:, None, None, :]  # [B, 1, 1, max_kv]
+        ctx = ForwardContext(
+            slot_mapping=slots, block_tables=tables, context_lens=lens,
+            padded_index=torch.arange(batch, device=self.device), attn_mask=mask, max_q_len=1,
+            max_kv_len=width * self.block_size)
+        with forward_context(ctx):
+            hidden = self.model(ids, positions)
         argmax(self.model.head_logits(hidden, out=self.logits[:batch]), out=self.tokens[:batch])
         return hidden
 
     def _capture(self, batch: int, width: int,
                  level: int = logging.INFO) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
-        self._pad(0, batch, width)
+        layout = DecodeLayout(batch, width)
+        pad = torch.empty(layout.size, dtype=torch.int64)
+        fill_decode_inputs(pad.numpy(), layout, [], self.block_size, self.dummy_block)
+        self.staging[:layout.size].copy_(pad)
         graph, out = capture(lambda: self._forward(batch, width), self, self.device)
         log.log(level, "captured a decode CUDA graph: batch %d, %d KV blocks per sequence",
                 batch, width)
         return graph, out
 
-    def _pad(self, start: int, batch: int, width: int) -> None:
-        """Rows start..batch: a one-token sequence in the spare block; all widths' columns too."""
-        self.input_ids[start:batch].zero_()
-        self.positions[start:batch].zero_()
-        self.slot_mapping[start:batch].fill_(self.dummy_block * self.block_size)
-        self.context_lens[start:batch].fill_(1)
-        self.block_tables[:batch, :width].fill_(self.dummy_block)
-
     @torch.inference_mode()
-    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        """The decode forward of `ctx`'s batch through a graph: hidden states [n, H]; its
-        logits and greedy tokens are then `logits[:n]` and `tokens[:n]`.
+    def launch(self, host: torch.Tensor, key: tuple[int, int]) -> None:
+        """Copy a step's inputs (`host_inputs`) and replay its graph on the current stream;
+        its logits and greedy tokens are then `logits[:n]` and `tokens[:n]`.
 
         NOTE: the results are views of static buffers; they are valid until the next replay,
         which stream order puts after everything queued behind this one."""
-        n, m = ctx.num_seqs, ctx.block_tables.shape[1]
-        batch = _round_up(n, self.batch_sizes)
-        width = _round_up(m, self.block_widths)
-        key = (batch, width)
         if key not in self.graphs:
-            self.graphs[key] = self._capture(batch, width)
-        graph, out = self.graphs[key]
-        self._pad(n, batch, width)
-        self.input_ids[:n].copy_(input_ids, non_blocking=True)
-        self.positions[:n].copy_(positions, non_blocking=True)
-        self.slot_mapping[:n].copy_(ctx.slot_mapping, non_blocking=True)
-        self.context_lens[:n].copy_(ctx.context_lens, non_blocking=True)
-        self.block_tables[:n, :m].copy_(ctx.block_tables, non_blocking=True)
-        graph.replay()
-        return out[:n]
+            saved = self.tokens.clone()  # the capture's warm-up writes them; the step reads them
+            self.graphs[key] = self._capture(*key)
+            self.tokens.copy_(saved)
+        self.staging[:host.numel()].copy_(host, non_blocking=True)
+        self.graphs[key][0].replay()
 
 
 PREFILL_SIZES = (256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096, 6144, 8192, 12288, 16384)

@@ -27,6 +27,7 @@ import torch
 
 from pd.config import EngineConfig, dtype_name
 from pd.model.context import ForwardContext, forward_context, host_context
+from pd.engine.host_ring import HostRing
 from pd.engine.kv_cache import KVCache, num_blocks_for
 from pd.model.loader import load_model
 from pd.engine.request import Req
@@ -64,6 +65,9 @@ class ForwardInput(NamedTuple):
     future_index: torch.Tensor | None = None  # [F] positions in input_ids
     future_slots: torch.Tensor | None = None  # [F] rows of the previous step's next tokens
     num_top: int = 0  # top-logprob columns: the most any row asked for
+    # a decode step run as a CUDA graph: its key and its inputs in the graph's layout (pinned,
+    # `DecodeGraphs.host_inputs`); input_ids, positions, context and logits_index are then None
+    decode_graph: tuple[tuple[int, int], torch.Tensor] | None = None
 
     @property
     def wants_logprobs(self) -> bool:
@@ -109,6 +113,7 @@ class ModelRunner:
                 self.model, self.graphs, cfg.max_num_batched_tokens, cfg.max_num_seqs,
                 VARLEN_MAX_KEYS, self.dtype, self.device)
         self.sampler = Sampler()
+        self.host_buffers = HostRing(pin=self.device.type == "cuda")  # `alloc_output`'s
         log.info("model %s (%s, %d layers%s) on %s/%s, KV cache %d blocks x %d tokens (%.1f MiB)",
                  mc.model_id, mc.architecture, mc.num_layers, " + MTP" if mc.has_mtp else "",
                  cfg.device, dtype_name(self.dtype), num_blocks, cfg.block_size,
@@ -123,6 +128,11 @@ class ModelRunner:
         return self.kv_cache.block_size
 
     def prepare(self, batch: ScheduledBatch) -> ForwardInput:
+        if self.graphs is not None and all(n == 1 for n in batch.num_new_tokens) and all(
+                batch.samples(i) for i in range(len(batch.reqs))):
+            key = self.graphs.key(len(batch.reqs), max(len(r.block_ids) for r in batch.reqs))
+            if key is not None:
+                return self.prepare_graphed(batch, key)
         bs = self.block_size
         id_parts: list = []  # per request: a list (short runs) or an array (long ones)
         pos_parts: list = []
@@ -177,6 +187,15 @@ class ModelRunner:
             num_top=min(max(asked, default=0), self.model_config.vocab_size),
         )
 
+    def prepare_graphed(self, batch: ScheduledBatch, key: tuple[int, int]) -> ForwardInput:
+        """A decode step for a CUDA graph: its inputs built on the host in the graph's layout,
+        copied and replayed by `sample` (nothing else per step touches the device)."""
+        rows = [self.sampling_row(req) for req in batch.reqs]
+        asked = [r.params.logprobs for r in rows if r.params.logprobs is not None]
+        return ForwardInput(None, None, None, None, list(range(len(rows))), rows,
+                            num_top=min(max(asked, default=0), self.model_config.vocab_size),
+                            decode_graph=(key, self.graphs.host_inputs(batch.reqs, key)))
+
     def to_device(self, t: torch.Tensor) -> torch.Tensor:
         """A host tensor on the runner's device; on CUDA through pinned memory without blocking,
         on the current stream, so building a step never waits for the one in flight."""
@@ -224,25 +243,23 @@ class ModelRunner:
 
     @torch.inference_mode()
     def sample(self, inp: ForwardInput, prev_tokens: torch.Tensor | None = None) -> SamplerOutput | None:
-        """Forward + sampler on the device; `prev_tokens` fills the future ids. None when no
-        row samples."""
+        """Forward + sampler on the device; `prev_tokens` fills the future ids (a graphed
+        decode step reads them from `DecodeGraphs.tokens` instead). None when no row samples."""
+        graphs = self.graphs
+        if inp.decode_graph is not None:
+            graphs.launch(inp.decode_graph[1], inp.decode_graph[0])
+            n = len(inp.rows)
+            # NOTE: a decode step samples every row, and its graph ran the LM head and the
+            # greedy argmax of them already
+            if all(r.is_plain_greedy for r in inp.rows):
+                return SamplerOutput(graphs.tokens[:n], None, None, None, None)
+            return self.sampler(graphs.logits[:n].float(), inp.rows)
         if inp.future_index is not None:
             if prev_tokens is None:
                 raise ValueError("the batch has future token ids but no previous step's tokens")
             ids = inp.input_ids.index_put((inp.future_index,), prev_tokens[inp.future_slots])
             inp = inp._replace(input_ids=ids)
-        graphs = self.graphs
-        if graphs is not None and graphs.can_run(inp.context):
-            hidden = graphs.run(inp.input_ids, inp.positions, inp.context)
-            n = len(inp.rows)
-            # NOTE: a decode step samples every row (logits_index is 0..n-1), and its graph ran
-            # the LM head and the greedy argmax of them already
-            if n == inp.context.num_seqs:
-                if all(r.is_plain_greedy for r in inp.rows):
-                    return SamplerOutput(graphs.tokens[:n], None, None, None, None)
-                return self.sampler(graphs.logits[:n].float(), inp.rows)
-        else:
-            hidden = self.forward(inp)
+        hidden = self.forward(inp)
         if not inp.rows:
             return None
         return self.sampler(self.model.compute_logits(hidden[inp.logits_index]), inp.rows)
@@ -255,17 +272,18 @@ class ModelRunner:
 
     # -- the split step of the overlap loop ----------------------------------------------------
     def alloc_output(self, inp: ForwardInput) -> tuple[torch.Tensor, torch.Tensor, SamplerOutput | None]:
-        """Buffers `execute` writes: next tokens on the device, and host copies (pinned on CUDA)."""
-        num_rows, pin = len(inp.rows), self.device.type == "cuda"
-
-        def host(*shape, dtype=torch.int64):
-            return torch.empty(shape, dtype=dtype, pin_memory=pin)
-
-        tokens_cpu, logprobs = host(num_rows), None
+        """Buffers `execute` writes: next tokens on the device (with CUDA graphs, the graphs'
+        `tokens`, where the next decode graph reads its future ids), and host copies (pinned on
+        CUDA, from a `HostRing`)."""
+        num_rows, host = len(inp.rows), self.host_buffers.get
+        tokens_cpu, logprobs = host((num_rows,), name="tokens"), None
         if inp.wants_logprobs:
-            logprobs = SamplerOutput(tokens_cpu, host(num_rows, dtype=torch.float32), host(num_rows),
-                                     host(num_rows, inp.num_top),
-                                     host(num_rows, inp.num_top, dtype=torch.float32))
+            logprobs = SamplerOutput(tokens_cpu, host((num_rows,), torch.float32, "logprobs"),
+                                     host((num_rows,), name="ranks"),
+                                     host((num_rows, inp.num_top), name="top_ids"),
+                                     host((num_rows, inp.num_top), torch.float32, "top_logprobs"))
+        if self.graphs is not None:
+            return self.graphs.tokens[:num_rows], tokens_cpu, logprobs
         return torch.empty(num_rows, dtype=torch.int64, device=self.device), tokens_cpu, logprobs
 
     @torch.inference_mode()
@@ -277,7 +295,8 @@ class ModelRunner:
         out = self.sample(inp, prev_tokens)
         if out is None:
             return
-        next_tokens.copy_(out.token_ids)
+        if out.token_ids.data_ptr() != next_tokens.data_ptr():  # else the graph wrote them
+            next_tokens.copy_(out.token_ids)
         tokens_cpu.copy_(out.token_ids, non_blocking=True)
         if logprobs_cpu is not None:  # its token_ids is tokens_cpu
             for name in ("logprobs", "ranks", "topk_ids", "topk_logprobs"):

@@ -40,6 +40,7 @@ from kernels import draft_preprocess, update_status, verify_accept
 from kernels.argmax import argmax
 from kernels.launch import use_kernels
 from pd.engine.cuda_graph import BATCH_SIZES, capture
+from pd.engine.host_ring import HostRing
 from pd.engine.logprobs import Logprobs, compute_logprobs
 from pd.model.context import ForwardContext, forward_context
 
@@ -47,7 +48,6 @@ log = logging.getLogger(__name__)
 
 STOP_WIDTH = 8  # stop ids a graphed slot may carry (EOS ids + stop_token_ids); more: eager
 MAX_ROWS = 1024  # S * (k + 1) rows at most per graph (the logits of every row are kept)
-HOST_RING = 3  # host buffers per result shape: the step being read, the one in flight, the next
 LOGPROB_GRAPH_ELEMENTS = 1 << 25  # logits larger than this compute their logprobs eagerly
 
 
@@ -117,7 +117,7 @@ class StepGraphs:
         self.lp_graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.verified: Verified | None = None
         self.result: torch.Tensor | None = None  # [S, 2k + 4] int64
-        self.rings: dict[tuple, list[torch.Tensor]] = {}  # `host_buffer`'s, by shape and dtype
+        self.rings = HostRing(pin=owner.device.type == "cuda")  # `host_buffer`'s
         if capture:
             self._capture()
 
@@ -145,17 +145,8 @@ class StepGraphs:
         self.graphs = (verify, draft, advance)
 
     def host_buffer(self, like: torch.Tensor) -> torch.Tensor:
-        """A page-locked host buffer shaped like `like` for a step's device-to-host copy, from
-        a ring of HOST_RING per shape: a step's result is read before the step after next
-        is launched, so a buffer is free again when its turn comes (no allocation per step)."""
-        key = (tuple(like.shape), like.dtype)
-        ring = self.rings.get(key)
-        if ring is None:
-            pin = like.device.type == "cuda"
-            ring = self.rings[key] = [torch.empty(like.shape, dtype=like.dtype, pin_memory=pin)
-                                      for _ in range(HOST_RING)]
-        ring.append(ring.pop(0))  # the least recently handed out goes next
-        return ring[-1]
+        """A host buffer shaped like `like` for a step's device-to-host copy (`HostRing`)."""
+        return self.rings.get(like.shape, like.dtype)
 
     def verify(self) -> None:
         if self.graphs is not None:
@@ -238,7 +229,7 @@ class SpecGraphs:
         or the bookkeeping runs as torch twins (PD_KERNELS=torch: they wait on the host)."""
         if num_slots > self.slot_counts[-1] or num_blocks > self.block_widths[-1]:
             return None
-        if self.pool_owner is not None and not use_kernels(self.pool_owner.input_ids):
+        if self.pool_owner is not None and not use_kernels(self.pool_owner.staging):
             return None
         return _round_up(num_slots, self.slot_counts), _round_up(num_blocks, self.block_widths)
 

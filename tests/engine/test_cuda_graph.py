@@ -39,6 +39,53 @@ def test_start_up_capture_keys_cover_every_batch_size_up_to_the_length():
     assert {w for _, w in g.keys_up_to(256)} == {1, 2, 4, 8, 16}  # 256 tokens fill 16 blocks
 
 
+def test_graph_inputs_equal_the_eager_step_inputs(tiny_model_dir):
+    """The host layout a decode graph reads (`fill_decode_inputs`) carries what the eager
+    path's `prepare` builds for the same decode step: ids (placeholders as future rows),
+    positions, KV slots, context lengths and block tables; padding rows sit in the spare block."""
+    from pd.engine.cuda_graph import DecodeGraphs, DecodeLayout, fill_decode_inputs
+    from pd.engine.request import Req
+    from pd.engine.scheduler import ScheduledBatch
+
+    engine = Engine(EngineConfig(model=str(tiny_model_dir), num_blocks=256))
+    rng = random.Random(5)
+    reqs = []
+    for i in range(13):
+        req = Req(str(i), [rng.randrange(3, 200) for _ in range(rng.randrange(1, 60))],
+                  SamplingParams(max_tokens=64))
+        req.token_ids += [rng.randrange(3, 200) for _ in range(rng.randrange(0, 5))]
+        if i % 3 == 0:
+            req.token_ids.append(-(i // 3 + 1))  # the overlap loop's placeholder for row i // 3
+        req.num_computed_tokens = req.num_tokens - 1
+        req.block_ids = rng.sample(range(1, 256), -(-req.num_tokens // 16))
+        reqs.append(req)
+    inp = engine.runner.prepare(ScheduledBatch(reqs, [1] * len(reqs)))
+    graphs = DecodeGraphs(None, dummy_block=0, block_size=16, max_num_seqs=64, max_model_len=4096,
+                          device=torch.device("cpu"))
+    key = graphs.key(len(reqs), max(len(r.block_ids) for r in reqs))
+    assert key == (16, 4)
+    layout = DecodeLayout(*key)
+    flat = torch.full((layout.size,), 7, dtype=torch.int64)
+    fill_decode_inputs(flat.numpy(), layout, reqs, 16, graphs.dummy_block)
+    ids, pos, slots, lens, future, tables = layout.views(flat)
+    n, ctx = len(reqs), inp.context
+    eager_ids = inp.input_ids.clone()
+    eager_future = torch.full((n,), -1, dtype=torch.int64)
+    if inp.future_index is not None:
+        eager_future[inp.future_index] = inp.future_slots
+        eager_ids[inp.future_index] = 0
+    assert torch.equal(ids[:n], eager_ids) and torch.equal(future[:n], eager_future)
+    assert (future[:n] >= 0).sum() == 5
+    assert torch.equal(pos[:n], inp.positions) and torch.equal(slots[:n], ctx.slot_mapping)
+    assert torch.equal(lens[:n], ctx.context_lens)
+    for i, req in enumerate(reqs):
+        assert tables[i, :len(req.block_ids)].tolist() == req.block_ids
+        assert (tables[i, len(req.block_ids):] == 0).all()
+    assert (ids[n:] == 0).all() and (pos[n:] == 0).all() and (lens[n:] == 1).all()
+    assert (slots[n:] == 0).all() and (future[n:] == -1).all() and (tables[n:] == 0).all()
+    assert graphs.key(65, 1) is None and graphs.key(1, 257) is None
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
 def test_start_up_capture_then_serving_captures_nothing_new(tiny_model_dir):
     engine = Engine(EngineConfig(model=str(tiny_model_dir), device="cuda", dtype="float32",
