@@ -135,7 +135,7 @@ def main() -> None:
     engine = Engine(EngineConfig(model=model, device="cuda", dtype="bfloat16",
                                  max_num_seqs=max(args.batch), max_model_len=16384,
                                  num_blocks=max(max(args.batch) * max_ctx // 16 + 64, 8192 // 16 + 64),
-                                 max_num_batched_tokens=max(8192, max(args.prefill)),
+                                 max_num_batched_tokens=max([8192, *args.prefill]),
                                  enforce_eager=args.enforce_eager))
     mc = engine.model_config
     params = sum(t.numel() for t in engine.runner.model.parameters())
