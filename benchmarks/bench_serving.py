@@ -49,6 +49,8 @@ def main() -> None:
     p.add_argument("--range-ratio", type=float, default=0.0,
                    help="pd bench --random-range-ratio (0: every request the same length, so "
                         "the batch's requests end together and the batch refills in waves)")
+    p.add_argument("--router-workers", type=int, default=1,
+                   help="pd launch --router-workers: router processes on the port")
     p.add_argument("--profile-router", type=int, default=0, metavar="N",
                    help="profile the router and print its N hottest functions")
     p.add_argument("--spy", type=float, default=0, metavar="S",
@@ -66,12 +68,14 @@ def main() -> None:
                                                **{**LLAMA_1B, "vocab_size": 512}))
     profile = tempfile.mktemp(suffix=".prof") if args.profile_router else ""
     os.environ["PD_ROUTER_PROFILE"] = profile
-    lau = launch(args)
-    pids = {"router": lau.proc.pid, **{name: n["pid"] for name, n in lau.nodes.items()}}
+    lau = launch(args, "--router-workers", str(args.router_workers))
+    pids = {"router": lau.proc.pid, **{f"router-{i}": pid for i, pid in enumerate(lau.router_pids)},
+            **{name: n["pid"] for name, n in lau.nodes.items()}}
     try:
         before, wall = {k: cpu_seconds(pid) for k, pid in pids.items()}, time.perf_counter()
         own = time.process_time()
-        spies = spy(args.spy, {k: pids[k] for k in ("router", "prefill-0", "decode-0")}) if args.spy else []
+        spies = spy(args.spy, {k: pids[k] for k in (
+            "router" if not lau.router_pids else "router-0", "prefill-0", "decode-0")}) if args.spy else []
         r = run_bench(lau, args, "--num-prompts", str(args.num_prompts),
                       "--random-input-len", str(args.input_len),
                       "--random-output-len", str(args.output_len),

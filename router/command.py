@@ -44,5 +44,22 @@ def main(args: argparse.Namespace) -> int:
 
     configure_from_args(args)
     args.model = model_dir(args)
+    if args.router_workers < 1:
+        raise SystemExit("pd router: --router-workers must be at least 1")
+    if args.router_workers > 1:
+        import logging
+
+        from router.workers import serve_workers
+
+        logging.basicConfig(level=args.log_level.upper(),
+                            format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        try:
+            serve_workers(args, args.prefill, args.decode, ready_timeout=60.0, healthy=False,
+                          on_ready=lambda pids: logging.getLogger("router").info(
+                              "%d router workers (pids %s) serving on http://%s:%d/v1",
+                              len(pids), " ".join(map(str, pids)), args.host, args.port))
+        except KeyboardInterrupt:
+            pass
+        return 0
     run(args, make_backend(args, args.prefill, args.decode))
     return 0

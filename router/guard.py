@@ -141,12 +141,12 @@ class GuardedSite(web.BaseSite):
     """`web.TCPSite` with every connection behind `guard`."""
 
     def __init__(self, runner: web.BaseRunner, host: str, port: int,
-                 guard: ConnectionGuard, backlog: int = 1024) -> None:
+                 guard: ConnectionGuard, backlog: int = 1024, reuse_port: bool = False) -> None:
         # NOTE: a deep listen backlog: a burst of connections is accepted (and, past the cap,
         # answered 503) at once rather than left to the kernel's SYN retries
         super().__init__(runner, backlog=backlog)
         self._host, self._port, self._guard = host, port, guard
-        self._bound_port = port
+        self._bound_port, self._reuse_port = port, reuse_port
 
     @property
     def name(self) -> str:
@@ -161,6 +161,6 @@ class GuardedSite(web.BaseSite):
         inner = self._runner.server
         self._server = await asyncio.get_running_loop().create_server(
             lambda: self._guard.protocol(inner()), self._host, self._port, reuse_address=True,
-            backlog=self._backlog)
+            reuse_port=self._reuse_port or None, backlog=self._backlog)
         if self._server.sockets:
             self._bound_port = self._server.sockets[0].getsockname()[1]

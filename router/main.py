@@ -104,6 +104,11 @@ def add_router_arguments(p, with_nodes: bool = True) -> None:
     p.add_argument("--max-connections", type=int, default=None,
                    help="open client connections at most; past it a new one is answered 503 "
                         "and closed (default: the open-file limit less 256)")
+    p.add_argument("--router-workers", type=int, default=1, metavar="N",
+                   help="router processes sharing --port (the kernel spreads connections over "
+                        "them, SO_REUSEPORT), for more streams than one process can write: "
+                        "each admits its share of --max-running, --max-queue and "
+                        "--max-connections, and /metrics sums all of them (default: %(default)s)")
     p.add_argument("--log-requests", action="store_true",
                    help="log each request's id, prompt length and sampling parameters")
     security.add_arguments(p)
@@ -126,22 +131,28 @@ def api_key(args: argparse.Namespace) -> str | None:
     return args.api_key
 
 
-def server_config(args: argparse.Namespace) -> ServerConfig:
+def server_config(args: argparse.Namespace, share: int = 1) -> ServerConfig:
+    """The server's configuration; `share` > 1: one of that many router workers, which admits
+    its share of the limits."""
     from pd.wire.sampling_params import generation_defaults
+
+    def part(limit: int | None) -> int | None:
+        return None if limit is None else max(1, -(-limit // share))
 
     name = args.served_model_name or Path(args.model).resolve().name
     defaults = generation_defaults(args.model, args.generation_config)
     if defaults:
         logging.getLogger("router").info("sampling defaults from the generation config: %s",
                                          defaults)
-    return ServerConfig(served_model_name=name, max_running=args.max_running,
-                        max_queue=args.max_queue, max_queue_per_client=args.max_queue_per_client,
+    return ServerConfig(served_model_name=name, max_running=part(args.max_running),
+                        max_queue=part(args.max_queue),
+                        max_queue_per_client=part(args.max_queue_per_client),
                         api_key=api_key(args),
                         log_requests=args.log_requests, sampling_defaults=defaults,
                         body_timeout=args.body_timeout, write_timeout=args.write_timeout,
                         header_timeout=args.header_timeout,
                         keepalive_timeout=args.keepalive_timeout,
-                        max_connections=args.max_connections)
+                        max_connections=part(args.max_connections))
 
 
 def run_loop(main):
@@ -153,9 +164,11 @@ def run_loop(main):
     return uvloop.run(main)
 
 
-async def start(server: RouterServer, host: str, port: int) -> web.AppRunner:
+async def start(server: RouterServer, host: str, port: int,
+                reuse_port: bool = False) -> web.AppRunner:
     """Serve `server` on the running loop behind the connection guard (`router.guard`);
-    returns the runner (`await runner.cleanup()`)."""
+    returns the runner (`await runner.cleanup()`). `reuse_port`: several router processes
+    listen on the port (`router.workers`)."""
     from router.guard import ConnectionGuard, GuardedSite, default_max_connections
 
     config, metrics = server.config, server.metrics
@@ -168,7 +181,7 @@ async def start(server: RouterServer, host: str, port: int) -> web.AppRunner:
                             config.header_timeout,
                             on_refused=metrics.connections_refused.inc,
                             on_timeout=metrics.header_timeouts.inc)
-    await GuardedSite(runner, host, port, guard).start()
+    await GuardedSite(runner, host, port, guard, reuse_port=reuse_port).start()
     return runner
 
 

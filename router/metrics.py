@@ -8,7 +8,8 @@ reports them. Every sample is rendered with `role="router"` and `node` (env `PD_
 the host name) so one Prometheus query can tell the router's series from the nodes'. Retries of
 the ZMQ backend (another prefill node before the first token) count in `BACKEND_RETRIES`, and
 the ZMQ messages it refuses in `MESSAGES_REFUSED`, one per process. Serving `/metrics` is the
-server's job; the nodes export their own metrics.
+server's job; the nodes export their own metrics. Several router workers on one port share
+their samples through prometheus_client's multiprocess mode (`router.workers`).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client import CONTENT_TYPE_LATEST  # noqa: F401  (re-exported for the server)
 from prometheus_client.metrics_core import Metric
 
+MULTIPROCESS_ENV = "PROMETHEUS_MULTIPROC_DIR"  # set for router workers (`router.workers`)
 _PROCESS = CollectorRegistry()
 BACKEND_RETRIES = Counter("pd_router_backend_retries",
                           "Requests the backend retried on another prefill node before the first "
@@ -64,9 +66,9 @@ class RouterMetrics:
         self.generation_tokens = Counter("pd_generation_tokens", "Generation tokens produced",
                                          registry=r)
         self.running = Gauge("pd_num_requests_running", "Requests in flight to the nodes",
-                             registry=r)
+                             registry=r, multiprocess_mode="livesum")
         self.waiting = Gauge("pd_num_requests_waiting", "Requests in the admission queue",
-                             registry=r)
+                             registry=r, multiprocess_mode="livesum")
         self.success = Counter("pd_request_success", "Finished choices by finish reason",
                                ["finished_reason"], registry=r)
         self.aborts = Counter("pd_request_aborts", "Aborted requests by reason", ["reason"],
@@ -74,7 +76,7 @@ class RouterMetrics:
         self.retries = Counter("pd_request_retries", "Requests retried before the first token",
                                registry=r)
         self.healthy_nodes = Gauge("pd_router_healthy_nodes", "Healthy nodes by role", ["role"],
-                                   registry=r)
+                                   registry=r, multiprocess_mode="livemax")
         self.connections_refused = Counter(
             "pd_http_connections_refused", "Connections answered 503 at once: --max-connections "
             "were open", registry=r)
@@ -93,8 +95,16 @@ class RouterMetrics:
 
     def collect(self):
         """The registry's metrics with the router's labels added (a sample's own labels win:
-        `pd_router_healthy_nodes` keeps the role of the nodes it counts)."""
-        for registry in (self.registry, _PROCESS):
+        `pd_router_healthy_nodes` keeps the role of the nodes it counts). With several router
+        workers (`router.workers`, prometheus_client's multiprocess mode) every worker's
+        samples, summed (gauges: the live workers' sum, or max for the healthy nodes)."""
+        registries = (self.registry, _PROCESS)
+        if os.environ.get(MULTIPROCESS_ENV):
+            from prometheus_client import multiprocess
+
+            registries = (CollectorRegistry(),)
+            multiprocess.MultiProcessCollector(registries[0])
+        for registry in registries:
             for mf in registry.collect():
                 out = Metric(mf.name, mf.documentation, mf.type, mf.unit)
                 out.samples = [s._replace(labels={**self.labels, **s.labels}) for s in mf.samples]

@@ -86,6 +86,9 @@ def main(args: argparse.Namespace) -> int:
     from pd.wire.security import configure, generate
 
     args.model = model_dir(args)
+    if args.router_workers < 1:
+        print("pd launch: error: --router-workers must be at least 1", file=sys.stderr)
+        return 2
     # a checkpoint pd would compute wrongly starts nothing (pd.cli.main prints the one line)
     ModelConfig.from_dir(args.model)
     generation_defaults(args.model, args.generation_config)
@@ -171,6 +174,35 @@ def run_router(args: argparse.Namespace, prefill: list[str], decode: list[str], 
     args.heartbeat_interval = 0.5
     if args.heartbeat_timeout is None:
         args.heartbeat_timeout = 10.0 if args.device == "cpu" else 3.0
+    reported: set[int] = set()
+
+    def watch_nodes() -> None:  # a node that exits is routed around; say so once
+        for n in nodes:
+            if n.proc.poll() is not None and n.pid not in reported:
+                reported.add(n.pid)
+                log.error("%s exited with status %s; serving with the others (its log: %s)",
+                          n.info.get("node_id", n.role), n.proc.returncode, n.log_path)
+
+    def banner(name: str) -> str:
+        url = f"http://{args.host}:{args.port}"
+        return (f"pd is serving {name} at {url}/v1 ({len(prefill)} prefill, {len(decode)} decode)\n"
+                f"try:\n  curl {url}/v1/completions -H 'Content-Type: application/json' "
+                f"-d '{{\"model\": \"{name}\", \"prompt\": \"def fibonacci(n):\", \"max_tokens\": 48}}'")
+
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.router_workers > 1:
+        from router.workers import serve_workers
+
+        name = server_config(args).served_model_name
+
+        def ready(pids: list[int]) -> None:
+            print(f"router workers: {args.router_workers}, pids {' '.join(map(str, pids))}\n"
+                  + banner(name), flush=True)
+
+        serve_workers(args, prefill, decode, ready_timeout=args.ready_timeout, on_ready=ready,
+                      watch=watch_nodes)
+        return
     backend = make_backend(args, prefill, decode)
     server = RouterServer(backend, Tokenizer.from_dir(args.model), server_config(args))
 
@@ -181,27 +213,15 @@ def run_router(args: argparse.Namespace, prefill: list[str], decode: list[str], 
             if time.monotonic() > deadline:
                 raise RuntimeError(f"nodes not healthy after {args.ready_timeout}s: {backend.health()}")
             await asyncio.sleep(0.1)
-        url = f"http://{args.host}:{args.port}"
-        name = server.config.served_model_name
-        print(f"pd is serving {name} at {url}/v1 ({len(prefill)} prefill, {len(decode)} decode)\n"
-              f"try:\n  curl {url}/v1/completions -H 'Content-Type: application/json' "
-              f"-d '{{\"model\": \"{name}\", \"prompt\": \"def fibonacci(n):\", \"max_tokens\": 48}}'",
-              flush=True)
+        print(banner(server.config.served_model_name), flush=True)
         try:
-            reported: set[int] = set()
-            while True:  # a node that exits is routed around; say so once
-                for n in nodes:
-                    if n.proc.poll() is not None and n.pid not in reported:
-                        reported.add(n.pid)
-                        log.error("%s exited with status %s; serving with the others (its log: %s)",
-                                  n.info.get("node_id", n.role), n.proc.returncode, n.log_path)
+            while True:
+                watch_nodes()
                 await asyncio.sleep(0.5)
         finally:
             await runner.cleanup()
             await backend.close()
 
-    logging.basicConfig(level=args.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     profile_path = os.environ.get("PD_ROUTER_PROFILE")  # a benchmark's look inside the router
     if not profile_path:
         run_loop(serve())

@@ -137,6 +137,7 @@ class Launch:
         self.url = f"http://127.0.0.1:{self.port}"
         self.lines: list[str] = []
         self.nodes: dict[str, dict] = {}
+        self.router_pids: list[int] = []  # with --router-workers N > 1, the workers'
         self.served_model_name = ""
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "pd", *(("serve", str(model_dir)) if serve else
@@ -154,6 +155,9 @@ class Launch:
                 if m:
                     self.nodes[m.group(1)] = {"pid": int(m.group(2)), "control": m.group(3),
                                               "kv": m.group(4), "metrics": m.group(5)}
+                m = re.match(r"router workers: \d+, pids ([\d ]+)", line)
+                if m:
+                    self.router_pids = [int(p) for p in m.group(1).split()]
                 m = re.match(r"pd is serving (\S+) at", line)
                 if m:
                     self.served_model_name = m.group(1)
@@ -176,9 +180,9 @@ class Launch:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
-                for node in self.nodes.values():
+                for pid in [n["pid"] for n in self.nodes.values()] + self.router_pids:
                     try:
-                        os.kill(node["pid"], signal.SIGKILL)
+                        os.kill(pid, signal.SIGKILL)
                     except (ProcessLookupError, PermissionError):
                         pass
         return self.proc.returncode
