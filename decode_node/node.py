@@ -1,7 +1,7 @@
 """The decode node: takes requests handed over by prefill nodes, forwards each first token to
 the router at once, installs the KV into its own blocks, and decodes them in its running batch,
 streaming every token to the router: each step's tokens of the requests of one router go in one
-message (`TokenStreams`).
+message, in columns (`TokenStreams`).
 
 Intake, per request, on the KV ingest socket (from one prefill node, in order):
   RequestMeta -> FIRST_TOKEN (forwarded to the router; blocks reserved, or queued until free)
@@ -309,18 +309,30 @@ class DecodeNode(NodeService):
         self.metrics.count_steps_ahead(self.loop.num_ahead)
         t = time.perf_counter()
         counts = Counter(emitted)  # with MTP a request is emitted once per kept token
-        batches: dict[str, list] = {}  # router -> this step's streams for it
-        for req in counts:
+        batches: dict[str, dict] = {}  # router -> this step's columns for it (`TokenStreams`)
+        for req, n in counts.items():
             reply_to = self.reply_to.get(req.req_id)
             if reply_to is None:
                 continue
-            reason = req.finish_reason.value if req.is_finished else None
-            batches.setdefault(reply_to, []).append(self.token_stream(req, counts[req], reason))
+            cols = batches.get(reply_to)
+            if cols is None:
+                cols = batches[reply_to] = {"req_ids": [], "counts": [], "token_ids": [],
+                                            "num_prompt_tokens": [], "num_output_tokens": [],
+                                            "ended": [], "logprobs": []}
+            i = len(cols["req_ids"])
+            cols["req_ids"].append(req.req_id)
+            cols["counts"].append(n)
+            cols["token_ids"] += req.token_ids[-n:]
+            cols["num_prompt_tokens"].append(req.num_prompt_tokens)
+            cols["num_output_tokens"].append(req.num_output_tokens)
+            if req.params.logprobs is not None:
+                cols["logprobs"].append([i, req.output_logprobs[-n:], [
+                    [list(p) for p in top] for top in req.output_top_logprobs[-n:]]])
             if req.is_finished:
+                cols["ended"].append([i, req.finish_reason.value])
                 del self.reply_to[req.req_id]
-        for reply_to, streams in batches.items():
-            self.events.send(reply_to, streams[0] if len(streams) == 1 else
-                             m.TokenStreams([m.to_dict(s) for s in streams]))
+        for reply_to, cols in batches.items():
+            self.events.send(reply_to, m.TokenStreams(**cols))
         self.loop.times.add("stream", t)
         self.may_reserve()
         if self.engine.spec is not None:

@@ -38,6 +38,7 @@ import torch
 
 from kernels import draft_preprocess, update_status, verify_accept
 from kernels.argmax import argmax
+from kernels.token_logprob import token_logprob
 from kernels.launch import use_kernels
 from pd.engine.cuda_graph import BATCH_SIZES, capture
 from pd.engine.host_ring import HostRing
@@ -165,9 +166,11 @@ class StepGraphs:
         """Raw logprobs of each row's accepted token with `num_top` top columns, from the
         verified logits and the result, packed (`pack_logprobs`) [S * (k + 1), 2 + 2 num_top];
         a graph per `num_top` where the logits are small enough to keep the temporaries
-        (`LOGPROB_GRAPH_ELEMENTS`)."""
+        (`LOGPROB_GRAPH_ELEMENTS`). With no top columns, `kernels.token_logprob`'s one kernel."""
         def packed() -> torch.Tensor:
             accepted = self.result[:, :self.owner.k + 1].clamp(min=0).reshape(-1)
+            if num_top == 0:  # one kernel, no [rows, V] temporaries
+                return token_logprob(self.verified.logits, accepted)
             return pack_logprobs(compute_logprobs(self.verified.logits, accepted, num_top))
 
         if self.graphs is None or self.verified.logits.numel() > LOGPROB_GRAPH_ELEMENTS:

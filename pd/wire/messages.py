@@ -131,26 +131,56 @@ class TokenStream:
 
 @message
 class TokenStreams:
-    """D -> router: one step's TokenStream of every request of one router, in one message
-    (one encode and one send per step, not one per request). Each item is a TokenStream map
-    (`to_dict`), checked as one when taken apart (`unpack_streams`)."""
+    """D -> router: one step's tokens for every request of one router, in columns (one encode
+    and one send per step, and no map per request): request i got `counts[i]` tokens, the next
+    `counts[i]` of `token_ids`; `ended` pairs [i, finish_reason]; `logprobs` triples [i, the
+    tokens' logprobs, their top lists] for the requests that asked. `unpack_streams` checks the
+    columns and gives one TokenStream per request."""
 
     TYPE: ClassVar[str] = "token_streams"
-    VERSION: ClassVar[int] = 1
-    streams: list
+    VERSION: ClassVar[int] = 2
+    req_ids: list
+    counts: list
+    token_ids: list
+    num_prompt_tokens: list
+    num_output_tokens: list
+    ended: list
+    logprobs: list
 
 
 def unpack_streams(msg) -> list:
-    """The TokenStreams of an event message (a TokenStream, or a TokenStreams batch)."""
+    """The TokenStreams of an event message (a TokenStream, or a step's TokenStreams)."""
     if isinstance(msg, TokenStream):
         return [msg]
     if not isinstance(msg, TokenStreams):
         raise MessageError(f"{type(msg).__name__} on the event socket")
-    out = []
-    for item in msg.streams:
-        ts = from_dict(item)
-        if not isinstance(ts, TokenStream):
-            raise MessageError(f"{type(ts).__name__} inside a token_streams batch")
+    n, ids, counts = len(msg.req_ids), msg.token_ids, msg.counts
+    cols = (msg.counts, msg.num_prompt_tokens, msg.num_output_tokens)
+    if any(len(c) != n for c in cols) or not all(type(r) is str for r in msg.req_ids) or not all(
+            type(x) is int and x >= 0 for c in cols for x in c) or sum(counts) != len(ids) or not all(
+            type(t) is int for t in ids):
+        raise MessageError("token_streams: columns of unequal length or of the wrong types")
+    extra: dict[int, dict] = {}
+    for item in msg.ended:
+        if not (isinstance(item, list) and len(item) == 2 and type(item[0]) is int
+                and 0 <= item[0] < n and isinstance(item[1], str)):
+            raise MessageError(f"token_streams: bad ended entry {item!r:.100}")
+        extra.setdefault(item[0], {})["finish_reason"] = item[1]
+    for item in msg.logprobs:
+        if not (isinstance(item, list) and len(item) == 3 and type(item[0]) is int
+                and 0 <= item[0] < n and isinstance(item[1], list) and isinstance(item[2], list)
+                and len(item[1]) == len(item[2]) == counts[item[0]]):
+            raise MessageError(f"token_streams: bad logprobs entry {item!r:.100}")
+        extra.setdefault(item[0], {}).update(logprobs=item[1], top_logprobs=item[2])
+    out, start, defaults = [], 0, TokenStream._defaults
+    for i in range(n):
+        # NOTE: built like from_dict builds them (no frozen __init__): the columns are checked
+        ts = object.__new__(TokenStream)
+        ts.__dict__.update(defaults)
+        ts.__dict__.update(req_id=msg.req_ids[i], token_ids=ids[start:start + counts[i]],
+                           num_prompt_tokens=msg.num_prompt_tokens[i],
+                           num_output_tokens=msg.num_output_tokens[i], **extra.get(i, {}))
+        start += counts[i]
         out.append(ts)
     return out
 

@@ -76,15 +76,21 @@ def test_random_bytes_never_crash(data):
         pass
 
 
-def test_token_streams_batch_round_trips_and_checks_each_item():
-    a = m.TokenStream("a" * 32, [1, 2], finish_reason=None)
-    b = m.TokenStream("b" * 32, [3], logprobs=[-0.5], top_logprobs=[[[3, -0.5]]], finish_reason="stop")
-    got = m.unpack_streams(m.decode(m.encode(m.TokenStreams([m.to_dict(a), m.to_dict(b)]))))
+def test_token_streams_columns_round_trip_and_are_checked():
+    a = m.TokenStream("a" * 32, [1, 2], num_prompt_tokens=5, num_output_tokens=4)
+    b = m.TokenStream("b" * 32, [3], logprobs=[-0.5], top_logprobs=[[[3, -0.5]]], finish_reason="stop",
+                      num_prompt_tokens=7, num_output_tokens=9)
+    cols = dict(req_ids=[a.req_id, b.req_id], counts=[2, 1], token_ids=[1, 2, 3],
+                num_prompt_tokens=[5, 7], num_output_tokens=[4, 9], ended=[[1, "stop"]],
+                logprobs=[[1, [-0.5], [[[3, -0.5]]]]])
+    got = m.unpack_streams(m.decode(m.encode(m.TokenStreams(**cols))))
     assert got == [a, b]
     assert m.unpack_streams(a) == [a]
-    with pytest.raises(m.MessageError, match="inside a token_streams batch"):
-        m.unpack_streams(m.TokenStreams([m.to_dict(m.Ping(1))]))
-    with pytest.raises(m.MessageError):
-        m.unpack_streams(m.TokenStreams([{"type": "tokens", "version": 1, "req_id": 5}]))
+    for bad in (dict(counts=[2, 2]), dict(counts=[2]), dict(req_ids=[a.req_id, 5]),
+                dict(token_ids=[1, 2, "x"]), dict(num_output_tokens=[4, -1]),
+                dict(ended=[[2, "stop"]]), dict(ended=[[1]]), dict(logprobs=[[1, [-0.5, -1.0], [[], []]]]),
+                dict(logprobs=[[0, [-0.5], [[]]]])):
+        with pytest.raises(m.MessageError, match="token_streams"):
+            m.unpack_streams(m.decode(m.encode(m.TokenStreams(**{**cols, **bad}))))
     with pytest.raises(m.MessageError, match="on the event socket"):
         m.unpack_streams(m.Ping(1))
