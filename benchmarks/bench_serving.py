@@ -30,7 +30,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "gpu"))
 
-from bench_prefix_cache import launch, mean_seconds, run_bench  # noqa: E402
+from bench_prefix_cache import launch, run_bench  # noqa: E402
 from pd.config import default_model_dir  # noqa: E402
 
 
@@ -49,6 +49,10 @@ def main() -> None:
     p.add_argument("--range-ratio", type=float, default=0.0,
                    help="pd bench --random-range-ratio (0: every request the same length, so "
                         "the batch's requests end together and the batch refills in waves)")
+    p.add_argument("--warmup", type=int, default=None, metavar="N",
+                   help="prompts (16 tokens out) sent before the measured run, so that the "
+                        "prefill graphs of its shapes are captured; the nodes' figures are the "
+                        "measured run's alone (default: 2 x --concurrency)")
     p.add_argument("--router-workers", type=int, default=1,
                    help="pd launch --router-workers: router processes on the port")
     p.add_argument("--profile-router", type=int, default=0, metavar="N",
@@ -72,6 +76,12 @@ def main() -> None:
     pids = {"router": lau.proc.pid, **{f"router-{i}": pid for i, pid in enumerate(lau.router_pids)},
             **{name: n["pid"] for name, n in lau.nodes.items()}}
     try:
+        warmup = 2 * args.concurrency if args.warmup is None else args.warmup
+        if warmup:
+            run_bench(lau, args, "--num-prompts", str(warmup), "--random-input-len",
+                      str(args.input_len), "--random-output-len", "16", "--max-concurrency",
+                      str(args.concurrency), "--seed", "4")
+        first = snapshot(lau)
         before, wall = {k: cpu_seconds(pid) for k, pid in pids.items()}, time.perf_counter()
         own = time.process_time()
         spies = spy(args.spy, {k: pids[k] for k in (
@@ -86,15 +96,25 @@ def main() -> None:
         busy["client"] = (time.process_time() - own) / wall
         for t in spies:
             t.join()
-        step = mean_seconds(lau, "decode", "pd_step_duration_seconds")
-        batch = mean_seconds(lau, "decode", "pd_batch_size") / 1000
-        life = {name: mean_seconds(lau, role, metric) for name, role, metric in (
+        last = snapshot(lau)
+
+        def mean(role: str, name: str) -> float:  # ms, over the measured run
+            d = {k: last.get((role, name + k), 0.0) - first.get((role, name + k), 0.0)
+                 for k in ("_sum", "_count")}
+            return 1000 * d["_sum"] / max(d["_count"], 1.0)
+
+        step = mean("decode", "pd_step_duration_seconds")
+        batch = mean("decode", "pd_batch_size") / 1000
+        life = {name: mean(role, metric) for name, role, metric in (
             ("prefill arrival -> first token sent", "prefill", "pd_first_token_send_seconds"),
             ("prefill step", "prefill", "pd_step_duration_seconds"),
             ("KV send -> ack", "prefill", "pd_kv_transfer_seconds"),
             ("first token -> joined the batch", "decode", "pd_request_join_seconds"))}
-        host = host_per_step(lau)
-        gap = mean_seconds(lau, "decode", "pd_decode_step_gap_seconds")
+        steps = last[("decode", "pd_batch_size_count")] - first.get(("decode", "pd_batch_size_count"), 0)
+        host = {k[1].split('"')[1]: 1000 * (v - first.get(k, 0.0)) / max(steps, 1.0)
+                for k, v in last.items() if k[0] == "decode" and k[1].startswith("phase=")}
+        host["sum"] = sum(host.values())
+        gap = mean("decode", "pd_decode_step_gap_seconds")
     finally:
         lau.stop()
     print(f"{args.device}: {args.num_prompts} prompts of {args.input_len} tokens, "
@@ -205,20 +225,21 @@ def gaps(itls: list[list[float]]) -> str:
             + " ".join(f"{g * 1e3:.1f}" for g in one[:40]))
 
 
-def host_per_step(lau) -> dict[str, float]:
-    """The decode node's host time per step by phase (`pd_decode_host_seconds_total`), in ms,
-    with their sum."""
-    url = next(f"http://{n['metrics']}/metrics" for name, n in lau.nodes.items()
-               if name.startswith("decode"))
-    totals, steps = {}, 0.0
-    for line in urllib.request.urlopen(url, timeout=10).read().decode().splitlines():
-        if line.startswith("pd_decode_host_seconds_total{"):
-            phase = line.split('phase="', 1)[1].split('"', 1)[0]
-            totals[phase] = float(line.rsplit(" ", 1)[1])
-        elif line.startswith("pd_batch_size_count{"):
-            steps += float(line.rsplit(" ", 1)[1])
-    out = {k: 1000 * v / max(steps, 1.0) for k, v in totals.items()}
-    out["sum"] = sum(out.values())
+def snapshot(lau) -> dict[tuple[str, str], float]:
+    """The nodes' histogram sums and counts and the decode node's host time by phase, summed
+    over the nodes of each role: {(role, name): value}; a phase is keyed 'phase="NAME"'."""
+    out: dict[tuple[str, str], float] = {}
+    for node_name, n in lau.nodes.items():
+        role = node_name.split("-")[0]
+        for line in urllib.request.urlopen(f"http://{n['metrics']}/metrics", timeout=10).read().decode().splitlines():
+            name, _, rest = line.partition("{")
+            if line.startswith("pd_decode_host_seconds_total{"):
+                key = 'phase="' + line.split('phase="', 1)[1].split('"', 1)[0] + '"'
+            elif name.endswith(("_sum", "_count")) and rest:
+                key = name
+            else:
+                continue
+            out[(role, key)] = out.get((role, key), 0.0) + float(line.rsplit(" ", 1)[1])
     return out
 
 
