@@ -117,11 +117,13 @@ def flag(pid: int, name: str) -> str:
 
 
 def counters(node: NodeInfo) -> dict:
-    """The node's pd_* counters (requests, tokens, refusals, steps); idle, they hold still."""
+    """The node's pd_* counters (requests, tokens, refusals, steps); idle, they hold still (not
+    the host seconds by phase, which count time)."""
     text = httpx.get(f"http://{node.metrics}/metrics", timeout=10).text
     return {(s.name, tuple(sorted(s.labels.items()))): s.value
             for fam in text_string_to_metric_families(text) for s in fam.samples
-            if s.name.startswith("pd_") and s.name.endswith(("_total", "_count"))}
+            if s.name.startswith("pd_") and s.name.endswith(("_total", "_count"))
+            and s.name != "pd_decode_host_seconds_total"}
 
 
 def dealer(addr: str, keys: tuple[bytes, bytes] | None, server_key: bytes) -> zmq.Socket:
