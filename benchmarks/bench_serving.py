@@ -5,9 +5,14 @@ metrics, so that the serving path can be held against the engine.
     python benchmarks/bench_serving.py                                  # CPU, the embedded model
     python benchmarks/bench_serving.py --device cuda --synthetic-1b     # random Llama-3.2-1B shape
 
+A warm-up run comes first (--warmup prompts); the nodes' figures (decode step and batch, a
+request's way in, the decode loop's host time per step by phase, the device's step gap) are
+the measured run's alone. --router-workers N serves through N router processes.
+
 Beside the figures: how busy each process was over the run (CPU seconds per second of wall:
-1.0 is one core flat out), the router (inside `pd launch`), each node and this client; with
---profile-router the router's hottest functions (cProfile, which slows it down); with --spy S
+1.0 is one core flat out), the router (inside `pd launch`, or each worker), each node and this
+client; with --profile-router the router's hottest functions (cProfile, which slows it down,
+one router process only); with --spy S
 (`py-spy` on PATH) S seconds of samples of the router and both nodes from the middle of
 the run, each process's threads and its hottest frames (py-spy barely slows them).
 """

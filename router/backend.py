@@ -72,6 +72,11 @@ class Backend(ABC):
     def max_model_len(self) -> int:
         """The longest prompt + completion, in tokens, that every node accepts."""
 
+    def kv_blocks(self) -> list[tuple[int, int]] | None:
+        """(KV blocks, block size) of each decode node taking requests, as they report them;
+        None when unknown (a request is then not checked against them)."""
+        return None
+
     async def start(self) -> None:
         """Called once on the server's event loop before the first request."""
 

@@ -323,6 +323,33 @@ class RouterServer:
                                           f"completion)", "context_length_exceeded")
         return req.max_tokens
 
+    def _check_kv_capacity(self, req: ApiRequest, greqs: list[GenerateRequest]) -> None:
+        """400 for a request the decode nodes can never hold: a sequence (its prompt, and the
+        max_tokens the client asked for) larger than the largest node's KV cache, or all of
+        its sequences together larger than every node's (else it would wait at a decode node
+        until its KV timeout, holding blocks others need). Without max_tokens a sequence
+        counts its prompt and one token: it may still be preempted or cut short later."""
+        nodes = self.backend.kv_blocks()
+        if not nodes:
+            return
+        bs = max(size for _, size in nodes)  # sequences take whole blocks
+
+        def blocks(g: GenerateRequest) -> int:
+            asked = g.params.max_tokens if req.max_tokens is not None else 1
+            return -(-(len(g.prompt_ids) + asked) // bs)
+
+        need = [blocks(g) for g in greqs]
+        largest, total = max(b * s for b, s in nodes) // bs, sum(b * s for b, s in nodes) // bs
+        what = "the prompt and max_tokens" if req.max_tokens is not None else "the prompt"
+        if max(need) > largest:
+            raise bad_param("max_tokens" if req.max_tokens is not None else "prompt",
+                            f"{what} of one sequence need {max(need) * bs} tokens of KV cache; the "
+                            f"largest decode node holds {largest * bs}", "kv_capacity_exceeded")
+        if sum(need) > total:
+            raise bad_param("n", f"{len(greqs)} sequences need {sum(need) * bs} tokens of KV cache "
+                                 f"({what} of each); the decode nodes hold {total * bs}",
+                            "kv_capacity_exceeded")
+
     async def _generate(self, request: web.Request, parse) -> web.StreamResponse:
         t_arrival = time.perf_counter()
         req = parse(await self._body(request))
@@ -349,6 +376,7 @@ class RouterServer:
                 choices.append(Choice(index, self.tokenizer, ids, req.stop,
                                       req.logprobs is not None, req.stop_token_ids))
                 greqs.append(GenerateRequest(uuid.uuid4().hex, ids, params))
+        self._check_kv_capacity(req, greqs)
         h = self.backend.health()
         if h.get("prefill", 0) < 1 or h.get("decode", 0) < 1:
             raise unavailable(f"no healthy prefill or decode node ({h.get('prefill', 0)} "

@@ -102,6 +102,10 @@ class ZmqBackend(Backend):
     def max_model_len(self) -> int:
         return self._max_model_len
 
+    def kv_blocks(self) -> list[tuple[int, int]] | None:
+        nodes = [n for n in self.registry.routable(Role.DECODE) if n.load.total_kv_blocks]
+        return [(n.load.total_kv_blocks, self.block_size.get(n.address, 16)) for n in nodes] or None
+
     # -- sockets ---------------------------------------------------------------------------------
     def _socket(self, addr: str) -> zmq.asyncio.Socket:
         sock = self.sockets.get(addr)

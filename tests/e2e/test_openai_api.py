@@ -122,6 +122,18 @@ def test_bad_input_is_4xx_and_the_server_keeps_serving(api, model_name, kwargs, 
     assert api.completions.create(model=model_name, prompt="ok", max_tokens=2).choices
 
 
+def test_more_sequences_than_the_decode_node_holds_are_refused_at_once(api, reference, model_name):
+    """512 blocks of 16 tokens at the decode node: 9 sequences of ~1000 tokens cannot fit
+    (they used to wait there for the KV timeout)."""
+    max_tokens = min(1000, reference.engine.max_model_len - 8)
+    n = 8192 // max_tokens + 1
+    t0 = time.monotonic()
+    with pytest.raises(openai.BadRequestError) as e:
+        api.completions.create(model=model_name, prompt="hello", max_tokens=max_tokens, n=n)
+    assert time.monotonic() - t0 < 5 and e.value.code == "kv_capacity_exceeded"
+    assert api.completions.create(model=model_name, prompt="ok", max_tokens=2, n=n).choices
+
+
 def test_concurrent_streaming_load(api, reference, model_name):
     prompts = [f"{PROMPTS[i % 4]} # {i}" for i in range(200)]
     want = {p: greedy_text(reference, p, 12) for p in prompts[:8]}

@@ -335,3 +335,23 @@ def test_a_node_timeout_is_504_and_not_retried(tokenizer, make_server):
     backend.fail_first, backend.fail_error = 1, "prefill node died"
     assert _post(s, "/v1/completions", {**CMPL, "max_tokens": 2}).status_code == 200
     assert len(backend.requests) == 3  # the retry
+
+
+def test_a_request_the_decode_nodes_can_never_hold_is_400_up_front(tokenizer, make_server):
+    backend = ScriptedBackend(lambda req: [7, 8], tokenizer.eos_token_id, max_len=256)
+    backend.kv_blocks = lambda: [(8, 16)]  # one decode node of 8 blocks: 128 tokens
+    s = make_server(backend)
+    r = _post(s, "/v1/completions", {**CMPL, "max_tokens": 200})
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["code"] == "kv_capacity_exceeded" and err["param"] == "max_tokens"
+    assert "128" in err["message"]
+    r = _post(s, "/v1/completions", {**CMPL, "max_tokens": 40, "n": 4})  # 3 blocks each, 12 > 8
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["code"] == "kv_capacity_exceeded" and err["param"] == "n"
+    assert not backend.requests  # nothing reached the nodes
+    # without max_tokens a sequence counts its prompt and one token
+    assert _post(s, "/v1/completions", {**CMPL, "n": 4}).status_code == 200
+    backend.kv_blocks = lambda: [(8, 16), (8, 16)]  # two nodes hold the four sequences
+    assert _post(s, "/v1/completions", {**CMPL, "max_tokens": 40, "n": 4}).status_code == 200
+    backend.kv_blocks = lambda: None  # unknown: not checked
+    assert _post(s, "/v1/completions", {**CMPL, "max_tokens": 200}).status_code == 200
