@@ -175,12 +175,17 @@ class DecodeGraphs:
         argmax(self.model.head_logits(hidden, out=self.logits[:batch]), out=self.tokens[:batch])
         return hidden
 
-    def _capture(self, batch: int, width: int,
-                 level: int = logging.INFO) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
-        layout = DecodeLayout(batch, width)
+    def pad_inputs(self, key: tuple[int, int]) -> None:
+        """Staging holds key's layout with every row padding (for a capture, or a benchmark
+        that replays a graph alone: a graph replayed over another key's inputs reads nonsense)."""
+        layout = DecodeLayout(*key)
         pad = torch.empty(layout.size, dtype=torch.int64)
         fill_decode_inputs(pad.numpy(), layout, [], self.block_size, self.dummy_block)
         self.staging[:layout.size].copy_(pad)
+
+    def _capture(self, batch: int, width: int,
+                 level: int = logging.INFO) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        self.pad_inputs((batch, width))
         graph, out = capture(lambda: self._forward(batch, width), self, self.device)
         log.log(level, "captured a decode CUDA graph: batch %d, %d KV blocks per sequence",
                 batch, width)
