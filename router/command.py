@@ -44,8 +44,6 @@ def main(args: argparse.Namespace) -> int:
 
     configure_from_args(args)
     args.model = model_dir(args)
-    if args.router_workers < 1:
-        raise SystemExit("pd router: --router-workers must be at least 1")
     if args.router_workers > 1:
         import logging
 

@@ -86,9 +86,6 @@ def main(args: argparse.Namespace) -> int:
     from pd.wire.security import configure, generate
 
     args.model = model_dir(args)
-    if args.router_workers < 1:
-        print("pd launch: error: --router-workers must be at least 1", file=sys.stderr)
-        return 2
     # a checkpoint pd would compute wrongly starts nothing (pd.cli.main prints the one line)
     ModelConfig.from_dir(args.model)
     generation_defaults(args.model, args.generation_config)

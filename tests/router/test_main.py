@@ -19,10 +19,13 @@ def test_flags_and_defaults(tmp_path):
     assert cfg.served_model_name == "my-model" and cfg.api_key == "k"
     args = build_parser().parse_args(["--model", str(model), "--served-model-name", "m"])
     assert server_config(args).served_model_name == "m"
+    args = build_parser().parse_args(["--model", str(model), "--router-workers", "4"])
+    assert args.router_workers == 4 and server_config(args, share=4).max_running == 128
 
 
 @pytest.mark.parametrize("bad", [["--prefill", "nohost"], ["--decode", "h:99999"],
-                                 ["--policy", "fastest"], []])
+                                 ["--policy", "fastest"], ["--router-workers", "0"],
+                                 ["--router-workers", "two"], []])
 def test_bad_flags(bad, capsys):
     with pytest.raises(SystemExit):
         build_parser().parse_args(["--model", "m"] * (bad != []) + bad)
