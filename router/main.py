@@ -13,6 +13,7 @@ import argparse
 import asyncio
 import logging
 import os
+import time
 from pathlib import Path
 
 from aiohttp import web
@@ -189,6 +190,19 @@ async def start(server: RouterServer, host: str, port: int,
                             on_timeout=metrics.header_timeouts.inc)
     await GuardedSite(runner, host, port, guard, reuse_port=reuse_port).start()
     return runner
+
+
+async def wait_healthy(backend: Backend, prefill: list[str], decode: list[str],
+                       timeout: float) -> str | None:
+    """Wait until the backend sees every given node healthy; None then, else (after `timeout`
+    seconds) what is wrong."""
+    want = {"prefill": len(prefill), "decode": len(decode)}
+    deadline = time.monotonic() + timeout
+    while backend.health() != want:
+        if time.monotonic() > deadline:
+            return f"nodes not healthy after {timeout}s: {backend.health()}"
+        await asyncio.sleep(0.05)
+    return None
 
 
 def run(args: argparse.Namespace, backend: Backend) -> None:

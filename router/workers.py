@@ -118,7 +118,7 @@ def _worker(args: argparse.Namespace, prefill: list[str], decode: list[str], ind
     from pd.text.tokenizer import Tokenizer
     from pd.wire.security import configure_from_args
     from router.command import make_backend
-    from router.main import run_loop, server_config, start
+    from router.main import run_loop, server_config, start, wait_healthy
     from router.server import RouterServer
 
     logging.basicConfig(level=args.log_level.upper(),
@@ -144,12 +144,9 @@ def _worker(args: argparse.Namespace, prefill: list[str], decode: list[str], ind
         except OSError as e:
             ready.put((name, f"cannot serve on {args.host}:{args.port}: {e.strerror or e}"))
             return
-        deadline = time.monotonic() + ready_timeout  # 0: ready once serving
-        want = {"prefill": len(prefill), "decode": len(decode)}
-        while ready_timeout and backend.health() != want and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)
-        ready.put((name, None if not ready_timeout or backend.health() == want else
-                   f"nodes not healthy after {ready_timeout}s: {backend.health()}"))
+        # ready_timeout 0: ready once serving
+        ready.put((name, await wait_healthy(backend, prefill, decode, ready_timeout)
+                   if ready_timeout else None))
         try:
             await stop.wait()
         finally:

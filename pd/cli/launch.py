@@ -165,7 +165,7 @@ def _main(args: argparse.Namespace) -> int:
 def run_router(args: argparse.Namespace, prefill: list[str], decode: list[str], nodes) -> None:
     from pd.text.tokenizer import Tokenizer
     from router.command import make_backend
-    from router.main import run_loop, server_config, start
+    from router.main import run_loop, server_config, start, wait_healthy
     from router.server import RouterServer
 
     args.heartbeat_interval = 0.5
@@ -205,11 +205,9 @@ def run_router(args: argparse.Namespace, prefill: list[str], decode: list[str], 
 
     async def serve() -> None:
         runner = await start(server, args.host, args.port)
-        deadline = time.monotonic() + args.ready_timeout
-        while backend.health() != {"prefill": len(prefill), "decode": len(decode)}:
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"nodes not healthy after {args.ready_timeout}s: {backend.health()}")
-            await asyncio.sleep(0.1)
+        error = await wait_healthy(backend, prefill, decode, args.ready_timeout)
+        if error is not None:
+            raise RuntimeError(error)
         print(banner(server.config.served_model_name), flush=True)
         try:
             while True:
