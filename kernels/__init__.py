@@ -1,7 +1,8 @@
 """CuPy RawKernels for MTP speculative decoding's per-step bookkeeping, each with a pure-torch
 twin: `draft_preprocess` (the MTP layer's inputs from the accepted tokens), `verify_accept`
-(accept counts and accepted tokens, greedy and rejection) and `update_status` (lengths, stop
-detection inside the accepted run, the device-side "any running" flag).
+(accept counts and accepted tokens, greedy and rejection), `update_status` (lengths, stop
+detection inside the accepted run, the device-side "any running" flag) and
+`kernels.advance_inputs` (a chained step's inputs from the previous step's result).
 
 The wrappers pick the kernel on CUDA when cupy is present and the twin otherwise (CPU, CI);
 `cupy` is imported lazily by `kernels.launch`. The model passes and sampling around them are

@@ -82,3 +82,36 @@ def preprocess_inputs(num_slots: int, k: int, vocab: int, seed: int, block_size:
         block_tables=_ints(g, 1, 10_000, (num_slots, max_blocks - int(torch.rand(1, generator=g) < 0.3))),
     )
     return {n: t.to(device) for n, t in out.items()}
+
+
+def advance_inputs_inputs(num_slots: int, k: int, vocab: int, seed: int, block_size: int = 4,
+                          device="cpu") -> dict:
+    """A step's inputs in the graphs' layout and its packed result (`kernels.advance_inputs`):
+    invalid and stopped slots, kept counts 0 .. k + 1, length budgets that cut the drafts, and
+    positions that reach past a short block table."""
+    g = _gen(seed)
+    k1 = k + 1
+    width = 4
+    start = _ints(g, 0, width * block_size - 1, (num_slots,))
+    kept = _ints(g, 0, k1 + 1, (num_slots,))
+    seq_lens = start + 1
+    result = torch.cat([_ints(g, 0, vocab, (num_slots, k1)), kept[:, None],
+                        _ints(g, 1, k1 + 1, (num_slots, 1)),
+                        torch.where(torch.rand(num_slots, 1, generator=g) < 0.2, 1, 0),
+                        _ints(g, 0, vocab, (num_slots, k))], dim=1)
+    out = dict(
+        result=result,
+        input_ids=_ints(g, 0, vocab, (num_slots, k1)),
+        positions=start[:, None] + torch.arange(k1)[None, :],
+        slot_mapping=_ints(g, 0, 1000, (num_slots, k1)),
+        context_lens=_ints(g, 1, 100, (num_slots, k1)),
+        draft_ids=_ints(g, 0, vocab, (num_slots, k)),
+        num_drafts=_ints(g, 0, k1, (num_slots,)),
+        seq_lens=seq_lens,
+        num_outputs=_ints(g, 1, 50, (num_slots,)),
+        block_tables=_ints(g, 1, 10_000, (num_slots, width)),
+        max_seq_lens=seq_lens + _ints(g, 0, 2 * k1 + 2, (num_slots,)),
+        slot_index=torch.where(torch.rand(num_slots, generator=g) < 0.15, -1 - _ints(g, 0, 3, (num_slots,)),
+                               torch.arange(num_slots)),
+    )
+    return {n: t.to(device) for n, t in out.items()}

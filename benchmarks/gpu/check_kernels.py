@@ -14,7 +14,8 @@ import sys
 import torch
 
 from kernels import draft_preprocess, update_status, verify_accept
-from kernels.testing import preprocess_inputs, status_inputs, verify_inputs
+from kernels.advance_inputs import advance_inputs
+from kernels.testing import advance_inputs_inputs, preprocess_inputs, status_inputs, verify_inputs
 
 KS = (1, 2, 3, 4)
 BATCHES = (1, 3, 64, 200, 512)
@@ -44,6 +45,7 @@ def check_all() -> int:
         (verify_accept, verify_inputs, lambda k: {}),
         (update_status, status_inputs, lambda k: {}),
         (draft_preprocess, preprocess_inputs, lambda k: {"block_size": 4, "num_chain": k - 1}),
+        (advance_inputs, advance_inputs_inputs, lambda k: {"block_size": 4, "spare_slot": 28}),
     ):
         cases = 0
         for k in KS:
@@ -87,6 +89,7 @@ def timings() -> None:
         (verify_accept, verify_inputs, lambda k: {}),
         (update_status, status_inputs, lambda k: {}),
         (draft_preprocess, preprocess_inputs, lambda k: {"block_size": 4, "num_chain": k - 1}),
+        (advance_inputs, advance_inputs_inputs, lambda k: {"block_size": 4, "spare_slot": 28}),
     ):
         for k in (1, 4):
             for b in (1, 64, 512):
@@ -103,7 +106,9 @@ def no_host_wait() -> bool:
     xs = [(verify_accept, verify_inputs(64, 3, 64, 5, device="cuda"), {}),
           (update_status, status_inputs(64, 3, 64, 5, device="cuda"), {}),
           (draft_preprocess, preprocess_inputs(64, 3, 64, 5, device="cuda"),
-           {"block_size": 4, "num_chain": 2})]
+           {"block_size": 4, "num_chain": 2}),
+          (advance_inputs, advance_inputs_inputs(64, 3, 64, 5, device="cuda"),
+           {"block_size": 4, "spare_slot": 28})]
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:

@@ -5,7 +5,9 @@ device time of the verify and draft graphs from CUDA events.
     python benchmarks/gpu/profile_mtp.py [--k 3] [--batch 1] [--no-overlap] [--logprobs N] [--top 25]
 
 With --torch, torch.profiler instead of cProfile: the run's kernel time against its wall time
-and the CPU-side operations (CUDA runtime calls included) by their own time.
+and the CPU-side operations (CUDA runtime calls included) by their own time. With --kernels,
+the kernels of one replay of each MTP graph (verify, draft, advance) and of the plain decode
+graph of the same batch size, by total time.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ def main() -> None:
     p.add_argument("--top", type=int, default=25)
     p.add_argument("--no-overlap", action="store_true")
     p.add_argument("--torch", action="store_true", help="torch.profiler instead of cProfile")
+    p.add_argument("--kernels", action="store_true", help="the kernels of each graph's replay")
     p.add_argument("--logprobs", type=int, default=None, help="top_logprobs width (default: none)")
     args = p.parse_args()
     llm = LLM(device="cuda", num_speculative_tokens=args.k, num_blocks=1024, spec_fallback=False,
@@ -46,6 +49,9 @@ def main() -> None:
     torch.cuda.synchronize()
     if args.torch:
         torch_profile(llm, prompts, params, args.top)
+        return
+    if args.kernels:
+        graph_kernels(llm, args.top)
         return
     prof = cProfile.Profile()
     t0 = time.perf_counter()
@@ -85,6 +91,40 @@ def torch_profile(llm: LLM, prompts: list[str], params: SamplingParams, top: int
     print(f"torch.profiler: {tokens} tokens, wall {wall * 1e3:.1f} ms (profiled), device kernels "
           f"{kernels / 1e3:.1f} ms ({kernels / 1e3 / (wall * 1e3):.0%} of the wall)")
     print(events.table(sort_by="self_cpu_time_total", row_limit=top, max_name_column_width=48))
+
+
+@torch.inference_mode()
+def graph_kernels(llm: LLM, top: int, replays: int = 20) -> None:
+    """Kernels per replay of each graph of the first captured MTP key, and of the plain decode
+    graph with as many rows."""
+    from torch.profiler import ProfilerActivity, profile
+
+    spec = llm.engine.spec
+    key, g = next(iter(spec.graphs.graphs.items()))
+    runs = {"verify": g.verify, "draft": g.draft, "advance": g.advance}
+    decode = llm.engine.runner.graphs
+    if decode is not None:
+        dkey = next((k for k in sorted(decode.graphs) if k[0] >= key[0]), None)
+        if dkey is not None:
+            decode.pad_inputs(dkey)
+            runs["plain decode"] = decode.graphs[dkey][0].replay
+    snapshot = g.inputs.clone()
+    for name, fn in runs.items():
+        fn()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(replays):
+                fn()
+            torch.cuda.synchronize()
+        g.inputs.copy_(snapshot)
+        kernels = [e for e in prof.key_averages() if e.device_type.name == "CUDA"
+                   and e.self_device_time_total > 0]
+        total = sum(e.self_device_time_total for e in kernels) / replays
+        count = sum(e.count for e in kernels) / replays
+        print(f"== {name} graph, slots x width {key}: {count:.0f} kernels, {total:.1f} us per replay")
+        for e in sorted(kernels, key=lambda e: -e.self_device_time_total)[:top]:
+            print(f"  {e.count / replays:4.0f} x {e.self_device_time_total / e.count:7.2f} us  "
+                  f"{e.key[:90]}")
 
 
 if __name__ == "__main__":

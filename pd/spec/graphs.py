@@ -16,7 +16,7 @@ pool:
   packed int64 result [S, 2k + 4] (accepted ids, kept count, verified count, stop flag, drafts)
   that the host copies back in one transfer;
 - advance: the next step's inputs from that result, on the device, for a step launched before
-  the host has read this one (`SpecGraphs._advance`, the overlap loop);
+  the host has read this one (`kernels.advance_inputs`, one kernel; the overlap loop);
 - logprobs: the raw logprobs of every row's accepted token, one graph per top-k width.
 Greedy rows without logit processing need nothing between the two replays. Other rows
 (sampling, penalties, min_tokens) overwrite the target ids, the target's draft probabilities
@@ -37,6 +37,7 @@ import numpy as np
 import torch
 
 from kernels import draft_preprocess, update_status, verify_accept
+from kernels.advance_inputs import INPUTS as ADVANCED, advance_inputs
 from kernels.argmax import argmax
 from kernels.token_logprob import token_logprob
 from kernels.launch import use_kernels
@@ -317,43 +318,29 @@ class SpecGraphs:
             out = model.mtp_forward(mtp_ids, positions, ver.hidden)
         prev = out[draft_rows]  # [S, H]
         drafts = [argmax(model.head_logits(prev))]
+        # NOTE: every chained pass's slots and positions at once (rows m), not a few small
+        # kernels per pass
+        slots_by_pass = chain_slots.t().contiguous()  # [k - 1, S]
+        chain = chain_pos[None, :] + torch.arange(k, device=dev)[:, None]  # [k, S]
+        rows = torch.arange(num_slots, device=dev)
         for m in range(k - 1):
             ctx = ForwardContext(
-                slot_mapping=chain_slots[:, m].contiguous(), block_tables=v["block_tables"],
-                context_lens=chain_pos + m + 1, padded_index=torch.arange(num_slots, device=dev),
+                slot_mapping=slots_by_pass[m], block_tables=v["block_tables"],
+                context_lens=chain[m + 1], padded_index=rows,
                 attn_mask=None, max_q_len=1, max_kv_len=width * self.block_size)
             with forward_context(ctx):
-                prev = model.mtp_forward(drafts[-1], chain_pos + m, prev)
+                prev = model.mtp_forward(drafts[-1], chain[m], prev)
             drafts.append(argmax(model.head_logits(prev)))
         return torch.stack(drafts, dim=1)
 
     def _advance(self, v: dict[str, torch.Tensor], result: torch.Tensor, width: int) -> None:
-        """Step N + 1's device-dependent inputs from step N's `result`, for the same slots:
-        each live slot moves past the n tokens it kept; its newest token and its drafts (as many
-        as its length budget leaves, as the scheduler cuts them) become the next rows. A slot
-        that stopped in N, or was invalid in it, becomes invalid (slot index -1) and padding.
-        The host has already written the known part (`Layout.tail`) for N + 1."""
-        k, bs = self.k, self.block_size
-        k1 = k + 1
-        accepted, kept, flags, drafts = result[:, :k1], result[:, k1], result[:, k1 + 2], result[:, k1 + 3:]
-        seq = v["seq_lens"] + kept
-        start = v["positions"][:, 0] + kept  # the newest token's position
-        live = (v["slot_index"] >= 0) & (flags == 0)
-        num_drafts = torch.where(live, (v["max_seq_lens"] - seq - 1).clamp(0, k), 0)
-        newest = accepted.gather(1, (kept - 1).clamp(min=0)[:, None])
-        j = torch.arange(k1, device=self.device)[None, :]
-        valid = (j <= num_drafts[:, None]) & live[:, None]
-        pos = start[:, None] + j
-        table_of = v["block_tables"].gather(1, (pos // bs).clamp(0, width - 1))
-        v["input_ids"].copy_(torch.where(valid, torch.cat([newest, drafts], dim=1), 0))
-        v["positions"].copy_(torch.where(valid, pos, 0))
-        v["slot_mapping"].copy_(torch.where(valid, table_of * bs + pos % bs, self.dummy_block * bs))
-        v["context_lens"].copy_(torch.where(valid, pos + 1, 1))
-        v["draft_ids"].copy_(torch.where(j[:, :k] < num_drafts[:, None], drafts, 0))
-        v["num_drafts"].copy_(num_drafts)
-        v["seq_lens"].copy_(seq)
-        v["num_outputs"].add_(kept)
-        v["slot_index"].copy_(torch.where(live, v["slot_index"], -1))
+        """Step N + 1's device-dependent inputs from step N's `result`, for the same slots, in
+        one kernel (`kernels.advance_inputs`): each live slot moves past the tokens it kept, its
+        newest token and its drafts (as many as its length budget leaves, as the scheduler cuts
+        them) become the next rows; a slot that stopped in N, or was invalid in it, becomes
+        invalid and padding. The host has already written the known part (`Layout.tail`)."""
+        advance_inputs(result, *(v[name] for name in ADVANCED), block_size=self.block_size,
+                       spare_slot=self.dummy_block * self.block_size)
 
     def get(self, key: tuple[int, int]) -> StepGraphs:
         if key not in self.graphs:

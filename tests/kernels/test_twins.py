@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from kernels import draft_preprocess, update_status, verify_accept
-from kernels.testing import preprocess_inputs, status_inputs, verify_inputs
+from kernels.advance_inputs import advance_inputs
+from kernels.testing import advance_inputs_inputs, preprocess_inputs, status_inputs, verify_inputs
 
 CASES = [(k, b, seed) for k in (1, 2, 3, 4) for b, seed in ((1, 0), (7, 1), (64, 2))]
 
@@ -99,6 +100,35 @@ def test_draft_preprocess(k, num_slots, seed):
             assert int(slots[b, m]) == want_slot
 
 
+@pytest.mark.parametrize("k,num_slots,seed", CASES)
+def test_advance_inputs(k, num_slots, seed):
+    bs, spare = 4, 7 * 4
+    x = advance_inputs_inputs(num_slots, k, vocab=50, seed=seed, block_size=bs)
+    before = {n: t.tolist() for n, t in x.items()}
+    advance_inputs(**x, block_size=bs, spare_slot=spare)
+    k1, live_seen = k + 1, 0
+    for b in range(num_slots):
+        r = before["result"][b]
+        acc, kept, flag, drafts = r[:k1], r[k1], r[k1 + 2], r[k1 + 3:]
+        seq = before["seq_lens"][b] + kept
+        live = before["slot_index"][b] >= 0 and flag == 0
+        live_seen += live
+        nd = min(k, max(0, before["max_seq_lens"][b] - seq - 1)) if live else 0
+        start = before["positions"][b][0] + kept
+        table = before["block_tables"][b]
+        rows = [(acc[max(kept - 1, 0)] if j == 0 else drafts[j - 1], start + j,
+                 table[min((start + j) // bs, len(table) - 1)] * bs + (start + j) % bs, start + j + 1)
+                if live and j <= nd else (0, 0, spare, 1) for j in range(k1)]
+        got = list(zip(*(x[n][b].tolist() for n in ("input_ids", "positions", "slot_mapping",
+                                                    "context_lens"))))
+        assert got == rows, b
+        assert x["draft_ids"][b].tolist() == [drafts[j] if j < nd else 0 for j in range(k)]
+        assert int(x["num_drafts"][b]) == nd and int(x["seq_lens"][b]) == seq
+        assert int(x["num_outputs"][b]) == before["num_outputs"][b] + kept
+        assert int(x["slot_index"][b]) == (before["slot_index"][b] if live else -1)
+    assert live_seen or num_slots < 7
+
+
 def test_wrappers_refuse_bad_inputs():
     x = verify_inputs(4, 2, vocab=7, seed=3)
     with pytest.raises(TypeError, match="num_drafts"):
@@ -110,6 +140,9 @@ def test_wrappers_refuse_bad_inputs():
     y = status_inputs(4, 2, vocab=5, seed=3)
     with pytest.raises(TypeError, match="stop_flags"):
         update_status(**{**y, "stop_flags": y["stop_flags"].long()})
+    z = advance_inputs_inputs(4, 2, vocab=5, seed=3)
+    with pytest.raises(ValueError, match="seq_lens"):
+        advance_inputs(**{**z, "seq_lens": z["seq_lens"][:2]}, block_size=4, spare_slot=0)
 
 
 def test_no_cupy_import_on_cpu():
