@@ -36,6 +36,8 @@ from pd.engine.scheduler import ScheduledBatch
 
 log = logging.getLogger(__name__)
 
+ROPE_MARGIN = 64  # rotary table rows past max_model_len (`RotaryEmbedding.cache_positions`)
+
 # PD_SPEC_LAYOUT=1: on CPU, run MTP steps through the layout of their CUDA graphs without
 # capture (`pd.spec.graphs`; how the tests check chained MTP steps through real processes;
 # slower than the eager step on CPU). The runner keeps the spare block that layout pads into.
@@ -93,6 +95,8 @@ class ModelRunner:
         self.model_config = mc = self.model.config
         self.max_model_len = min(cfg.max_model_len or mc.max_context_len,
                                  mc.max_context_len)
+        # NOTE: the margin covers the MTP chain's positions past a sequence's last (k <= 4)
+        self.model.rotary.cache_positions(self.max_model_len + ROPE_MARGIN, self.device, self.dtype)
         num_blocks = num_blocks_for(mc, cfg, self.dtype)
         use_graphs = self.device.type == "cuda" and not cfg.enforce_eager
         # the spare block takes graphs' padding writes (and the MTP layout's on CPU)

@@ -130,6 +130,7 @@ class RotaryEmbedding:
         self.theta, self.head_dim = theta, head_dim
         self.inv_freq = inv_freq
         self._cached: tuple | None = None
+        self.position_cache: torch.Tensor | None = None  # [P, 2D] (`cache_positions`)
 
     def _dynamic_inv_freq(self) -> torch.Tensor:
         """[T, D/2]: each token's frequencies from its sequence's length in this forward."""
@@ -141,11 +142,7 @@ class RotaryEmbedding:
         scaled = 1.0 / (base[:, None] ** self.exponent[None, :])
         return torch.where((seq_len > max_len)[:, None], scaled, self.inv_freq[None, :])
 
-    def tables(self, positions: torch.Tensor, dtype: torch.dtype):
-        """cos, sin [T, D] in `dtype` for this forward's positions (computed once per forward)."""
-        cached = self._cached
-        if cached is not None and cached[0] is positions and cached[1] == dtype:
-            return cached[2], cached[3]
+    def _compute(self, positions: torch.Tensor, dtype: torch.dtype):
         if self.inv_freq.device != positions.device:
             self.inv_freq = self.inv_freq.to(positions.device)
             self.exponent = self.exponent.to(positions.device)
@@ -155,7 +152,31 @@ class RotaryEmbedding:
         cos, sin = emb.cos(), emb.sin()
         if self.attention_factor != 1.0:
             cos, sin = cos * self.attention_factor, sin * self.attention_factor
-        cos, sin = cos.to(dtype), sin.to(dtype)
+        return cos.to(dtype), sin.to(dtype)
+
+    def cache_positions(self, num_positions: int, device: torch.device, dtype: torch.dtype) -> None:
+        """Compute the tables of positions 0 .. num_positions - 1 once ([P, 2D], cos then sin,
+        by the same operations as per forward, so the values are the same): each forward then
+        gathers its rows in one kernel instead of computing them in seven. Dynamic RoPE, whose
+        frequencies depend on the batch, keeps computing per forward. Every position a forward
+        passes must be below num_positions."""
+        if self.dynamic:
+            return
+        cos, sin = self._compute(torch.arange(num_positions, device=device), dtype)
+        self.position_cache = torch.cat((cos, sin), dim=-1)
+
+    def tables(self, positions: torch.Tensor, dtype: torch.dtype):
+        """cos, sin [T, D] in `dtype` for this forward's positions (once per forward): rows of
+        the position cache where there is one (`cache_positions`), strided views of one gather."""
+        cached = self._cached
+        if cached is not None and cached[0] is positions and cached[1] == dtype:
+            return cached[2], cached[3]
+        table = self.position_cache
+        if table is not None and table.dtype == dtype and table.device == positions.device:
+            rows = table.index_select(0, positions)
+            cos, sin = rows[:, :self.head_dim], rows[:, self.head_dim:]
+        else:
+            cos, sin = self._compute(positions, dtype)
         self._cached = (positions, dtype, cos, sin)
         return cos, sin
 
