@@ -114,6 +114,7 @@ def main() -> None:
             ("prefill arrival -> first token sent", "prefill", "pd_first_token_send_seconds"),
             ("prefill step", "prefill", "pd_step_duration_seconds"),
             ("KV send -> ack", "prefill", "pd_kv_transfer_seconds"),
+            ("KV accept -> last record in (decode)", "decode", "pd_kv_transfer_seconds"),
             ("first token -> joined the batch", "decode", "pd_request_join_seconds"))}
         steps = last[("decode", "pd_batch_size_count")] - first.get(("decode", "pd_batch_size_count"), 0)
         host = {k[1].split('"')[1]: 1000 * (v - first.get(k, 0.0)) / max(steps, 1.0)

@@ -44,7 +44,7 @@ from pd.spec.verify import SpecStats
 from pd.wire import messages as m
 from pd.wire.geometry import mismatch
 from pd.wire.sampling_params import SamplingParams
-from shm_ipc.kv import install_kv
+from shm_ipc.kv import fence, install_kv, landed, prepare as prepare_kv_copies
 from shm_ipc.receiver import KVReceiver, PeerGone
 from shm_ipc.header import Flag
 from shm_ipc.records import AbortRecord, FirstTokenRecord, KVRecord, TokensRecord
@@ -80,6 +80,8 @@ class Incoming:
     state: IncomingState = IncomingState.META
     num_records: int = 0
     num_cached: int = 0  # leading prompt blocks found in this node's prefix cache, not sent
+    kv_bytes: int = 0  # KV bytes received for it
+    accepted_at: float = 0.0  # perf_counter time of its KVAccept (the transfer's start)
     first_token_at: float = 0.0  # monotonic time of the first token's arrival
 
 
@@ -94,6 +96,9 @@ class DecodeNode(NodeService):
                  capture_graphs_tokens: int = default("cuda_graph_max_tokens", "decode")) -> None:
         super().__init__(node_id, host, port, metrics_port, drain_timeout)
         self.engine = engine
+        prepare_kv_copies(engine.runner.kv_cache.kv)  # the first transfer compiles nothing
+        self.kv_landing = None  # the copies of the last KV records received (`on_kv_socket`)
+        self.num_kv_records = 0
         self.scheduler = engine.scheduler
         self.allocator = engine.allocator
         self.max_queue = max_queue
@@ -150,11 +155,19 @@ class DecodeNode(NodeService):
     # -- KV ingest -----------------------------------------------------------------------------
     def on_kv_socket(self) -> None:
         t = time.perf_counter()
+        # NOTE: the KV records of the last recv() were copied from ring space that this recv()
+        # releases: those copies must be done (they usually are, a step later).
+        landed(self.kv_landing)
+        num_records = self.num_kv_records
         for peer, item in self.receiver.recv(timeout=0):
             try:
                 self.dispatch(peer, item)
             except m.MessageError as e:
                 self.refuse("kv", e)
+        # NOTE: the records' copies run back to back on the copy stream (`on_kv`); every step
+        # launched from now on waits for them on the device, not here.
+        kv = self.engine.runner.kv_cache.kv
+        self.kv_landing = fence(kv) if self.num_kv_records != num_records else None
         self.loop.times.add("intake", t)
 
     def dispatch(self, peer: bytes, item) -> None:
@@ -262,17 +275,25 @@ class DecodeNode(NodeService):
             inc.num_cached = len(hit)
             INCOMING_STATES.move(inc, IncomingState.RECEIVING)
             self.receiver.send_control(inc.peer, m.to_dict(m.KVAccept(req.req_id, len(hit))))
+            inc.accepted_at = time.perf_counter()
 
     def on_kv(self, inc: Incoming, rec: KVRecord) -> None:
         if rec.block_start + rec.num_blocks > inc.num_blocks - inc.num_cached:
             raise m.MessageError(f"KV record for {inc.req.req_id} beyond its "
                                  f"{inc.num_blocks - inc.num_cached} uncached blocks")
         try:
-            install_kv(rec, self.engine.runner.kv_cache.kv, inc.req.block_ids[inc.num_cached:])
+            install_kv(rec, self.engine.runner.kv_cache.kv, inc.req.block_ids[inc.num_cached:],
+                       wait=False)
         except ValueError as e:
             raise m.MessageError(str(e)) from None
         inc.num_records += 1
-        self.metrics.kv_received_bytes.inc(rec.payload.nbytes)
+        inc.kv_bytes += rec.payload.nbytes
+        self.num_kv_records += 1
+        self.metrics.kv_received_bytes(self.tier(inc.peer)).inc(rec.payload.nbytes)
+
+    def tier(self, peer: bytes) -> str:
+        """How a prefill node's KV reaches this node: "shm" (its ring) or "zmq" (frames)."""
+        return "shm" if self.receiver.has_ring(peer) else "zmq"
 
     def on_kv_done(self, peer: bytes, msg: m.KVDone) -> None:
         inc = self.expect(peer, msg.req_id, IncomingState.RECEIVING)
@@ -280,6 +301,9 @@ class DecodeNode(NodeService):
             self.fail(inc, f"KV incomplete: {inc.num_records} of {msg.num_records} records arrived")
             return
         self.receiver.send_control(peer, m.to_dict(m.KVAck(msg.req_id)))
+        tier = self.tier(peer)
+        self.metrics.kv_transfer_seconds(tier).observe(time.perf_counter() - inc.accepted_at)
+        self.metrics.kv_transfer_bytes(tier).observe(inc.kv_bytes)
         del self.incoming[msg.req_id]
         INCOMING_STATES.move(inc, IncomingState.JOINED)
         req = inc.req
@@ -439,4 +463,5 @@ class DecodeNode(NodeService):
         for req_id, reply_to in list(self.reply_to.items()):
             self.events.send(reply_to, m.TokenStream(
                 req_id, [], error=f"decode node {self.node_id} shut down"))
+        landed(self.kv_landing)  # no copy may still read a ring that closing unmaps
         self.receiver.close()

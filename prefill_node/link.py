@@ -97,6 +97,11 @@ class DecodeLink:
         log.info("connecting to decode node %s over %s", addr, self.transport.mode)
 
     @property
+    def tier(self) -> str:
+        """How KV crosses this link: "shm" (the ring) or "zmq" (frames), for the metrics."""
+        return self.transport.mode
+
+    @property
     def failed(self) -> bool:
         return self.state is LinkState.FAILED
 

@@ -33,6 +33,7 @@ from pd.service.states import Transitions
 from pd.wire import messages as m
 from pd.wire.sampling_params import SamplingParams
 from prefill_node.link import DecodeLink
+from shm_ipc.kv import prepare as prepare_kv_copies
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +63,7 @@ class Job:
     link: DecodeLink | None = None
     arrival: float = field(default_factory=time.monotonic)
     kv_started: float = 0.0
+    kv_bytes: int = 0  # KV bytes sent for it
 
 
 class PrefillNode(NodeService):
@@ -75,6 +77,7 @@ class PrefillNode(NodeService):
                  drain_timeout: float = default("drain_timeout", "prefill")) -> None:
         super().__init__(node_id, host, port, metrics_port, drain_timeout)
         self.engine = engine
+        prepare_kv_copies(engine.runner.kv_cache.kv)  # the first transfer compiles nothing
         self.scheduler = engine.scheduler
         self.transport = transport
         self.max_queue = max_queue
@@ -193,7 +196,8 @@ class PrefillNode(NodeService):
         JOB_STATES.move(job, JobState.KV_SENT)
         job.kv_started = time.perf_counter()
         nbytes = link.send_kv(job, num_cached_blocks)
-        self.metrics.kv_sent_bytes.inc(nbytes)
+        job.kv_bytes = nbytes
+        self.metrics.kv_sent_bytes(link.tier).inc(nbytes)
         self.kv_sent_bytes += nbytes
 
     def on_kv_ack(self, link: DecodeLink, req_id: str) -> None:
@@ -201,7 +205,8 @@ class PrefillNode(NodeService):
         if job is None or job.link is not link or job.state is not JobState.KV_SENT:
             log.warning("KVAck for %s, which has no KV in flight to that node", req_id)
             return
-        self.metrics.kv_transfer_seconds.observe(time.perf_counter() - job.kv_started)
+        self.metrics.kv_transfer_seconds(link.tier).observe(time.perf_counter() - job.kv_started)
+        self.metrics.kv_transfer_bytes(link.tier).observe(job.kv_bytes)
         self.release(job)
 
     def on_kv_refuse(self, link: DecodeLink, req_id: str, reason: str) -> None:

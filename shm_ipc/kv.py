@@ -4,16 +4,21 @@ The cache is one tensor `kv[num_layers, 2, num_blocks, block_size, num_kv_heads,
 (the MTP layer, when present, last in dim 0). A request's KV is split by layer range (and, when
 one layer alone is too big, by block range) so that no record exceeds `max_record_bytes`; each
 chunk's bytes are `kv[l0:l1, :, block_ids[b0:b1]]`, contiguous, in that order. The sender
-gathers straight into ring memory (or a fresh tensor for ZMQ); the receiver copies a record's
-payload straight into `kv[l0:l1, :, dst_block_ids[b0:b1]]`. Geometry agreement between the two
+gathers into ring memory (or a fresh tensor for ZMQ); the receiver copies a record's payload
+into `kv[l0:l1, :, dst_block_ids[b0:b1]]`. On CUDA each way is one block-copy kernel
+(`kernels.block_copy`) between the cache and a device staging buffer, and one DMA copy between
+that buffer and the (page-locked) record, on a side stream. Geometry agreement between the two
 nodes is the handshake's job (the node services); here each record's size and dtype are checked.
 """
 
 from __future__ import annotations
 
 import warnings
+from collections import deque
 
 import torch
+
+from kernels.block_copy import compile_kernel, copy_blocks
 
 from .records import DTYPE_CODES, KVRecord
 
@@ -54,6 +59,7 @@ def chunk_shape(kv: torch.Tensor, l0: int, l1: int, nb: int) -> tuple[int, ...]:
 
 
 _COPY_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+_STAGING: dict[torch.device, torch.Tensor] = {}
 
 
 def copy_stream(device: torch.device) -> torch.cuda.Stream:
@@ -61,6 +67,86 @@ def copy_stream(device: torch.device) -> torch.cuda.Stream:
     if device not in _COPY_STREAMS:
         _COPY_STREAMS[device] = torch.cuda.Stream(device)
     return _COPY_STREAMS[device]
+
+
+def prepare(kv: torch.Tensor) -> None:
+    """Ready the KV copies of a node's cache before the first transfer: the side stream and the
+    block-copy kernel (compiled once per process); nothing on CPU."""
+    if kv.is_cuda:
+        copy_stream(kv.device)
+        compile_kernel(kv.device)
+
+
+def staging(kv: torch.Tensor, shape) -> torch.Tensor:
+    """A device buffer of `shape` in kv's dtype on kv's device, reused by every KV copy there:
+    a chunk's blocks gathered before one DMA to the host, or a record's payload landed before
+    being scattered. The copies run in order on one side stream (`copy_stream`), so each use
+    starts after the previous one is done, however many are queued."""
+    n = 1
+    for d in shape:
+        n *= d
+    nbytes = n * kv.element_size()
+    buf = _STAGING.get(kv.device)
+    if buf is None or buf.numel() < nbytes:
+        # NOTE: growing frees the old buffer through the caching allocator while queued copies
+        # may still use it; they are on the same stream as every later use, so that is safe.
+        buf = _STAGING[kv.device] = torch.empty(nbytes, dtype=torch.uint8, device=kv.device)
+    return buf[:nbytes].view(kv.dtype).view(shape)
+
+
+def _on_device(ids: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Block ids copied to the device without waiting: through page-locked memory, since a copy
+    from pageable memory would wait for every copy queued on the stream before it."""
+    return ids.pin_memory().to(device, non_blocking=True)
+
+
+def gather_pipelined(kv: torch.Tensor, block_ids: torch.Tensor, chunks, reserve, publish,
+                     depth: int = 2, fits=None) -> None:
+    """Gather each chunk of `plan_chunks` into the memory `reserve(chunk)` returns (its
+    record's payload) and call `publish()` once per chunk, in order, when the oldest unpublished
+    chunk's bytes are there; at most `depth` chunks are reserved and unpublished. On CUDA those
+    are copies in flight on the side stream (block-copy kernel into the staging buffer, then one
+    DMA into the record), so the copy engine keeps working while the host publishes and
+    reserves; on CPU each chunk is copied at once (and published up to `depth` chunks later, the
+    same order). `fits(chunk)` (optional): whether `reserve(chunk)` would not wait; when it
+    would, every chunk reserved is published first, so that the receiver, woken by them, frees
+    the space."""
+    stream = copy_stream(kv.device) if kv.is_cuda else None
+    in_flight: deque = deque()  # per reserved chunk: its copy's event (None: done)
+    try:
+        if stream is not None:
+            stream.wait_stream(torch.cuda.current_stream(kv.device))  # the KV's writes
+            with torch.cuda.stream(stream):
+                ids = _on_device(block_ids, kv.device)
+        for l0, l1, b0, b1 in chunks:
+            full = fits is not None and not fits((l0, l1, b0, b1))
+            while len(in_flight) == depth or (full and in_flight):
+                done = in_flight.popleft()
+                if done is not None:
+                    done.synchronize()
+                publish()
+            out = reserve((l0, l1, b0, b1))
+            if stream is None:
+                gather_into(kv, block_ids, (l0, l1, b0, b1), out)
+                in_flight.append(None)
+                continue
+            dst = torch.frombuffer(out, dtype=kv.dtype).view(chunk_shape(kv, l0, l1, b1 - b0))
+            with torch.cuda.stream(stream):
+                staged = staging(kv, dst.shape)
+                copy_blocks(kv[l0:l1].flatten(0, 1), staged.flatten(0, 1), src_ids=ids[b0:b1])
+                dst.copy_(staged, non_blocking=True)
+                done = torch.cuda.Event()
+                done.record(stream)
+            in_flight.append(done)
+        while in_flight:
+            done = in_flight.popleft()
+            if done is not None:
+                done.synchronize()
+            publish()
+    except BaseException:
+        if stream is not None:
+            stream.synchronize()  # no copy may still write into memory the caller gives up
+        raise
 
 
 def gather_into(kv: torch.Tensor, block_ids: torch.Tensor, chunk, out: memoryview) -> None:
@@ -78,7 +164,10 @@ def gather_into(kv: torch.Tensor, block_ids: torch.Tensor, chunk, out: memoryvie
     # NOTE: the KV was written by work queued on the current stream; the copy waits for it there.
     stream.wait_stream(torch.cuda.current_stream(kv.device))
     with torch.cuda.stream(stream):
-        dst.copy_(kv[l0:l1].index_select(2, idx.to(kv.device)), non_blocking=True)
+        staged = staging(kv, dst.shape)
+        copy_blocks(kv[l0:l1].flatten(0, 1), staged.flatten(0, 1),
+                    src_ids=idx.to(kv.device, non_blocking=True))
+        dst.copy_(staged, non_blocking=True)
     stream.synchronize()  # the record is published after this: its bytes must be there
 
 
@@ -103,11 +192,14 @@ def payload_tensor(rec: KVRecord, kv: torch.Tensor) -> torch.Tensor:
         return torch.frombuffer(rec.payload, dtype=kv.dtype).view(shape)
 
 
-def install_kv(rec: KVRecord, kv: torch.Tensor, dst_block_ids) -> None:
+def install_kv(rec: KVRecord, kv: torch.Tensor, dst_block_ids, wait: bool = True) -> None:
     """Copy the record into kv[l0:l1, :, dst_block_ids[b0:b0+nb]] (the receiver's own blocks).
 
-    On CUDA the copy runs on the side stream (by DMA from a pinned ring) and this returns once
-    it is done, so the record may be released and any step launched later reads the blocks."""
+    On CUDA the copy runs on the side stream (by DMA from a pinned ring, then the block-copy
+    kernel). With `wait` this returns once it is done, so the record may be released and any
+    step launched later reads the blocks; without, the copies of several records queue up
+    back to back and the caller calls `installed(kv)` before releasing the records or running
+    a step."""
     src = payload_tensor(rec, kv)
     ids = torch.as_tensor(dst_block_ids, dtype=torch.long)
     idx = ids[rec.block_start:rec.block_start + rec.num_blocks]
@@ -120,6 +212,33 @@ def install_kv(rec: KVRecord, kv: torch.Tensor, dst_block_ids) -> None:
         return
     stream = copy_stream(kv.device)
     with torch.cuda.stream(stream):
-        dst.index_copy_(2, idx.to(kv.device, non_blocking=True),
-                        src.to(kv.device, non_blocking=src.is_pinned()))
-    stream.synchronize()
+        staged = staging(kv, src.shape)
+        staged.copy_(src, non_blocking=src.is_pinned())
+        copy_blocks(staged.flatten(0, 1), dst.flatten(0, 1), dst_ids=_on_device(idx, kv.device))
+    if wait:
+        stream.synchronize()
+
+
+def installed(kv: torch.Tensor) -> None:
+    """Wait for every KV copy queued by `install_kv(..., wait=False)` on kv's device."""
+    if kv.is_cuda:
+        copy_stream(kv.device).synchronize()
+
+
+def fence(kv: torch.Tensor) -> "torch.cuda.Event | None":
+    """After `install_kv(..., wait=False)` calls: make the current stream (and so every step
+    launched later, `pd.engine.executor`) wait on the device for the copies queued so far, and
+    return an event the host waits on (`landed`) before the records' memory is released.
+    None on CPU, where the copies are done when `install_kv` returns."""
+    if not kv.is_cuda:
+        return None
+    done = torch.cuda.Event()
+    done.record(copy_stream(kv.device))
+    torch.cuda.current_stream(kv.device).wait_event(done)
+    return done
+
+
+def landed(done: "torch.cuda.Event | None") -> None:
+    """Wait for the copies `fence` covered (usually done by then)."""
+    if done is not None:
+        done.synchronize()

@@ -89,6 +89,10 @@ class KVReceiver:
     def send_control(self, peer: bytes, msg: dict) -> None:
         self.socket.send_multipart([peer, control.encode(msg)])
 
+    def has_ring(self, peer: bytes) -> bool:
+        """Whether `peer` sends through a shared-memory ring (else ZMQ frames only)."""
+        return peer in self.rings
+
     def poll(self, timeout: float | None = 0) -> bool:
         ms = None if timeout is None else int(timeout * 1000)
         return bool(self.socket.poll(ms, zmq.POLLIN))

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections import deque
 
 import numpy as np
 
@@ -69,7 +70,7 @@ class Ring:
         self._data = seg.buf[DATA_OFFSET:DATA_OFFSET + self.capacity]
         self._words = self._data.cast("I")
         self._cursor = 0  # producer: next write position; consumer: next read position
-        self._pending = None
+        self._pending: deque[int] = deque()  # producer: ends of reserved, unpublished records
         self.num_waits = 0  # producer: times it found the ring full and waited
 
     # ---- producer -----------------------------------------------------------------------------
@@ -90,9 +91,9 @@ class Ring:
         return self.capacity // 2 // ALIGN * ALIGN - RECORD_HEADER
 
     def reserve(self, word: int, length: int, timeout: float = 30.0) -> memoryview:
-        """Claim room for one record and return its writable payload; `commit()` publishes it."""
-        if self._pending is not None:
-            raise RuntimeError("reserve() again before commit()")
+        """Claim room for one record and return its writable payload; `commit()` publishes it.
+        Several records may be reserved before the first is committed (a sender with copies
+        in flight): each `commit()` publishes the oldest reserved one, so they appear in order."""
         total = record_size(length)
         if not 0 < word <= 0xFFFFFFFF:
             raise ValueError(f"header word {word!r}: 0 is PAD, records need a uint32 above 0")
@@ -110,18 +111,33 @@ class Ring:
             pos += tail
             off = 0
         self._words[off // 4], self._words[off // 4 + 1] = word, length
-        self._pending = pos + total
+        self._cursor = pos + total
+        self._pending.append(self._cursor)
         start = off + RECORD_HEADER
         return self._data[start:start + length]
 
+    def fits(self, length: int) -> bool:
+        """Whether a record of `length` payload bytes could be reserved now without waiting."""
+        total = record_size(length)
+        off = self._cursor % self.capacity
+        tail = self.capacity - off
+        need = total if total <= tail else tail + total
+        return self._cursor + need - self._ctl[READ_POS] <= self.capacity
+
+    @property
+    def num_pending(self) -> int:
+        """Records reserved and not yet committed."""
+        return len(self._pending)
+
     def commit(self) -> int:
-        """Publish the reserved record; returns the new write position (for the doorbell)."""
+        """Publish the oldest reserved record; returns the new write position (for the doorbell)."""
+        if not self._pending:
+            raise RuntimeError("commit() without a reserved record")
         # NOTE: payload bytes are stored before write_pos; the consumer reads no further than a
         # position it got after this store (from the doorbell or from write_pos itself).
-        self._cursor = self._pending
-        self._pending = None
-        self._ctl[WRITE_POS] = self._cursor
-        return self._cursor
+        end = self._pending.popleft()
+        self._ctl[WRITE_POS] = end
+        return end
 
     def publish(self, word: int, *buffers, timeout: float = 30.0) -> int:
         """Copy `buffers` (contiguous bytes-like) into one record and publish it."""
@@ -216,6 +232,18 @@ class Ring:
     def release(self) -> None:
         """Give back to the producer everything read so far (its views must no longer be used)."""
         self._ctl[READ_POS] = self._cursor
+
+    @property
+    def read_cursor(self) -> int:
+        """Consumer: the position after the last record read (what `release` would give back)."""
+        return self._cursor
+
+    def release_to(self, pos: int) -> None:
+        """Give back what lies before `pos` (a `read_cursor` taken earlier), keeping the records
+        read since, whose views are still in use (copies in flight)."""
+        if not self._ctl[READ_POS] <= pos <= self._cursor:
+            raise ValueError(f"release to {pos}: outside {self._ctl[READ_POS]}..{self._cursor}")
+        self._ctl[READ_POS] = pos
 
     def producer_alive(self) -> bool:
         return not self._ctl[PRODUCER_CLOSED] and self.seg.creator_alive()

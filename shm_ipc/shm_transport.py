@@ -21,11 +21,11 @@ import secrets
 import torch
 import zmq
 
-from . import control
+from . import control, records
 from .doorbell import WakeWriter, encode_pos
 from .errors import TransportError
 from .header import Flag, pack
-from .kv import gather_into
+from .kv import gather_pipelined, unit_bytes
 from .records import KV_DATA_OFFSET
 from .ring import ALIGN, RECORD_HEADER, Ring
 from .segment import segment_name
@@ -78,16 +78,26 @@ class ShmTransport(Transport):
         self._check()
         self._ring_bell(self.ring.publish(word, body, timeout=self.timeout))
 
-    def _send_kv_chunk(self, meta: bytes, kv: torch.Tensor, ids: torch.Tensor, chunk) -> None:
+    def _send_kv_chunks(self, req_id: str, dtype: str, kv: torch.Tensor, ids: torch.Tensor,
+                        chunks) -> None:
+        """Each chunk gathered straight into its ring record, two in flight on a GPU
+        (`gather_pipelined`), each record published (and the bell rung) once its bytes are in."""
         self._check()
-        l0, l1, b0, b1 = chunk
-        nbytes = (l1 - l0) * (b1 - b0) * 2 * kv[0, 0, 0].numel() * kv.element_size()
         if kv.is_cuda:
             self.ring.seg.pin()  # the GPU copies straight into the ring (shm_ipc.pinned)
-        view = self.ring.reserve(_KV_WORD, KV_DATA_OFFSET + nbytes, self.timeout)
-        view[:KV_DATA_OFFSET] = meta
-        gather_into(kv, ids, chunk, view[KV_DATA_OFFSET:])
-        self._ring_bell(self.ring.commit())
+
+        def size(chunk) -> int:
+            l0, l1, b0, b1 = chunk
+            return KV_DATA_OFFSET + (l1 - l0) * (b1 - b0) * unit_bytes(kv)
+
+        def reserve(chunk) -> memoryview:
+            l0, l1, b0, b1 = chunk
+            view = self.ring.reserve(_KV_WORD, size(chunk), self.timeout)
+            view[:KV_DATA_OFFSET] = records.kv_meta(req_id, l0, l1, b0, b1 - b0, dtype)
+            return view[KV_DATA_OFFSET:]
+
+        gather_pipelined(kv, ids, chunks, reserve, lambda: self._ring_bell(self.ring.commit()),
+                         fits=lambda chunk: self.ring.fits(size(chunk)))
 
     def _ring_bell(self, pos: int) -> None:
         if self.waker is not None:

@@ -78,17 +78,17 @@ class Transport(abc.ABC):
         ids = torch.as_tensor(block_ids, dtype=torch.long)
         dtype = dtype_name(kv.dtype)
         chunks = plan_chunks(kv.shape[0], ids.numel(), unit_bytes(kv), self.max_record_bytes)
-        for chunk in chunks:
-            l0, l1, b0, b1 = chunk
-            meta = records.kv_meta(req_id, l0, l1, b0, b1 - b0, dtype)
-            self._send_kv_chunk(meta, kv, ids, chunk)
+        self._send_kv_chunks(req_id, dtype, kv, ids, chunks)
         return len(chunks)
+
 
     @abc.abstractmethod
     def _send_small(self, word: int, body: bytes) -> None: ...
 
     @abc.abstractmethod
-    def _send_kv_chunk(self, meta: bytes, kv: torch.Tensor, ids: torch.Tensor, chunk) -> None: ...
+    def _send_kv_chunks(self, req_id: str, dtype: str, kv: torch.Tensor, ids: torch.Tensor,
+                        chunks) -> None:
+        """Send kv[l0:l1, :, ids[b0:b1]] of each (l0, l1, b0, b1) chunk as one KV record."""
 
     # ---- control ------------------------------------------------------------------------------
     @abc.abstractmethod

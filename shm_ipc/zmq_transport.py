@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from . import control, header
+from . import control, header, records
 from .header import Flag
 from .kv import gather
 from .transport import Transport
@@ -23,9 +23,13 @@ class ZmqTransport(Transport):
     def _send_small(self, word: int, body: bytes) -> None:
         self._send([header.to_bytes(word), body])
 
-    def _send_kv_chunk(self, meta: bytes, kv: torch.Tensor, ids: torch.Tensor, chunk) -> None:
-        data = gather(kv, ids, chunk).view(torch.uint8).numpy()
-        self._send([_KV_WORD, meta, data], copy=False)
+    def _send_kv_chunks(self, req_id: str, dtype: str, kv: torch.Tensor, ids: torch.Tensor,
+                        chunks) -> None:
+        for chunk in chunks:
+            l0, l1, b0, b1 = chunk
+            data = gather(kv, ids, chunk).view(torch.uint8).numpy()
+            meta = records.kv_meta(req_id, l0, l1, b0, b1 - b0, dtype)
+            self._send([_KV_WORD, meta, data], copy=False)
 
     def send_control(self, msg: dict) -> None:
         self._send([control.encode(msg)])

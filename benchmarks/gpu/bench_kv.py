@@ -3,14 +3,19 @@ and a decode node on one host move it, beside pinned D2H and H2D copy bandwidth 
 same run.
 
 The producer process gathers each request's KV blocks from its GPU cache into ring records
-(`shm_ipc.kv.gather_into`) and rings the doorbell; this process decodes each record and installs
-it into its own GPU cache (`shm_ipc.kv.install_kv`), releasing the ring as it goes. The cache
+(`shm_ipc.kv.gather_pipelined`, as the ring transport does) and rings the doorbell; this process decodes each record and installs
+it into its own GPU cache (`shm_ipc.kv.install_kv`), as the decode node does: the records of a
+doorbell are queued back to back on the copy stream, and their ring space is released at the
+next doorbell once their copies have landed. The cache
 has a Llama-3.2-1B shape (16 layers, 8 KV heads, head dim 64, bf16, 16-token blocks); each
 request carries `--tokens` tokens of KV. Run with the ring page-locked for CUDA (the fast path)
 and without (copies staged through pageable memory). The installed blocks are compared with the
 producer's (same seed) at the end.
 
-    python benchmarks/gpu/bench_kv.py [--tokens 4096] [--requests 16]
+    python benchmarks/gpu/bench_kv.py [--tokens 4096] [--requests 16] [--devices cuda:0,cuda:1]
+
+Beside the one-process copy bandwidth, the D2H and H2D bandwidth of two processes copying at
+once (on one GPU their copies share the GPU, so each gets about half): the ring's ceiling.
 """
 
 from __future__ import annotations
@@ -28,29 +33,38 @@ import zmq
 from shm_ipc import records
 from shm_ipc.doorbell import Doorbell, DoorbellWaiter
 from shm_ipc.header import Flag, pack
-from shm_ipc.kv import dtype_name, gather_into, install_kv, plan_chunks, unit_bytes
+from kernels.block_copy import copy_blocks
+from shm_ipc.kv import dtype_name, fence, gather_pipelined, install_kv, landed, plan_chunks, prepare, unit_bytes
 from shm_ipc.records import KV_DATA_OFFSET
 from shm_ipc.ring import Ring
 from shm_ipc.transport import DEFAULT_MAX_RECORD
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench_transport import attach_when_created, read_rung  # noqa: E402
+from bench_transport import attach_when_created  # noqa: E402
 
 LAYERS, HEADS, HEAD_DIM, BLOCK = 16, 8, 64, 16
 RING_BYTES = 256 << 20
 
 
-def cache(num_blocks: int, seed: int | None) -> torch.Tensor:
+def cache(num_blocks: int, seed: int | None, device: str = "cuda") -> torch.Tensor:
     shape = (LAYERS, 2, num_blocks, BLOCK, HEADS, HEAD_DIM)
     if seed is None:
-        return torch.zeros(shape, dtype=torch.bfloat16, device="cuda")
-    gen = torch.Generator(device="cuda").manual_seed(seed)
-    return torch.randn(shape, generator=gen, device="cuda").to(torch.bfloat16)
+        return torch.zeros(shape, dtype=torch.bfloat16, device=device)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    return torch.randn(shape, generator=gen, device=device).to(torch.bfloat16)
+
+
+def _add(phases: dict, name: str, since: float) -> float:
+    now = time.perf_counter()
+    phases[name] += now - since
+    return now
 
 
 def producer(name: str, bell_ep: str, go_ep: str, num_blocks: int, per_req: int, requests: int,
-             pin: bool) -> None:
-    kv = cache(num_blocks, seed=0)
+             pin: bool, device: str) -> None:
+    torch.cuda.set_device(device)
+    kv = cache(num_blocks, seed=0, device=device)
+    prepare(kv)  # as a node does at start: the copy kernel is compiled before any transfer
     ring = Ring.create(name, RING_BYTES)
     if pin:
         ring.seg.pin()
@@ -60,21 +74,32 @@ def producer(name: str, bell_ep: str, go_ep: str, num_blocks: int, per_req: int,
     go.recv()
     word = pack(Flag.KV, 0)
     chunks = plan_chunks(LAYERS, per_req, unit_bytes(kv), DEFAULT_MAX_RECORD)
+    t0 = time.perf_counter()
     for r in range(requests):
         ids = torch.arange(r * per_req, (r + 1) * per_req) % num_blocks
-        for l0, l1, b0, b1 in chunks:
-            nbytes = (l1 - l0) * (b1 - b0) * unit_bytes(kv)
-            view = ring.reserve(word, KV_DATA_OFFSET + nbytes, timeout=60)
+
+        def size(chunk) -> int:
+            l0, l1, b0, b1 = chunk
+            return KV_DATA_OFFSET + (l1 - l0) * (b1 - b0) * unit_bytes(kv)
+
+        def reserve(chunk, r=r) -> memoryview:
+            l0, l1, b0, b1 = chunk
+            view = ring.reserve(word, size(chunk), timeout=60)
             view[:KV_DATA_OFFSET] = records.kv_meta(f"r{r}", l0, l1, b0, b1 - b0, dtype_name(kv.dtype))
-            gather_into(kv, ids, (l0, l1, b0, b1), view[KV_DATA_OFFSET:])
-            bell.ring(ring.commit())
+            return view[KV_DATA_OFFSET:]
+
+        gather_pipelined(kv, ids, chunks, reserve, lambda: bell.ring(ring.commit()),
+                         fits=lambda chunk: ring.fits(size(chunk)))
+    wall = time.perf_counter() - t0
     while ring.read_pos < ring.write_pos:
         time.sleep(0.001)
+    print(f"  producer ({'pinned' if pin else 'pageable'}): {wall * 1e3:.0f} ms for "
+          f"{requests * len(chunks)} records, {ring.num_waits} waits for ring space")
     bell.close()
     ring.close()
 
 
-def transfer(per_req: int, requests: int, pin: bool) -> tuple[float, bool]:
+def transfer(per_req: int, requests: int, pin: bool, devices: tuple[str, str]) -> tuple[float, bool]:
     """GB/s of KV installed, and whether the last request's blocks arrived intact."""
     num_blocks = per_req * 2
     ctx = mp.get_context("spawn")
@@ -83,33 +108,55 @@ def transfer(per_req: int, requests: int, pin: bool) -> tuple[float, bool]:
     go_ep = f"tcp://127.0.0.1:{go.bind_to_random_port('tcp://127.0.0.1')}"
     name = f"pd_bench_kv_{os.getpid()}_{int(pin)}"
     proc = ctx.Process(target=producer, args=(name, waiter.endpoint, go_ep, num_blocks, per_req,
-                                              requests, pin))
+                                              requests, pin, devices[0]))
     proc.start()
     ring = attach_when_created(name)
     if pin:
         ring.seg.pin()
-    kv = cache(num_blocks, seed=None)
+    kv = cache(num_blocks, seed=None, device=devices[1])
+    prepare(kv)
     dst = {f"r{r}": (torch.arange(r * per_req, (r + 1) * per_req) + per_req) % num_blocks
            for r in range(requests)}
     total = requests * per_req * LAYERS * unit_bytes(kv)
 
+    phases = dict.fromkeys(("decode", "install", "wait"), 0.0)
+
     def install(word: int, payload) -> int:
+        t = time.perf_counter()
         kv_rec = records.decode(word, payload)
-        install_kv(kv_rec, kv, dst[kv_rec.req_id])
+        t = _add(phases, "decode", t)
+        install_kv(kv_rec, kv, dst[kv_rec.req_id], wait=False)  # as the decode node does
+        _add(phases, "install", t)
         return kv_rec.payload.nbytes
 
     t0 = time.perf_counter()
     go.send(b"go")
-    read_rung(ring, waiter, install, total, timeout=60)
+    got, copying, done_pos = 0, None, 0
+    while got < total:  # as the decode node's intake: the last batch's copies land, then release
+        pos = waiter.wait(timeout=0.002)
+        if pos is None:  # nothing new: give back everything landed (as the node's tick does)
+            landed(copying)
+            ring.release()
+            copying, done_pos = None, ring.read_cursor
+            pos = waiter.wait(timeout=60)
+        t = time.perf_counter()
+        landed(copying)
+        _add(phases, "wait", t)
+        ring.release_to(done_pos)
+        while (rec := ring.next_record(pos)) is not None:
+            got += install(*rec)
+        copying, done_pos = fence(kv), ring.read_cursor
+    landed(copying)
     dt = time.perf_counter() - t0
+    print(f"  consumer: {dt * 1e3:.0f} ms: " + ", ".join(f"{k} {v * 1e3:.0f} ms" for k, v in phases.items()))
     proc.join()
     ring.close()
     waiter.close()
     go.close()
-    src = cache(num_blocks, seed=0)
+    src = cache(num_blocks, seed=0, device=devices[0]).to(devices[1])
     last = requests - 1
     src_ids = torch.arange(last * per_req, (last + 1) * per_req) % num_blocks
-    intact = torch.equal(src[:, :, src_ids.cuda()], kv[:, :, dst[f"r{last}"].cuda()])
+    intact = torch.equal(src[:, :, src_ids.to(devices[1])], kv[:, :, dst[f"r{last}"].to(devices[1])])
     return total / dt / 1e9, intact
 
 
@@ -130,20 +177,94 @@ def pinned_bandwidth(nbytes: int) -> tuple[float, float]:
             bw(lambda: dev.copy_(host, non_blocking=True)))
 
 
+def ring_copy_bandwidth(nbytes: int = DEFAULT_MAX_RECORD) -> tuple[float, float, bool]:
+    """D2H and H2D GB/s of one record-sized copy to and from a registered ring mapping (what the
+    KV path copies through), whether torch sees that memory as pinned, and the GB/s of the
+    block-copy kernel gathering a record's worth of scattered blocks on the GPU."""
+    ring = Ring.create(f"pd_bench_kv_copy_{os.getpid()}", RING_BYTES)
+    ring.seg.pin()
+    view = ring.reserve(1, nbytes)
+    host = torch.frombuffer(view, dtype=torch.uint8)
+    dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+
+    def bw(fn):
+        fn()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(20):
+            fn()
+        torch.cuda.synchronize()
+        return 20 * nbytes / (time.perf_counter() - t0) / 1e9
+
+    kv = cache(nbytes // (LAYERS * 2 * BLOCK * HEADS * HEAD_DIM * 2) * 2, seed=1)
+    ids = torch.randperm(kv.shape[2], device="cuda")[:kv.shape[2] // 2]
+    staged = torch.empty(LAYERS * 2, ids.numel(), BLOCK, HEADS, HEAD_DIM, dtype=kv.dtype, device="cuda")
+    gather = bw(lambda: copy_blocks(kv.flatten(0, 1), staged, src_ids=ids))
+    out = (bw(lambda: host.copy_(dev, non_blocking=True)),
+           bw(lambda: dev.copy_(host, non_blocking=True)), host.is_pinned(), gather)
+    del host, view
+    ring.commit()
+    ring.close()
+    return out
+
+
+def _copier(device: str, to_host: bool, nbytes: int, count: int, start, out) -> None:
+    torch.cuda.set_device(device)
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    copy = (lambda: host.copy_(dev, non_blocking=True)) if to_host else \
+        (lambda: dev.copy_(host, non_blocking=True))
+    copy()
+    torch.cuda.synchronize()
+    start.wait()
+    t0 = time.perf_counter()
+    for _ in range(count):
+        copy()
+    torch.cuda.synchronize()
+    out.put((to_host, count * nbytes / (time.perf_counter() - t0) / 1e9))
+
+
+def duplex_bandwidth(devices: tuple[str, str], nbytes: int = DEFAULT_MAX_RECORD,
+                     count: int = 200) -> tuple[float, float]:
+    """GB/s of D2H in one process and H2D in another at the same time (as a prefill node and a
+    decode node copy): the link's share each gets, the ceiling for the ring between them."""
+    ctx = mp.get_context("spawn")
+    start, out = ctx.Barrier(2), ctx.Queue()
+    procs = [ctx.Process(target=_copier, args=(dev, to_host, nbytes, count, start, out))
+             for dev, to_host in ((devices[0], True), (devices[1], False))]
+    for p in procs:
+        p.start()
+    got = dict(out.get(timeout=120) for _ in procs)
+    for p in procs:
+        p.join()
+    return got[True], got[False]
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--tokens", type=int, default=4096, help="tokens of KV per request")
     p.add_argument("--requests", type=int, default=16)
+    p.add_argument("--devices", default="cuda:0,cuda:0",
+                   help="the producer's (prefill) and the consumer's (decode) GPUs")
     args = p.parse_args()
+    devices = tuple(args.devices.split(","))
     per_req = args.tokens // BLOCK
     d2h, h2d = pinned_bandwidth(256 << 20)
     size = per_req * LAYERS * 2 * BLOCK * HEADS * HEAD_DIM * 2
     print(f"{torch.cuda.get_device_name()}: pinned D2H {d2h:.1f} GB/s, H2D {h2d:.1f} GB/s; "
           f"{args.requests} requests of {args.tokens} tokens ({size / 2**20:.0f} MiB of KV each)")
-    print(f"{'ring':>10} | {'GB/s':>6} | {'of min(D2H, H2D)':>16} | intact")
+    rd2h, rh2d, seen, gather = ring_copy_bandwidth()
+    print(f"one {DEFAULT_MAX_RECORD >> 20} MiB copy to / from a registered ring: D2H {rd2h:.1f} "
+          f"GB/s, H2D {rh2d:.1f} GB/s (torch sees it pinned: {seen}); the block-copy kernel "
+          f"gathers a chunk on the GPU at {gather:.0f} GB/s")
+    dd2h, dh2d = duplex_bandwidth(devices)
+    print(f"at once, D2H on {devices[0]} in one process and H2D on {devices[1]} in another: "
+          f"{dd2h:.1f} and {dh2d:.1f} GB/s")
+    print(f"{'ring':>10} | {'GB/s':>6} | {'of min(D2H, H2D)':>16} | {'of duplex':>9} | intact")
     for pin in (True, False):
-        gbs, intact = transfer(per_req, args.requests, pin)
-        print(f"{'pinned' if pin else 'pageable':>10} | {gbs:>6.1f} | {gbs / min(d2h, h2d):>15.0%} | {intact}")
+        gbs, intact = transfer(per_req, args.requests, pin, devices)
+        print(f"{'pinned' if pin else 'pageable':>10} | {gbs:>6.1f} | {gbs / min(d2h, h2d):>15.0%} | "
+              f"{gbs / min(dd2h, dh2d):>8.0%} | {intact}")
 
 
 if __name__ == "__main__":

@@ -27,11 +27,15 @@ _TOKENS = Counter("pd_prompt_tokens_computed", "Prompt tokens prefilled", LABELS
 _GEN_TOKENS = Counter("pd_generation_tokens", "Tokens generated", LABELS)
 _STEP = Histogram("pd_step_duration_seconds", "Wall time of one engine step", LABELS,
                   buckets=TIME_BUCKETS)
-_KV_SENT = Counter("pd_kv_sent_bytes", "KV bytes sent to decode nodes", LABELS)
-_KV_RECV = Counter("pd_kv_received_bytes", "KV bytes received from prefill nodes", LABELS)
+# NOTE: tier: how the KV crossed, "shm" (the shared-memory ring, one host) or "zmq" (frames)
+_KV_SENT = Counter("pd_kv_sent_bytes", "KV bytes sent to decode nodes", LABELS + ("tier",))
+_KV_RECV = Counter("pd_kv_received_bytes", "KV bytes received from prefill nodes", LABELS + ("tier",))
 _KV_XFER = Histogram("pd_kv_transfer_seconds",
-                     "From the start of a request's KV send to the decode node's ack", LABELS,
-                     buckets=TIME_BUCKETS)
+                     "One request's KV transfer: prefill node, from the start of its send to the "
+                     "decode node's ack; decode node, from its KVAccept to the last record installed",
+                     LABELS + ("tier",), buckets=TIME_BUCKETS)
+_KV_XFER_BYTES = Histogram("pd_kv_transfer_bytes", "KV bytes of one request's transfer",
+                           LABELS + ("tier",), buckets=tuple(float(1 << n) for n in range(16, 34, 2)))
 _HANDOFF = Gauge("pd_transfers_waiting", "Requests handed to a decode node, not yet acknowledged",
                  LABELS)
 _REFUSED = Counter("pd_requests_refused", "Requests refused or failed by a node", LABELS + ("reason",))
@@ -112,8 +116,11 @@ def for_node(role: str, node_id: str) -> SimpleNamespace:
         waiting=_WAITING.labels(**lab), running=_RUNNING.labels(**lab),
         kv_usage=_KV_USAGE.labels(**lab), prompt_tokens=_TOKENS.labels(**lab),
         generation_tokens=_GEN_TOKENS.labels(**lab), step_seconds=_STEP.labels(**lab),
-        kv_sent_bytes=_KV_SENT.labels(**lab), kv_received_bytes=_KV_RECV.labels(**lab),
-        kv_transfer_seconds=_KV_XFER.labels(**lab), transfers_waiting=_HANDOFF.labels(**lab),
+        kv_sent_bytes=lambda tier: _KV_SENT.labels(**lab, tier=tier),
+        kv_received_bytes=lambda tier: _KV_RECV.labels(**lab, tier=tier),
+        kv_transfer_seconds=lambda tier: _KV_XFER.labels(**lab, tier=tier),
+        kv_transfer_bytes=lambda tier: _KV_XFER_BYTES.labels(**lab, tier=tier),
+        transfers_waiting=_HANDOFF.labels(**lab),
         preemptions=_PREEMPT.labels(**lab), first_token_send_seconds=_FIRST_SEND.labels(**lab),
         count_preemptions=_mirror(_PREEMPT.labels(**lab)),
         count_steps_ahead=_mirror(_AHEAD.labels(**lab)),

@@ -58,6 +58,14 @@ def test_multi_turn_sends_only_the_new_blocks(cluster, client, tiny_model_dir):
         assert got < per_block * -(-len(prompt) // BS)
     d, p = metrics(decode), metrics(prefill)
     assert metric(d, "pd_prefix_cache_hits_total") > 0.5 * metric(d, "pd_prefix_cache_queries_total")
+    # every transfer went through the ring, and each side counted it under that tier
+    shm = 'tier="shm"'
+    assert metric(d, "pd_kv_received_bytes_total") == sum(t[2] for t in turns) == sum(
+        float(line.rsplit(" ", 1)[1]) for line in d.splitlines()
+        if line.startswith("pd_kv_received_bytes_total{") and shm in line)
+    for text in (d, p):
+        assert sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                   if line.startswith("pd_kv_transfer_seconds_count{") and shm in line) == len(turns)
     # P caches each turn's prompt: the next turn computes from there
     assert metric(p, "pd_prefix_cache_hits_total") > 0
     assert metric(p, "pd_prompt_tokens_computed_total") < sum(len(t[0]) for t in turns)

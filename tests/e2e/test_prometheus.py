@@ -121,6 +121,12 @@ def test_prometheus_scrapes_every_service_and_holds_ttft_and_itl(launch, prometh
     assert wait_value(prometheus, 'sum(pd_kv_transfer_seconds_count{role="prefill",node="prefill-0"})',
                       NUM_REQUESTS) == NUM_REQUESTS
     assert wait_value(prometheus, 'sum(pd_kv_received_bytes_total{role="decode",node="decode-0"})', 1) > 0
+    # one transfer per request on each side, labelled with its tier (this launch: --transport zmq)
+    for role in ("prefill", "decode"):
+        assert wait_value(prometheus, f'sum(pd_kv_transfer_bytes_count{{role="{role}",tier="zmq"}})',
+                          NUM_REQUESTS) == NUM_REQUESTS
+    assert wait_value(prometheus, 'sum(pd_kv_transfer_seconds_count{role="decode",tier="zmq"})',
+                      NUM_REQUESTS) == NUM_REQUESTS
     assert wait_value(prometheus, 'sum(pd_request_join_seconds_count{role="decode",node="decode-0"})',
                       NUM_REQUESTS) == NUM_REQUESTS
     assert wait_value(prometheus, 'sum(pd_generation_tokens_total{role="decode"})',

@@ -7,9 +7,9 @@ import torch
 
 from shm_ipc import header
 from shm_ipc.header import Flag
-from shm_ipc.kv import gather, gather_into, install_kv, plan_chunks, unit_bytes
+from shm_ipc.kv import gather, gather_into, gather_pipelined, install_kv, plan_chunks, unit_bytes
 from shm_ipc.records import KV_DATA_OFFSET, decode, kv_meta
-from shm_ipc.ring import Ring
+from shm_ipc.ring import ALIGN, Ring, record_size
 
 
 def test_plan_covers_every_layer_and_block_once_under_the_limit():
@@ -56,6 +56,45 @@ def test_gather_into_ring_and_install_into_other_blocks(seg_name, dtype):
     assert torch.equal(dst[:, :, dst_ids], src[:, :, src_ids])
     untouched = [b for b in range(12) if b not in dst_ids]
     assert not dst[:, :, untouched].any()
+
+
+@pytest.mark.parametrize("depth", [1, 2, 3])
+def test_pipelined_sender_publishes_in_order_and_frees_a_full_ring(seg_name, depth):
+    """`gather_pipelined` through a ring with room for two records: it keeps at most `depth`
+    records unpublished, publishes them in order, and publishes what it holds before a
+    reservation that would wait, so that the receiver (released on each publish, as the decode
+    node is woken by each doorbell) frees the space; without that, reserve would time out."""
+    torch.manual_seed(1)
+    src = torch.randn(4, 2, 16, 4, 2, 8)
+    dst = torch.zeros_like(src)
+    src_ids, dst_ids = [3, 9, 0, 14, 7, 5, 11, 2], [1, 0, 15, 6, 8, 12, 4, 10]
+    unit = unit_bytes(src)
+    chunks = plan_chunks(4, 8, unit, 2 * unit)  # 16 records of one layer x 2 blocks
+    record = KV_DATA_OFFSET + 2 * unit
+    capacity = 2 * record_size(record) + 2 * ALIGN  # two records, never three
+    seen, most_pending = [], 0
+    with Ring.create(seg_name, capacity) as prod, Ring.attach(seg_name) as cons:
+        def reserve(chunk):
+            nonlocal most_pending
+            l0, l1, b0, b1 = chunk
+            view = prod.reserve(header.pack(Flag.KV), record, timeout=0.5)
+            most_pending = max(most_pending, prod.num_pending)
+            view[:KV_DATA_OFFSET] = kv_meta("req", l0, l1, b0, b1 - b0, "float32")
+            return view[KV_DATA_OFFSET:]
+
+        def publish():
+            prod.commit()
+            while (rec := cons.next_record(prod.write_pos)) is not None:
+                kv_rec = decode(*rec)
+                seen.append((kv_rec.layer_start, kv_rec.block_start))
+                install_kv(kv_rec, dst, dst_ids)
+            cons.release()
+
+        gather_pipelined(src, torch.tensor(src_ids), chunks, reserve, publish, depth=depth,
+                         fits=lambda chunk: prod.fits(record))
+    assert seen == [(l0, b0) for l0, _, b0, _ in chunks]
+    assert most_pending == min(depth, 2)
+    assert torch.equal(dst[:, :, dst_ids], src[:, :, src_ids])
 
 
 def test_install_refuses_mismatched_geometry_and_dtype():

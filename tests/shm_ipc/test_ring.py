@@ -95,6 +95,27 @@ def test_write_in_place(pair):
     assert bytes(got) == bytes(range(256))
 
 
+def test_several_reserved_records_publish_in_order_across_the_wrap(pair):
+    """A sender with copies in flight reserves ahead; each commit publishes the oldest record,
+    and a reservation that wraps (after a PAD) stays unseen until its own commit."""
+    prod, cons = pair
+    size = 300
+    for round_ in range(8):
+        views = [prod.reserve(header.pack(header.KV), size) for _ in range(3)]
+        assert prod.num_pending == 3
+        for i, view in enumerate(views):
+            view[:] = bytes([round_ * 3 + i]) * size
+        for i in range(3):
+            assert cons.next_record(prod.write_pos) is None  # reserved, not yet published
+            prod.commit()
+            _, got = cons.next_record(prod.write_pos)
+            assert bytes(got) == bytes([round_ * 3 + i]) * size
+        cons.release()
+    assert prod.num_pending == 0
+    with pytest.raises(RuntimeError, match="without a reserved record"):
+        prod.commit()
+
+
 def test_100k_records_between_two_processes(seg_name):
     count, seed = 100_000, 7
     waiter = DoorbellWaiter("tcp://127.0.0.1:*")

@@ -1,0 +1,87 @@
+"""`copy_blocks`: KV blocks from one paged layout to another in one kernel, for the KV transfer.
+
+Both sides are viewed as [R, N, U] bytes (R rows = layers x {K, V}, N blocks, U bytes of one
+block of one row): dst[r, dst_ids[j]] = src[r, src_ids[j]] for every row r and j < n. A missing
+id list means j itself. The sender gathers a chunk of a request's blocks from its cache into a
+contiguous staging buffer (src_ids = the request's blocks) before one DMA copy to the host; the
+receiver scatters a staged chunk into the blocks it reserved (dst_ids). One CUDA block per
+(j, r), 16-byte copies; a CuPy RawKernel on torch's current stream, with its torch twin
+(index_select / index_copy_ on the same views), which CPU machines run.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels.launch import use_kernels
+
+SOURCE = r"""
+extern "C" __global__ void copy_blocks(
+    const char* src, char* dst, const long long* src_ids, const long long* dst_ids,
+    long long src_row, long long dst_row, long long unit)
+{
+    long long j = blockIdx.x, r = blockIdx.y;
+    long long s = src_ids ? src_ids[j] : j, d = dst_ids ? dst_ids[j] : j;
+    const uint4* from = (const uint4*)(src + r * src_row + s * unit);
+    uint4* to = (uint4*)(dst + r * dst_row + d * unit);
+    for (long long i = threadIdx.x; i < unit / 16; i += blockDim.x) to[i] = from[i];
+}
+"""
+
+THREADS = 256
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """[R, N, ...] -> [R, N, U] uint8 view (the trailing dimensions contiguous)."""
+    return t.reshape(t.shape[0], t.shape[1], -1).view(torch.uint8)
+
+
+def compile_kernel(device: torch.device) -> None:
+    """Compile (or load from CuPy's cache) the kernel for `device` now, so that a node's first
+    KV transfer does not pay for it; nothing on CPU or without cupy."""
+    if device.type == "cuda" and use_kernels(torch.empty(0, device=device)):
+        from kernels.launch import _compiled  # noqa: PLC0415
+
+        _compiled("copy_blocks", SOURCE, device.index or 0)
+
+
+def copy_blocks(src: torch.Tensor, dst: torch.Tensor, src_ids: torch.Tensor | None = None,
+                dst_ids: torch.Tensor | None = None, use_kernel: bool | None = None) -> None:
+    """dst[r, dst_ids[j]] = src[r, src_ids[j]] for r < R, j < n (n: the ids' length, or the
+    other side's N when both are None). src and dst [R, N, ...] of one dtype, contiguous from
+    dimension 1 on (dimension 0 may be strided); ids int64 on their device."""
+    if src.dtype != dst.dtype or src.shape[0] != dst.shape[0] or src.shape[2:] != dst.shape[2:]:
+        raise ValueError(f"blocks {tuple(src.shape)} {src.dtype} and {tuple(dst.shape)} "
+                         f"{dst.dtype} do not match")
+    ids = src_ids if src_ids is not None else dst_ids
+    n = ids.numel() if ids is not None else src.shape[1]
+    for t in (src_ids, dst_ids):
+        if t is not None and (t.dtype != torch.int64 or t.numel() != n or t.device != src.device):
+            raise ValueError(f"block ids {t.dtype} x {t.numel()} on {t.device}: expected int64 "
+                             f"x {n} on {src.device}")
+    s, d = _rows(src), _rows(dst)
+    unit = s.shape[2]
+    if use_kernel if use_kernel is not None else use_kernels(src):
+        if unit % 16 or any(t.stride(1) != unit or t.stride(2) != 1 or t.data_ptr() % 16
+                            or t.stride(0) % 16 for t in (s, d)):
+            raise ValueError("copy_blocks needs 16-byte aligned, contiguous blocks")
+        import numpy as np  # noqa: PLC0415
+
+        from kernels.launch import _compiled, _cupy  # noqa: PLC0415
+        if n == 0 or s.shape[0] == 0:
+            return
+        cp = _cupy()
+        dev = src.device.index or 0
+        kernel = _compiled("copy_blocks", SOURCE, dev)
+        ptr = lambda t: np.uint64(t.data_ptr() if t is not None else 0)  # noqa: E731
+        stream = torch.cuda.current_stream(src.device)
+        with cp.cuda.Device(dev), cp.cuda.ExternalStream(stream.cuda_stream, dev):
+            kernel((n, s.shape[0]), (THREADS,),
+                   (ptr(s), ptr(d), ptr(src_ids), ptr(dst_ids), np.int64(s.stride(0)),
+                    np.int64(d.stride(0)), np.int64(unit)))
+        return
+    picked = s if src_ids is None else s.index_select(1, src_ids)
+    if dst_ids is None:
+        d[:, :n].copy_(picked[:, :n])
+    else:
+        d.index_copy_(1, dst_ids, picked)
