@@ -44,7 +44,7 @@ from pd.spec.verify import SpecStats
 from pd.wire import messages as m
 from pd.wire.geometry import mismatch
 from pd.wire.sampling_params import SamplingParams
-from shm_ipc.kv import fence, install_kv, landed, prepare as prepare_kv_copies
+from shm_ipc.kv import install_kv, installed, prepare as prepare_kv_copies
 from shm_ipc.receiver import KVReceiver, PeerGone
 from shm_ipc.header import Flag
 from shm_ipc.records import AbortRecord, FirstTokenRecord, KVRecord, TokensRecord
@@ -97,8 +97,7 @@ class DecodeNode(NodeService):
         super().__init__(node_id, host, port, metrics_port, drain_timeout)
         self.engine = engine
         prepare_kv_copies(engine.runner.kv_cache.kv)  # the first transfer compiles nothing
-        self.kv_landing = None  # the copies of the last KV records received (`on_kv_socket`)
-        self.num_kv_records = 0
+        self.num_kv_records = 0  # KV records installed (`on_kv_socket` waits for new ones)
         self.scheduler = engine.scheduler
         self.allocator = engine.allocator
         self.max_queue = max_queue
@@ -155,19 +154,16 @@ class DecodeNode(NodeService):
     # -- KV ingest -----------------------------------------------------------------------------
     def on_kv_socket(self) -> None:
         t = time.perf_counter()
-        # NOTE: the KV records of the last recv() were copied from ring space that this recv()
-        # releases: those copies must be done (they usually are, a step later).
-        landed(self.kv_landing)
         num_records = self.num_kv_records
         for peer, item in self.receiver.recv(timeout=0):
             try:
                 self.dispatch(peer, item)
             except m.MessageError as e:
                 self.refuse("kv", e)
-        # NOTE: the records' copies run back to back on the copy stream (`on_kv`); every step
-        # launched from now on waits for them on the device, not here.
-        kv = self.engine.runner.kv_cache.kv
-        self.kv_landing = fence(kv) if self.num_kv_records != num_records else None
+        if self.num_kv_records != num_records:
+            # NOTE: the records' copies ran back to back on the copy stream (`on_kv`); they are
+            # done before the next recv() releases their ring space and before a step reads them.
+            installed(self.engine.runner.kv_cache.kv)
         self.loop.times.add("intake", t)
 
     def dispatch(self, peer: bytes, item) -> None:
@@ -463,5 +459,4 @@ class DecodeNode(NodeService):
         for req_id, reply_to in list(self.reply_to.items()):
             self.events.send(reply_to, m.TokenStream(
                 req_id, [], error=f"decode node {self.node_id} shut down"))
-        landed(self.kv_landing)  # no copy may still read a ring that closing unmaps
         self.receiver.close()

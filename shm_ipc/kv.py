@@ -224,21 +224,3 @@ def installed(kv: torch.Tensor) -> None:
     if kv.is_cuda:
         copy_stream(kv.device).synchronize()
 
-
-def fence(kv: torch.Tensor) -> "torch.cuda.Event | None":
-    """After `install_kv(..., wait=False)` calls: make the current stream (and so every step
-    launched later, `pd.engine.executor`) wait on the device for the copies queued so far, and
-    return an event the host waits on (`landed`) before the records' memory is released.
-    None on CPU, where the copies are done when `install_kv` returns."""
-    if not kv.is_cuda:
-        return None
-    done = torch.cuda.Event()
-    done.record(copy_stream(kv.device))
-    torch.cuda.current_stream(kv.device).wait_event(done)
-    return done
-
-
-def landed(done: "torch.cuda.Event | None") -> None:
-    """Wait for the copies `fence` covered (usually done by then)."""
-    if done is not None:
-        done.synchronize()

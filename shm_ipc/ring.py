@@ -233,18 +233,6 @@ class Ring:
         """Give back to the producer everything read so far (its views must no longer be used)."""
         self._ctl[READ_POS] = self._cursor
 
-    @property
-    def read_cursor(self) -> int:
-        """Consumer: the position after the last record read (what `release` would give back)."""
-        return self._cursor
-
-    def release_to(self, pos: int) -> None:
-        """Give back what lies before `pos` (a `read_cursor` taken earlier), keeping the records
-        read since, whose views are still in use (copies in flight)."""
-        if not self._ctl[READ_POS] <= pos <= self._cursor:
-            raise ValueError(f"release to {pos}: outside {self._ctl[READ_POS]}..{self._cursor}")
-        self._ctl[READ_POS] = pos
-
     def producer_alive(self) -> bool:
         return not self._ctl[PRODUCER_CLOSED] and self.seg.creator_alive()
 

@@ -5,8 +5,7 @@ same run.
 The producer process gathers each request's KV blocks from its GPU cache into ring records
 (`shm_ipc.kv.gather_pipelined`, as the ring transport does) and rings the doorbell; this process decodes each record and installs
 it into its own GPU cache (`shm_ipc.kv.install_kv`), as the decode node does: the records of a
-doorbell are queued back to back on the copy stream, and their ring space is released at the
-next doorbell once their copies have landed. The cache
+doorbell are queued back to back on the copy stream and waited for once, then released. The cache
 has a Llama-3.2-1B shape (16 layers, 8 KV heads, head dim 64, bf16, 16-token blocks); each
 request carries `--tokens` tokens of KV. Run with the ring page-locked for CUDA (the fast path)
 and without (copies staged through pageable memory). The installed blocks are compared with the
@@ -34,13 +33,13 @@ from shm_ipc import records
 from shm_ipc.doorbell import Doorbell, DoorbellWaiter
 from shm_ipc.header import Flag, pack
 from kernels.block_copy import copy_blocks
-from shm_ipc.kv import dtype_name, fence, gather_pipelined, install_kv, landed, plan_chunks, prepare, unit_bytes
+from shm_ipc.kv import dtype_name, gather_pipelined, install_kv, installed, plan_chunks, prepare, unit_bytes
 from shm_ipc.records import KV_DATA_OFFSET
 from shm_ipc.ring import Ring
 from shm_ipc.transport import DEFAULT_MAX_RECORD
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench_transport import attach_when_created  # noqa: E402
+from bench_transport import attach_when_created, read_rung  # noqa: E402
 
 LAYERS, HEADS, HEAD_DIM, BLOCK = 16, 8, 64, 16
 RING_BYTES = 256 << 20
@@ -61,11 +60,12 @@ def _add(phases: dict, name: str, since: float) -> float:
 
 
 def producer(name: str, bell_ep: str, go_ep: str, num_blocks: int, per_req: int, requests: int,
-             pin: bool, device: str) -> None:
-    torch.cuda.set_device(device)
+             pin: bool, device: str, ring_bytes: int) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.set_device(device)
     kv = cache(num_blocks, seed=0, device=device)
     prepare(kv)  # as a node does at start: the copy kernel is compiled before any transfer
-    ring = Ring.create(name, RING_BYTES)
+    ring = Ring.create(name, ring_bytes)
     if pin:
         ring.seg.pin()
     bell = Doorbell(bell_ep)
@@ -99,7 +99,8 @@ def producer(name: str, bell_ep: str, go_ep: str, num_blocks: int, per_req: int,
     ring.close()
 
 
-def transfer(per_req: int, requests: int, pin: bool, devices: tuple[str, str]) -> tuple[float, bool]:
+def transfer(per_req: int, requests: int, pin: bool, devices: tuple[str, str],
+             ring_bytes: int = RING_BYTES) -> tuple[float, bool]:
     """GB/s of KV installed, and whether the last request's blocks arrived intact."""
     num_blocks = per_req * 2
     ctx = mp.get_context("spawn")
@@ -108,7 +109,7 @@ def transfer(per_req: int, requests: int, pin: bool, devices: tuple[str, str]) -
     go_ep = f"tcp://127.0.0.1:{go.bind_to_random_port('tcp://127.0.0.1')}"
     name = f"pd_bench_kv_{os.getpid()}_{int(pin)}"
     proc = ctx.Process(target=producer, args=(name, waiter.endpoint, go_ep, num_blocks, per_req,
-                                              requests, pin, devices[0]))
+                                              requests, pin, devices[0], ring_bytes))
     proc.start()
     ring = attach_when_created(name)
     if pin:
@@ -129,24 +130,14 @@ def transfer(per_req: int, requests: int, pin: bool, devices: tuple[str, str]) -
         _add(phases, "install", t)
         return kv_rec.payload.nbytes
 
+    def wait_installed() -> None:  # as the decode node, before the ring space is given back
+        t = time.perf_counter()
+        installed(kv)
+        _add(phases, "wait", t)
+
     t0 = time.perf_counter()
     go.send(b"go")
-    got, copying, done_pos = 0, None, 0
-    while got < total:  # as the decode node's intake: the last batch's copies land, then release
-        pos = waiter.wait(timeout=0.002)
-        if pos is None:  # nothing new: give back everything landed (as the node's tick does)
-            landed(copying)
-            ring.release()
-            copying, done_pos = None, ring.read_cursor
-            pos = waiter.wait(timeout=60)
-        t = time.perf_counter()
-        landed(copying)
-        _add(phases, "wait", t)
-        ring.release_to(done_pos)
-        while (rec := ring.next_record(pos)) is not None:
-            got += install(*rec)
-        copying, done_pos = fence(kv), ring.read_cursor
-    landed(copying)
+    read_rung(ring, waiter, install, total, timeout=60, before_release=wait_installed)
     dt = time.perf_counter() - t0
     print(f"  consumer: {dt * 1e3:.0f} ms: " + ", ".join(f"{k} {v * 1e3:.0f} ms" for k, v in phases.items()))
     proc.join()
@@ -244,15 +235,23 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--tokens", type=int, default=4096, help="tokens of KV per request")
     p.add_argument("--requests", type=int, default=16)
+    p.add_argument("--ring-mib", type=int, default=RING_BYTES >> 20, help="the ring's size")
     p.add_argument("--devices", default="cuda:0,cuda:0",
-                   help="the producer's (prefill) and the consumer's (decode) GPUs")
+                   help="the producer's (prefill) and the consumer's (decode) devices; cpu,cpu "
+                        "runs the protocol alone, without the bandwidth figures")
     args = p.parse_args()
     devices = tuple(args.devices.split(","))
+    ring_bytes = args.ring_mib << 20
     per_req = args.tokens // BLOCK
-    d2h, h2d = pinned_bandwidth(256 << 20)
     size = per_req * LAYERS * 2 * BLOCK * HEADS * HEAD_DIM * 2
-    print(f"{torch.cuda.get_device_name()}: pinned D2H {d2h:.1f} GB/s, H2D {h2d:.1f} GB/s; "
-          f"{args.requests} requests of {args.tokens} tokens ({size / 2**20:.0f} MiB of KV each)")
+    print(f"{args.requests} requests of {args.tokens} tokens ({size / 2**20:.0f} MiB of KV each), "
+          f"{devices[0]} -> {devices[1]}")
+    if not all(d.startswith("cuda") for d in devices):  # the protocol alone (tests run it on CPU)
+        gbs, intact = transfer(per_req, args.requests, False, devices, ring_bytes)
+        print(f"ring (CPU): {gbs:.2f} GB/s, intact {intact}")
+        sys.exit(0 if intact else 1)
+    d2h, h2d = pinned_bandwidth(256 << 20)
+    print(f"{torch.cuda.get_device_name()}: pinned D2H {d2h:.1f} GB/s, H2D {h2d:.1f} GB/s")
     rd2h, rh2d, seen, gather = ring_copy_bandwidth()
     print(f"one {DEFAULT_MAX_RECORD >> 20} MiB copy to / from a registered ring: D2H {rd2h:.1f} "
           f"GB/s, H2D {rh2d:.1f} GB/s (torch sees it pinned: {seen}); the block-copy kernel "
@@ -262,10 +261,9 @@ def main() -> None:
           f"{dd2h:.1f} and {dh2d:.1f} GB/s")
     print(f"{'ring':>10} | {'GB/s':>6} | {'of min(D2H, H2D)':>16} | {'of duplex':>9} | intact")
     for pin in (True, False):
-        gbs, intact = transfer(per_req, args.requests, pin, devices)
+        gbs, intact = transfer(per_req, args.requests, pin, devices, ring_bytes)
         print(f"{'pinned' if pin else 'pageable':>10} | {gbs:>6.1f} | {gbs / min(d2h, h2d):>15.0%} | "
               f"{gbs / min(dd2h, dh2d):>8.0%} | {intact}")
-
 
 if __name__ == "__main__":
     main()
