@@ -159,7 +159,7 @@ def server_config(args: argparse.Namespace, share: int = 1) -> ServerConfig:
                         body_timeout=args.body_timeout, write_timeout=args.write_timeout,
                         header_timeout=args.header_timeout,
                         keepalive_timeout=args.keepalive_timeout,
-                        max_connections=part(args.max_connections))
+                        max_connections=part(args.max_connections), kv_share=1 / share)
 
 
 def run_loop(main):

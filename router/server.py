@@ -30,6 +30,7 @@ from typing import Callable, Protocol, Sequence
 from aiohttp import web
 
 from pd.wire.messages import is_timeout
+from router import capacity
 from router.admission import Admission, QueueFull, TooLarge
 from router.backend import Backend, BackendOverloaded, BackendUnavailable, GenerateRequest
 from router.choice import Choice, Delta
@@ -97,6 +98,7 @@ class ServerConfig:
     header_timeout: float = 10.0  # seconds a new connection has to send its first request head
     keepalive_timeout: float = 75.0  # seconds an idle kept-alive connection stays open
     max_connections: int | None = None  # open connections (None: the fd limit less a reserve)
+    kv_share: float = 1.0  # the part of the decode nodes' KV this router's requests may hold
 
 
 def error_response(e: APIError) -> web.Response:
@@ -109,8 +111,9 @@ class RouterServer:
         self.tokenizer = tokenizer
         self.config = config
         self.metrics = RouterMetrics(health=backend.health)
-        self.admission = Admission(config.max_running, config.max_queue,
-                                   config.max_queue_per_client)
+        self.admission = Admission(
+            config.max_running, config.max_queue, config.max_queue_per_client,
+            kv_budget=lambda: capacity.budget(backend.kv_blocks(), config.kv_share))
         self._created = int(time.time())
 
     def body_limit(self) -> int:
@@ -323,33 +326,6 @@ class RouterServer:
                                           f"completion)", "context_length_exceeded")
         return req.max_tokens
 
-    def _check_kv_capacity(self, req: ApiRequest, greqs: list[GenerateRequest]) -> None:
-        """400 for a request the decode nodes can never hold: a sequence (its prompt, and the
-        max_tokens the client asked for) larger than the largest node's KV cache, or all of
-        its sequences together larger than every node's (else it would wait at a decode node
-        until its KV timeout, holding blocks others need). Without max_tokens a sequence
-        counts its prompt and one token: it may still be preempted or cut short later."""
-        nodes = self.backend.kv_blocks()
-        if not nodes:
-            return
-        bs = max(size for _, size in nodes)  # sequences take whole blocks
-
-        def blocks(g: GenerateRequest) -> int:
-            asked = g.params.max_tokens if req.max_tokens is not None else 1
-            return -(-(len(g.prompt_ids) + asked) // bs)
-
-        need = [blocks(g) for g in greqs]
-        largest, total = max(b * s for b, s in nodes) // bs, sum(b * s for b, s in nodes) // bs
-        what = "the prompt and max_tokens" if req.max_tokens is not None else "the prompt"
-        if max(need) > largest:
-            raise bad_param("max_tokens" if req.max_tokens is not None else "prompt",
-                            f"{what} of one sequence need {max(need) * bs} tokens of KV cache; the "
-                            f"largest decode node holds {largest * bs}", "kv_capacity_exceeded")
-        if sum(need) > total:
-            raise bad_param("n", f"{len(greqs)} sequences need {sum(need) * bs} tokens of KV cache "
-                                 f"({what} of each); the decode nodes hold {total * bs}",
-                            "kv_capacity_exceeded")
-
     async def _generate(self, request: web.Request, parse) -> web.StreamResponse:
         t_arrival = time.perf_counter()
         req = parse(await self._body(request))
@@ -376,7 +352,9 @@ class RouterServer:
                 choices.append(Choice(index, self.tokenizer, ids, req.stop,
                                       req.logprobs is not None, req.stop_token_ids))
                 greqs.append(GenerateRequest(uuid.uuid4().hex, ids, params))
-        self._check_kv_capacity(req, greqs)
+        nodes, prompt_lens = self.backend.kv_blocks(), [len(g.prompt_ids) for g in greqs]
+        capacity.check(prompt_lens, req.max_tokens, nodes)
+        kv_tokens = capacity.kv_tokens(prompt_lens, req.max_tokens, nodes)
         h = self.backend.health()
         if h.get("prefill", 0) < 1 or h.get("decode", 0) < 1:
             raise unavailable(f"no healthy prefill or decode node ({h.get('prefill', 0)} "
@@ -393,7 +371,7 @@ class RouterServer:
             try:
                 # NOTE: clients take turns in the queue: the request's `user`, else its address
                 client = f"user:{req.user}" if req.user else f"addr:{request.remote or ''}"
-                waited = await self.admission.acquire(len(greqs), client)
+                waited = await self.admission.acquire(len(greqs), client, kv_tokens)
             finally:
                 self.metrics.waiting.dec()
         except QueueFull as e:
@@ -415,7 +393,7 @@ class RouterServer:
             if not released:
                 released = True
                 m.running.dec()
-                self.admission.release(len(greqs))
+                self.admission.release(len(greqs), kv_tokens)
 
         try:
             gen.start()

@@ -9,7 +9,8 @@
 #   step gap), MTP on/off (graphed, overlap on/off, logprobs) and the MTP machinery on the 1B
 #   shape. Logs go to $OUT (or ./out) and one table each to stdout.
 #     bash benchmarks/gpu/run_all.sh [1|2|3|4]  (1: checks, KV, attention, decode; 2: graphs,
-#                                                 profile, overlap, MTP; 3: the two-GPU mixed load;
+#                                                 profile, overlap, MTP; 3: two GPUs: KV between
+#                                                 them, the mixed load;
 #                                                 4: prefix caching and serving against the
 #                                                 engine through pd launch)
 set -uo pipefail
@@ -36,7 +37,7 @@ TAIL=4 step pytest python3 -m pytest -q -p no:cacheprovider tests/engine/test_cu
     tests/shm_ipc/test_kv.py
 TAIL=4 step pd_path env PD_TEST_DEVICE=cuda python3 -m pytest -q -p no:cacheprovider \
     tests/e2e/test_pd_path.py -k equals_single_process
-TAIL=6 step kv python3 benchmarks/gpu/bench_kv.py
+TAIL=9 step kv timeout 300 python3 benchmarks/gpu/bench_kv.py
 TAIL=8 step attention python3 benchmarks/gpu/bench_attention.py
 TAIL=12 step skinny python3 benchmarks/gpu/bench_skinny.py
 TAIL=14 step decode python3 benchmarks/gpu/bench_decode.py
@@ -53,6 +54,8 @@ TAIL=64 step mtp python3 benchmarks/bench_mtp.py --device cuda --ks 0,1,3 --max-
 TAIL=24 step mtp_eager python3 benchmarks/bench_mtp.py --device cuda --enforce-eager --ks 0,3 --overlap on
 TAIL=36 step mtp_mechanism python3 benchmarks/gpu/bench_mtp_mechanism.py
 TAIL=14 step profile_mtp python3 benchmarks/gpu/profile_mtp.py --k 3 --batch 16 --top 8
+TAIL=40 step mtp_kernels python3 benchmarks/gpu/profile_mtp.py --k 3 --batch 1 --kernels --top 10 \
+    --max-tokens 64
 fi
 if [[ $PART == all || $PART == 4 ]]; then  # prefix caching through pd launch
 TAIL=24 step prefix_cache python3 benchmarks/bench_prefix_cache.py --device cuda --synthetic-1b \
@@ -66,6 +69,7 @@ TAIL=7 step serving_256 python3 benchmarks/bench_serving.py --device cuda --synt
     --concurrency 256 --num-prompts 1536 --router-workers 4
 fi
 if [[ $PART == 3 ]]; then  # needs two GPUs: P on cuda:0, D on cuda:1
+TAIL=8 step kv_two_gpus timeout 300 python3 benchmarks/gpu/bench_kv.py --devices cuda:0,cuda:1
 TAIL=8 step mixed python3 benchmarks/gpu/bench_mixed.py
 fi
 exit $status

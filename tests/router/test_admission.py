@@ -101,3 +101,54 @@ def test_cancelled_waiters_give_back_their_place_and_slots():
         with pytest.raises(TooLarge, match="--max-running"):
             await adm.acquire(3, "a")
     run(main())
+
+
+def test_kv_tokens_wait_for_room_beside_those_in_flight():
+    """With a KV budget, a request waits until its tokens fit beside those in flight, in the
+    same turns (a small request behind a waiting large one does not overtake it); a request
+    alone is let in whatever it asks; without a known budget tokens are not counted."""
+    async def main():
+        budget = [100]
+        adm = Admission(max_running=10, max_queue=10, kv_budget=lambda: budget[0])
+        assert await adm.acquire(1, "a", 60) == 0.0
+        order: list[str] = []
+        big = asyncio.create_task(queued_tokens(adm, "b", 50, order, "b50"))
+        await settle()
+        small = asyncio.create_task(queued_tokens(adm, "c", 10, order, "c10"))
+        await settle()
+        assert order == [] and adm.num_waiting == 2 and adm.kv_running == 60
+        adm.release(1, 60)
+        await settle()
+        assert order == ["b50", "c10"] and adm.kv_running == 60
+        adm.release(1, 50)
+        adm.release(1, 10)
+        assert adm.kv_running == 0 and adm.num_running == 0
+        assert await adm.acquire(1, "a", 500) == 0.0  # alone: in, whatever it asks
+        adm.release(1, 500)
+        budget[0] = None  # the nodes' sizes unknown: only sequences count
+        await adm.acquire(1, "a", 500)
+        await adm.acquire(1, "b", 500)
+        assert adm.kv_running == 1000
+        await asyncio.gather(big, small)
+
+    run(main())
+
+
+def test_a_cancelled_waiter_gives_its_kv_tokens_back():
+    async def main():
+        adm = Admission(max_running=10, max_queue=10, kv_budget=lambda: 100)
+        await adm.acquire(1, "a", 80)
+        waiter = asyncio.create_task(adm.acquire(1, "b", 40))
+        await settle()
+        adm.release(1, 80)  # granted: 40 tokens taken on its behalf ...
+        waiter.cancel()  # ... and cancelled before it resumed: they are given back
+        with pytest.raises(asyncio.CancelledError):
+            await waiter
+        assert adm.kv_running == 0 and adm.num_running == 0
+
+    run(main())
+
+
+async def queued_tokens(adm: Admission, client: str, tokens: int, order: list, name: str):
+    await adm.acquire(1, client, tokens)
+    order.append(name)

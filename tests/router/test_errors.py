@@ -337,6 +337,37 @@ def test_a_node_timeout_is_504_and_not_retried(tokenizer, make_server):
     assert len(backend.requests) == 3  # the retry
 
 
+def test_requests_wait_for_kv_room_beside_those_in_flight(tokenizer, make_server):
+    """Two requests each within the decode node's KV but not both at once: the second reaches
+    the nodes only after the first is done (before, both went and the second waited at the
+    decode node for blocks, up to its KV timeout); two that fit together run at once."""
+    arrived: list[tuple[float, int]] = []
+    backend = ScriptedBackend(lambda req: arrived.append((time.monotonic(), req.params.max_tokens))
+                              or [7] * 8, tokenizer.eos_token_id, delay=0.05)
+    backend.kv_blocks = lambda: [(8, 16)]  # 128 tokens
+    s = make_server(backend)
+
+    def both(max_tokens: int) -> list[float]:
+        arrived.clear()
+        ends = []
+
+        def one():
+            assert _post(s, "/v1/completions", {**CMPL, "max_tokens": max_tokens}).status_code == 200
+            ends.append(time.monotonic())
+
+        threads = [threading.Thread(target=one) for _ in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+        return sorted(t for t, _ in arrived), sorted(ends)
+
+    starts, ends = both(70)  # 5 blocks each: 10 > 8
+    assert starts[1] >= ends[0] - 0.05, (starts, ends)
+    starts, ends = both(20)  # 2 blocks each
+    assert starts[1] < ends[0], (starts, ends)
+
+
 def test_a_request_the_decode_nodes_can_never_hold_is_400_up_front(tokenizer, make_server):
     backend = ScriptedBackend(lambda req: [7, 8], tokenizer.eos_token_id, max_len=256)
     backend.kv_blocks = lambda: [(8, 16)]  # one decode node of 8 blocks: 128 tokens

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from router import capacity
 from router.main import build_parser, server_config
 
 
@@ -21,6 +22,12 @@ def test_flags_and_defaults(tmp_path):
     assert server_config(args).served_model_name == "m"
     args = build_parser().parse_args(["--model", str(model), "--router-workers", "4"])
     assert args.router_workers == 4 and server_config(args, share=4).max_running == 128
+    # each worker may fill its share of the decode nodes' KV (`router.capacity.budget`)
+    share = server_config(args, share=4).kv_share
+    assert share == 0.25 and capacity.budget([(100, 16), (60, 16)], share) == 640
+    assert capacity.budget(None, share) is None
+    assert capacity.kv_tokens([10, 40], 7, [(100, 16)]) == 32 + 48  # whole blocks
+    assert capacity.kv_tokens([10, 40], None, [(100, 16)]) == 16 + 48  # prompt + one token
 
 
 @pytest.mark.parametrize("bad", [["--prefill", "nohost"], ["--decode", "h:99999"],
