@@ -151,24 +151,25 @@ def transfer(per_req: int, requests: int, pin: bool, devices: tuple[str, str],
     return total / dt / 1e9, intact
 
 
+def _gbps(fn, nbytes: int, reps: int) -> float:
+    """GB/s of `fn` moving `nbytes`, over `reps` calls after one warm-up."""
+    fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    torch.cuda.synchronize()
+    return reps * nbytes / (time.perf_counter() - t0) / 1e9
+
+
 def pinned_bandwidth(nbytes: int) -> tuple[float, float]:
     host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
     dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-
-    def bw(fn):
-        fn()
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(10):
-            fn()
-        torch.cuda.synchronize()
-        return 10 * nbytes / (time.perf_counter() - t0) / 1e9
-
-    return (bw(lambda: host.copy_(dev, non_blocking=True)),
-            bw(lambda: dev.copy_(host, non_blocking=True)))
+    return (_gbps(lambda: host.copy_(dev, non_blocking=True), nbytes, 10),
+            _gbps(lambda: dev.copy_(host, non_blocking=True), nbytes, 10))
 
 
-def ring_copy_bandwidth(nbytes: int = DEFAULT_MAX_RECORD) -> tuple[float, float, bool]:
+def ring_copy_bandwidth(nbytes: int = DEFAULT_MAX_RECORD) -> tuple[float, float, bool, float]:
     """D2H and H2D GB/s of one record-sized copy to and from a registered ring mapping (what the
     KV path copies through), whether torch sees that memory as pinned, and the GB/s of the
     block-copy kernel gathering a record's worth of scattered blocks on the GPU."""
@@ -177,22 +178,12 @@ def ring_copy_bandwidth(nbytes: int = DEFAULT_MAX_RECORD) -> tuple[float, float,
     view = ring.reserve(1, nbytes)
     host = torch.frombuffer(view, dtype=torch.uint8)
     dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-
-    def bw(fn):
-        fn()
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(20):
-            fn()
-        torch.cuda.synchronize()
-        return 20 * nbytes / (time.perf_counter() - t0) / 1e9
-
     kv = cache(nbytes // (LAYERS * 2 * BLOCK * HEADS * HEAD_DIM * 2) * 2, seed=1)
     ids = torch.randperm(kv.shape[2], device="cuda")[:kv.shape[2] // 2]
     staged = torch.empty(LAYERS * 2, ids.numel(), BLOCK, HEADS, HEAD_DIM, dtype=kv.dtype, device="cuda")
-    gather = bw(lambda: copy_blocks(kv.flatten(0, 1), staged, src_ids=ids))
-    out = (bw(lambda: host.copy_(dev, non_blocking=True)),
-           bw(lambda: dev.copy_(host, non_blocking=True)), host.is_pinned(), gather)
+    gather = _gbps(lambda: copy_blocks(kv.flatten(0, 1), staged, src_ids=ids), nbytes, 20)
+    out = (_gbps(lambda: host.copy_(dev, non_blocking=True), nbytes, 20),
+           _gbps(lambda: dev.copy_(host, non_blocking=True), nbytes, 20), host.is_pinned(), gather)
     del host, view
     ring.commit()
     ring.close()
