@@ -50,8 +50,9 @@ class Admission:
         self.kv_budget = kv_budget  # () -> KV tokens the requests in flight may hold, or None
         self.kv_running = 0  # KV tokens of the requests admitted and not yet released
         self.num_waiting = 0  # requests waiting, every client's
-        # each waiting client's requests, oldest first; the first client's turn is next
-        self._queues: OrderedDict[str, deque[tuple[int, asyncio.Future]]] = OrderedDict()
+        # each waiting client's (sequences, KV tokens, future), oldest first; the first
+        # client's turn is next
+        self._queues: OrderedDict[str, deque[tuple[int, int, asyncio.Future]]] = OrderedDict()
 
     def fits(self, weight: int, tokens: int = 0) -> bool:
         """Whether `weight` sequences of `tokens` KV tokens in all fit beside those in flight."""

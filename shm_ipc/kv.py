@@ -223,4 +223,3 @@ def installed(kv: torch.Tensor) -> None:
     """Wait for every KV copy queued by `install_kv(..., wait=False)` on kv's device."""
     if kv.is_cuda:
         copy_stream(kv.device).synchronize()
-

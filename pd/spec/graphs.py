@@ -131,7 +131,7 @@ class StepGraphs:
         with torch.cuda.stream(side):  # warm-up outside the capture (allocator, kernel loads)
             result = owner._draft(self.views, owner._verify(self.views, self.width), self.p_draft,
                                   self.uniforms, self.width)
-            owner._advance(self.views, result, self.width)
+            owner._advance(self.views, result)
         torch.cuda.current_stream(dev).wait_stream(side)
         self.inputs.copy_(snapshot)
         verify, draft = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
@@ -143,7 +143,7 @@ class StepGraphs:
             self.result = owner._draft(self.views, self.verified, self.p_draft, self.uniforms, self.width)
         advance = torch.cuda.CUDAGraph()
         with torch.cuda.graph(advance, pool=owner.pool_owner.pool):
-            owner._advance(self.views, self.result, self.width)
+            owner._advance(self.views, self.result)
         self.graphs = (verify, draft, advance)
 
     def host_buffer(self, like: torch.Tensor) -> torch.Tensor:
@@ -187,7 +187,7 @@ class StepGraphs:
         if self.graphs is not None:
             self.graphs[2].replay()
         else:
-            self.owner._advance(self.views, self.result, self.width)
+            self.owner._advance(self.views, self.result)
 
 
 class SpecGraphs:
@@ -333,7 +333,7 @@ class SpecGraphs:
             drafts.append(argmax(model.head_logits(prev)))
         return torch.stack(drafts, dim=1)
 
-    def _advance(self, v: dict[str, torch.Tensor], result: torch.Tensor, width: int) -> None:
+    def _advance(self, v: dict[str, torch.Tensor], result: torch.Tensor) -> None:
         """Step N + 1's device-dependent inputs from step N's `result`, for the same slots, in
         one kernel (`kernels.advance_inputs`): each live slot moves past the tokens it kept, its
         newest token and its drafts (as many as its length budget leaves, as the scheduler cuts
