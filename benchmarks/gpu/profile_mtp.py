@@ -103,11 +103,12 @@ def graph_kernels(llm: LLM, top: int, replays: int = 20) -> None:
     key, g = next(iter(spec.graphs.graphs.items()))
     runs = {"verify": g.verify, "draft": g.draft, "advance": g.advance}
     decode = llm.engine.runner.graphs
-    if decode is not None:
-        dkey = next((k for k in sorted(decode.graphs) if k[0] >= key[0]), None)
-        if dkey is not None:
-            decode.pad_inputs(dkey)
-            runs["plain decode"] = decode.graphs[dkey][0].replay
+    dkey = None if decode is None else next((k for k in sorted(decode.graphs) if k[0] >= key[0]), None)
+    if dkey is not None:
+        decode.pad_inputs(dkey)
+        runs["plain decode"] = decode.graphs[dkey][0].replay
+    else:
+        print("no plain decode graph captured in this engine (profile one with --k 0 --torch)")
     snapshot = g.inputs.clone()
     for name, fn in runs.items():
         fn()
