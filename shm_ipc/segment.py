@@ -1,17 +1,25 @@
-"""Named shared-memory segments, one per node instance and peer, under /dev/shm (Linux).
+"""Named shared-memory segments, one per node instance and peer, found under /dev/shm (Linux).
+
+A segment's memory is a sealed memfd (`memfd_create`, then F_SEAL_SHRINK | F_SEAL_GROW |
+F_SEAL_SEAL): no process, not even one of the same uid, can truncate it under a mapping (which
+would kill its users with SIGBUS) or grow it. Its name in /dev/shm is a symlink to the creator's
+descriptor of it (`/proc/<pid>/fd/<n>`), which only processes allowed to look into the creator
+(its uid) can open, and which dangles once the creator is gone. The creator keeps that
+descriptor open until `close()`.
 
 A segment opens with a 64-byte owner header (`SEGMENT_HEADER`, written once by the creator):
 a magic word, the layout kind and version of what follows, the total size, and the creator's
 pid and process start time. Creating refuses a name held by a live process and replaces one
-left by a dead process (found stale by pid + start time); attaching checks owner-only
-permissions, the owner uid, the magic, the layout kind and version, the size and that the
-creator still lives. The creator unlinks the segment on `close()`, at exit and on SIGTERM/SIGINT
-(`cleanup.py`); a consumer that finds the creator dead may remove it (`remove_if_stale`).
-What lives after the header is the caller's (see `ring.py`).
+left by a dead process (a dangling link, or found stale by pid + start time); attaching checks
+the seals, owner-only permissions, the owner uid, the magic, the layout kind and version, the
+size and that the creator still lives. The creator unlinks the name on `close()`, at exit and on
+SIGTERM/SIGINT (`cleanup.py`); a consumer that finds the creator dead may remove it
+(`remove_if_stale`). What lives after the header is the caller's (see `ring.py`).
 """
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import mmap
 import os
@@ -64,6 +72,9 @@ def is_alive(pid: int, start: int) -> bool:
     return now is not None and (start == 0 or now == start)
 
 
+SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+
+
 class Segment:
     """A mapped segment; `buf` is a writable memoryview over all of it, header included."""
 
@@ -75,7 +86,12 @@ class Segment:
         flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
         try:
             self._mmap = mmap.mmap(fd, size, flags=flags)
-        finally:
+        except BaseException:
+            os.close(fd)
+            raise
+        # NOTE: the creator's descriptor is what its /dev/shm link points at: kept until close()
+        self._fd: int | None = fd if owner else None
+        if not owner:
             os.close(fd)
         self.buf = memoryview(self._mmap)
         self._pinned: int | None = None  # the address registered with CUDA; 0: not pinnable
@@ -86,19 +102,21 @@ class Segment:
     def create(cls, name: str, size: int, kind: int, layout_version: int) -> "Segment":
         _check_name(name)
         path = os.path.join(SHM_DIR, name)
-        for _ in range(3):
-            try:
-                fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-                break
-            except FileExistsError:
-                _may_remove_stale(path)
-        else:
-            raise SegmentError(f"segment {name!r} keeps reappearing; another creator races us")
+        fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         try:
+            os.fchmod(fd, 0o600)
             os.ftruncate(fd, size)
-        except OSError:
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SEALS)
+            for _ in range(3):
+                try:
+                    os.symlink(f"/proc/{os.getpid()}/fd/{fd}", path)
+                    break
+                except FileExistsError:
+                    _may_remove_stale(path)
+            else:
+                raise SegmentError(f"segment {name!r} keeps reappearing; another creator races us")
+        except BaseException:
             os.close(fd)
-            os.unlink(path)
             raise
         cleanup.register(path)
         seg = cls(name, fd, size, owner=True)
@@ -115,9 +133,19 @@ class Segment:
         try:
             fd = os.open(path, os.O_RDWR)
         except FileNotFoundError:
+            if os.path.islink(path):
+                raise SegmentError(f"segment {name!r} is stale: its creator is gone") from None
             raise SegmentError(f"segment {name!r} does not exist (is the peer on this host?)")
         except OSError as e:  # a directory, no permission, ...
             raise SegmentError(f"segment {name!r} cannot be opened: {e.strerror}") from None
+        try:
+            seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+        except OSError:
+            seals = 0
+        if seals & SEALS != SEALS:
+            os.close(fd)
+            raise SegmentError(f"segment {name!r} is not sealed against truncation (seals "
+                               f"{seals:#x}): not one this project made")
         st = os.fstat(fd)
         if st.st_uid != os.getuid() or st.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
             os.close(fd)
@@ -176,6 +204,8 @@ class Segment:
                 os.unlink(self.path)
             except FileNotFoundError:
                 pass
+            os.close(self._fd)
+            self._fd = None
         self.header = None
         self.buf.release()
         try:
@@ -190,6 +220,13 @@ def remove_if_stale(name: str) -> bool:
     if not _NAME_RE.match(name) or not name.startswith(PREFIX):
         return False
     path = os.path.join(SHM_DIR, name)
+    if _dangling(path):  # its creator's descriptor is gone with it
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            return False
+        log.info("removed segment %s left by a dead process", name)
+        return True
     try:
         with open(path, "rb") as f:
             raw, uid = f.read(SEGMENT_HEADER.itemsize), os.fstat(f.fileno()).st_uid
@@ -224,8 +261,21 @@ def _check_name(name: str) -> None:
         raise SegmentError(f"bad segment name {name!r}: use 1-200 of [A-Za-z0-9_.-]")
 
 
+def _dangling(path: str) -> bool:
+    """A link of ours whose target is gone (the creator died), owned by this uid."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return False
+    return stat.S_ISLNK(st.st_mode) and st.st_uid == os.getuid() and not os.path.exists(path)
+
+
 def _may_remove_stale(path: str) -> None:
     """Unlink the segment at `path` if its creator is dead; raise if a live process holds it."""
+    if _dangling(path):
+        log.warning("replacing stale segment %s (its creator is gone)", path)
+        os.unlink(path)
+        return
     try:
         with open(path, "rb") as f:
             raw = f.read(SEGMENT_HEADER.itemsize)

@@ -14,10 +14,15 @@ _counter = itertools.count()
 
 
 def _ours_left() -> set[str]:
-    """Segments with the project prefix whose creator is this process or is dead."""
+    """Segments with the project prefix whose creator is this process or is dead (a name whose
+    link dangles: its creator is gone)."""
     left = set()
     for name in os.listdir(SHM_DIR):
         if not name.startswith(PREFIX):
+            continue
+        path = os.path.join(SHM_DIR, name)
+        if os.path.islink(path) and not os.path.exists(path):
+            left.add(name)
             continue
         try:
             with open(os.path.join(SHM_DIR, name), "rb") as f:

@@ -1,4 +1,6 @@
-"""Segments: owner-only, layout checked on attach, stale ones replaced, removed on exit/signals."""
+"""Segments: sealed memfds no process can truncate, owner-only, layout checked on attach, stale
+ones replaced, removed on exit/signals. A segment's name is a link that dangles once its creator
+is gone, so these tests look for the name itself (`lexists`)."""
 
 from __future__ import annotations
 
@@ -23,7 +25,45 @@ def test_created_owner_only_and_removed_on_close(seg_name):
     path = os.path.join(SHM_DIR, seg_name)
     assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
     seg.close()
-    assert not os.path.exists(path)
+    assert not os.path.lexists(path)
+
+
+def test_no_process_can_truncate_or_grow_a_segment(seg_name):
+    """Truncating a ring under a mapping would kill its users with SIGBUS; the seals refuse
+    it to anyone, this uid included, through the name or through any descriptor."""
+    with Ring.create(seg_name, 1 << 12) as ring:
+        path = os.path.join(SHM_DIR, seg_name)
+        code = f"""if True:
+            import os
+            fd = os.open({path!r}, os.O_RDWR)
+            for size in (0, 64, 1 << 20):
+                try:
+                    os.ftruncate(fd, size)
+                    print("resized", size)
+                except PermissionError:
+                    print("refused", size)
+        """
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                             timeout=30)
+        assert out.stdout.split("\n")[:3] == ["refused 0", "refused 64", "refused 1048576"], out
+        with open(path, "r+b") as f:
+            with pytest.raises(PermissionError):
+                f.truncate(0)
+        assert os.stat(path).st_size == 4096 + (1 << 12)
+        ring.publish(1, b"still mapped")
+
+
+def test_attach_refuses_a_plain_file_under_a_segment_name(seg_name):
+    """A file someone put under a segment's name (not a sealed memfd) is not attached."""
+    path = os.path.join(SHM_DIR, seg_name)
+    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    try:
+        os.ftruncate(fd, 8192)
+        with pytest.raises(SegmentError, match="not sealed"):
+            Segment.attach(seg_name, RING_KIND, RING_LAYOUT_VERSION)
+    finally:
+        os.close(fd)
+        os.unlink(path)
 
 
 def test_attach_checks_layout_version_and_kind(seg_name):
@@ -55,7 +95,7 @@ def test_stale_segment_from_dead_process_is_replaced(seg_name):
     assert proc.stdout.readline().strip() == "READY"
     proc.kill()
     proc.wait()
-    assert os.path.exists(os.path.join(SHM_DIR, seg_name))  # SIGKILL leaves it behind
+    assert os.path.lexists(os.path.join(SHM_DIR, seg_name))  # SIGKILL leaves it behind
     with pytest.raises(SegmentError, match="stale"):
         Ring.attach(seg_name)
     with Ring.create(seg_name, 1 << 12) as ring:
@@ -69,7 +109,7 @@ def test_consumer_removes_only_a_dead_creators_segment(seg_name):
     proc.kill()
     proc.wait()
     assert remove_if_stale(seg_name)
-    assert not os.path.exists(os.path.join(SHM_DIR, seg_name))
+    assert not os.path.lexists(os.path.join(SHM_DIR, seg_name))
     assert not remove_if_stale(seg_name)
     assert not remove_if_stale("../../etc/passwd") and not remove_if_stale("not_ours")
 
@@ -88,8 +128,8 @@ def test_receiver_sweeps_a_dead_producers_ring_it_never_attached(seg_name):
             rx.recv(timeout=0.2)
         finally:
             rx.close()
-        assert not os.path.exists(os.path.join(SHM_DIR, seg_name))
-        assert os.path.exists(os.path.join(SHM_DIR, seg_name + "_live"))
+        assert not os.path.lexists(os.path.join(SHM_DIR, seg_name))
+        assert os.path.lexists(os.path.join(SHM_DIR, seg_name + "_live"))
     finally:
         live.kill()
         live.wait()
@@ -105,14 +145,14 @@ def test_a_process_handling_sigterm_keeps_its_segments_until_it_exits(seg_name):
         Ring.create({seg_name!r}, 4096)
         print("READY", flush=True)
         done.wait(30)
-        print(os.path.exists({os.path.join(SHM_DIR, seg_name)!r}), flush=True)
+        print(os.path.lexists({os.path.join(SHM_DIR, seg_name)!r}), flush=True)
     """
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     assert proc.stdout.readline().strip() == "READY"
     proc.send_signal(signal.SIGTERM)
     assert proc.stdout.readline().strip() == "True"  # still there while it winds down
     assert proc.wait(timeout=10) == 0
-    assert not os.path.exists(os.path.join(SHM_DIR, seg_name))  # atexit removed it
+    assert not os.path.lexists(os.path.join(SHM_DIR, seg_name))  # atexit removed it
 
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
@@ -121,7 +161,7 @@ def test_signal_removes_segments_and_chains(seg_name, signum):
     assert proc.stdout.readline().strip() == "READY"
     proc.send_signal(signum)
     rc = proc.wait(timeout=10)
-    assert not os.path.exists(os.path.join(SHM_DIR, seg_name))
+    assert not os.path.lexists(os.path.join(SHM_DIR, seg_name))
     # the previous handler still ran: the default action for SIGTERM; for SIGINT Python's
     # KeyboardInterrupt, which an interpreter that does not catch it turns into death by SIGINT
     assert rc == -signum
@@ -130,7 +170,7 @@ def test_signal_removes_segments_and_chains(seg_name, signum):
 def test_atexit_removes_segments(seg_name):
     code = f"from shm_ipc.ring import Ring; Ring.create({seg_name!r}, 4096)"
     subprocess.run([sys.executable, "-c", code], check=True, timeout=30)
-    assert not os.path.exists(os.path.join(SHM_DIR, seg_name))
+    assert not os.path.lexists(os.path.join(SHM_DIR, seg_name))
 
 
 def test_segment_name_is_sanitized():
