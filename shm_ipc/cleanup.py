@@ -33,15 +33,25 @@ def unregister(path: str) -> None:
         _paths.discard(path)
 
 
+def remove(path: str) -> None:
+    """Remove a segment's name: a file, or a directory with the entries in it (not followed)."""
+    try:
+        if os.path.isdir(path) and not os.path.islink(path):
+            for entry in os.listdir(path):
+                os.unlink(os.path.join(path, entry))
+            os.rmdir(path)
+        else:
+            os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
 def unlink_all() -> None:
     with _lock:
         paths = list(_paths)
         _paths.clear()
     for path in paths:
-        try:
-            os.unlink(path)
-        except FileNotFoundError:
-            pass
+        remove(path)
 
 
 def _on_signal(signum, frame) -> None:

@@ -2,10 +2,10 @@
 
 A segment's memory is a sealed memfd (`memfd_create`, then F_SEAL_SHRINK | F_SEAL_GROW |
 F_SEAL_SEAL): no process, not even one of the same uid, can truncate it under a mapping (which
-would kill its users with SIGBUS) or grow it. Its name in /dev/shm is a symlink to the creator's
-descriptor of it (`/proc/<pid>/fd/<n>`), which only processes allowed to look into the creator
-(its uid) can open, and which dangles once the creator is gone. The creator keeps that
-descriptor open until `close()`.
+would kill its users with SIGBUS) or grow it. Its name in /dev/shm is a 0700 directory holding
+one symlink, `seg`, to the creator's descriptor of it (`/proc/<pid>/fd/<n>`): another uid can
+neither read the link (the creator's pid) nor open it, and the link dangles once the creator is
+gone. The creator keeps that descriptor open until `close()`.
 
 A segment opens with a 64-byte owner header (`SEGMENT_HEADER`, written once by the creator):
 a magic word, the layout kind and version of what follows, the total size, and the creator's
@@ -35,6 +35,7 @@ log = logging.getLogger("shm_ipc")
 
 SHM_DIR = "/dev/shm"
 PREFIX = "pd_shm_"
+LINK = "seg"  # the link to the creator's memfd, inside the segment's 0700 directory
 MAGIC = 0x31304D4853445000  # b"\0PDSHM01" read as little-endian
 
 # Written by the creator only, once, before the magic (which is written last).
@@ -80,7 +81,8 @@ class Segment:
 
     def __init__(self, name: str, fd: int, size: int, owner: bool):
         self.name = name
-        self.path = os.path.join(SHM_DIR, name)
+        self.dir = os.path.join(SHM_DIR, name)
+        self.path = os.path.join(self.dir, LINK)
         self.size = size
         self.owner = owner
         flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
@@ -101,7 +103,7 @@ class Segment:
     @classmethod
     def create(cls, name: str, size: int, kind: int, layout_version: int) -> "Segment":
         _check_name(name)
-        path = os.path.join(SHM_DIR, name)
+        where = os.path.join(SHM_DIR, name)
         fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         try:
             os.fchmod(fd, 0o600)
@@ -109,16 +111,17 @@ class Segment:
             fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SEALS)
             for _ in range(3):
                 try:
-                    os.symlink(f"/proc/{os.getpid()}/fd/{fd}", path)
+                    os.mkdir(where, 0o700)
                     break
                 except FileExistsError:
-                    _may_remove_stale(path)
+                    _may_remove_stale(where)
             else:
                 raise SegmentError(f"segment {name!r} keeps reappearing; another creator races us")
+            os.symlink(f"/proc/{os.getpid()}/fd/{fd}", os.path.join(where, LINK))
         except BaseException:
             os.close(fd)
             raise
-        cleanup.register(path)
+        cleanup.register(where)
         seg = cls(name, fd, size, owner=True)
         h = seg.header
         h["layout_version"], h["kind"], h["size"] = layout_version, kind, size
@@ -129,7 +132,7 @@ class Segment:
     @classmethod
     def attach(cls, name: str, kind: int, layout_version: int) -> "Segment":
         _check_name(name)
-        path = os.path.join(SHM_DIR, name)
+        path = os.path.join(SHM_DIR, name, LINK)
         try:
             fd = os.open(path, os.O_RDWR)
         except FileNotFoundError:
@@ -199,11 +202,8 @@ class Segment:
 
             unregister(self._pinned)
         if self.owner:
-            cleanup.unregister(self.path)
-            try:
-                os.unlink(self.path)
-            except FileNotFoundError:
-                pass
+            cleanup.unregister(self.dir)
+            cleanup.remove(self.dir)
             os.close(self._fd)
             self._fd = None
         self.header = None
@@ -215,34 +215,21 @@ class Segment:
 
 
 def remove_if_stale(name: str) -> bool:
-    """Unlink segment `name` if it is one of ours (prefix, magic, our uid) and its creator is
-    dead: a consumer cleaning up after a killed producer. True when it was removed."""
+    """Remove segment `name` if it is one of ours (prefix, our uid, a dangling link or a dead
+    creator in its header) and its creator is gone: a consumer cleaning up after a killed
+    producer. True when it was removed."""
     if not _NAME_RE.match(name) or not name.startswith(PREFIX):
         return False
-    path = os.path.join(SHM_DIR, name)
-    if _dangling(path):  # its creator's descriptor is gone with it
-        try:
-            os.unlink(path)
-        except FileNotFoundError:
-            return False
-        log.info("removed segment %s left by a dead process", name)
-        return True
+    where = os.path.join(SHM_DIR, name)
     try:
-        with open(path, "rb") as f:
-            raw, uid = f.read(SEGMENT_HEADER.itemsize), os.fstat(f.fileno()).st_uid
-    except OSError:
-        return False
-    if len(raw) < SEGMENT_HEADER.itemsize or uid != os.getuid():
-        return False
-    h = np.frombuffer(raw, dtype=SEGMENT_HEADER)[0]
-    pid = int(h["creator_pid"])
-    if int(h["magic"]) != MAGIC or is_alive(pid, int(h["creator_start"])):
-        return False
-    try:
-        os.unlink(path)
+        st = os.lstat(where)
     except FileNotFoundError:
         return False
-    log.info("removed segment %s left by dead pid %d", name, pid)
+    # NOTE: only a segment known to be gone: one still being made has no magic yet
+    if st.st_uid != os.getuid() or _creator(where)[0] != "gone":
+        return False
+    cleanup.remove(where)
+    log.info("removed segment %s left by a dead process", name)
     return True
 
 
@@ -261,35 +248,32 @@ def _check_name(name: str) -> None:
         raise SegmentError(f"bad segment name {name!r}: use 1-200 of [A-Za-z0-9_.-]")
 
 
-def _dangling(path: str) -> bool:
-    """A link of ours whose target is gone (the creator died), owned by this uid."""
-    try:
-        st = os.lstat(path)
-    except FileNotFoundError:
-        return False
-    return stat.S_ISLNK(st.st_mode) and st.st_uid == os.getuid() and not os.path.exists(path)
-
-
-def _may_remove_stale(path: str) -> None:
-    """Unlink the segment at `path` if its creator is dead; raise if a live process holds it."""
-    if _dangling(path):
-        log.warning("replacing stale segment %s (its creator is gone)", path)
-        os.unlink(path)
-        return
+def _creator(where: str) -> tuple[str, int]:
+    """("alive", pid) for a segment whose creator lives, ("gone", pid or 0) for one whose link
+    dangles or whose header names a dead process, ("unknown", 0) for one without a readable
+    header yet (a creator between making the name and writing the magic) or not a segment."""
+    path = os.path.join(where, LINK) if os.path.isdir(where) and not os.path.islink(where) else where
+    if os.path.islink(path) and not os.path.exists(path):
+        return "gone", 0
     try:
         with open(path, "rb") as f:
             raw = f.read(SEGMENT_HEADER.itemsize)
-    except FileNotFoundError:
-        return
-    if len(raw) == SEGMENT_HEADER.itemsize:
-        h = np.frombuffer(raw, dtype=SEGMENT_HEADER)[0]
-        pid, start = int(h["creator_pid"]), int(h["creator_start"])
-        if int(h["magic"]) == MAGIC and is_alive(pid, start):
-            raise SegmentError(f"segment {os.path.basename(path)!r} is in use by live pid {pid}")
-        log.warning("replacing stale segment %s left by pid %d", path, pid)
-    else:
-        log.warning("replacing unreadable segment %s", path)
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
+    except OSError:
+        return "unknown", 0
+    if len(raw) < SEGMENT_HEADER.itemsize:
+        return "unknown", 0
+    h = np.frombuffer(raw, dtype=SEGMENT_HEADER)[0]
+    pid = int(h["creator_pid"])
+    if int(h["magic"]) != MAGIC:
+        return "unknown", 0
+    return ("alive" if is_alive(pid, int(h["creator_start"])) else "gone"), pid
+
+
+def _may_remove_stale(where: str) -> None:
+    """Remove the segment at `where` unless a live process holds it (then raise): a creator
+    taking its name back from a dead or unreadable one."""
+    state, pid = _creator(where)
+    if state == "alive":
+        raise SegmentError(f"segment {os.path.basename(where)!r} is in use by live pid {pid}")
+    log.warning("replacing %s segment %s", "stale" if state == "gone" else "unreadable", where)
+    cleanup.remove(where)

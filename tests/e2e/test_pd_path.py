@@ -80,7 +80,7 @@ def test_requests_ending_at_the_first_token(cluster, client, reference, tmp_path
     assert results[0].token_ids == expected[0].token_ids
     assert results[0].logprobs == pytest.approx(expected[0].logprobs, abs=1e-5)
     assert results[1].token_ids == [eos] and results[1].finish_reason == "stop"
-    assert results[2].token_ids == expected[2].token_ids
+    assert results[2].token_ids == expected[2].token_ids, results[2]
     assert [r.finish_reason for r in results] == ["length", "stop", "length"]
     assert results[0].num_messages == results[1].num_messages == 1  # answered by the prefill node
     for node in (prefill, decode):

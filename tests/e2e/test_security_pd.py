@@ -34,7 +34,7 @@ from pd.wire.sampling_params import SamplingParams
 from pd.wire.security import CurveKeys
 from pd.text.tokenizer import Tokenizer
 from shm_ipc import header, records
-from shm_ipc.segment import PREFIX, SEGMENT_HEADER, SHM_DIR
+from shm_ipc.segment import LINK, PREFIX, SEGMENT_HEADER, SHM_DIR
 
 PROMPTS = ["def fibonacci(n):", "class Stack:"]
 CANARY = "zebra_quartz_canary = 'hunter2'"
@@ -291,16 +291,20 @@ _OTHER_USER = textwrap.dedent("""
 
 
 def ring_segments(pids: set[int]) -> list[str]:
-    """Paths of the shared-memory segments these processes created (told by their header)."""
+    """Paths of the shared-memory segments these processes created (told by their header): each
+    segment's directory and the link in it."""
     out = []
     for name in sorted(os.listdir(SHM_DIR)):
         if not name.startswith(PREFIX):
             continue
-        with open(os.path.join(SHM_DIR, name), "rb") as f:
-            raw = f.read(SEGMENT_HEADER.itemsize)
+        try:
+            with open(os.path.join(SHM_DIR, name, LINK), "rb") as f:
+                raw = f.read(SEGMENT_HEADER.itemsize)
+        except OSError:
+            continue
         if len(raw) == SEGMENT_HEADER.itemsize:
             if int(np.frombuffer(raw, dtype=SEGMENT_HEADER)[0]["creator_pid"]) in pids:
-                out.append(os.path.join(SHM_DIR, name))
+                out += [os.path.join(SHM_DIR, name), os.path.join(SHM_DIR, name, LINK)]
     return out
 
 

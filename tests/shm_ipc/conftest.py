@@ -8,24 +8,26 @@ import os
 import numpy as np
 import pytest
 
-from shm_ipc.segment import MAGIC, PREFIX, SEGMENT_HEADER, SHM_DIR, is_alive
+from shm_ipc import cleanup
+from shm_ipc.segment import LINK, MAGIC, PREFIX, SEGMENT_HEADER, SHM_DIR, is_alive
 
 _counter = itertools.count()
 
 
 def _ours_left() -> set[str]:
-    """Segments with the project prefix whose creator is this process or is dead (a name whose
-    link dangles: its creator is gone)."""
+    """Segments with the project prefix whose creator is this process or is dead (whose link
+    dangles: its creator is gone)."""
     left = set()
     for name in os.listdir(SHM_DIR):
         if not name.startswith(PREFIX):
             continue
-        path = os.path.join(SHM_DIR, name)
+        where = os.path.join(SHM_DIR, name)
+        path = os.path.join(where, LINK) if os.path.isdir(where) else where
         if os.path.islink(path) and not os.path.exists(path):
             left.add(name)
             continue
         try:
-            with open(os.path.join(SHM_DIR, name), "rb") as f:
+            with open(path, "rb") as f:
                 h = np.frombuffer(f.read(SEGMENT_HEADER.itemsize), SEGMENT_HEADER)[0]
         except (OSError, ValueError):
             continue
@@ -41,7 +43,7 @@ def no_segment_left_behind():
     yield
     leaked = _ours_left() - before
     for name in leaked:
-        os.unlink(os.path.join(SHM_DIR, name))
+        cleanup.remove(os.path.join(SHM_DIR, name))
     assert not leaked, f"segments left in {SHM_DIR}: {sorted(leaked)}"
 
 

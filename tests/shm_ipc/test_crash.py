@@ -11,6 +11,7 @@ import pytest
 from shm_ipc.doorbell import DoorbellWaiter
 from shm_ipc.errors import PeerGoneError
 from shm_ipc.ring import Ring
+from shm_ipc import cleanup
 from shm_ipc.segment import SHM_DIR
 
 from shm_peer import REC, spawn_peer
@@ -68,5 +69,4 @@ def test_sigkill_mid_write_then_restart(seg_name):
             p.terminate()  # SIGTERM: the restarted producer removes its segment
             p.wait()
         waiter.close()
-        if os.path.exists(os.path.join(SHM_DIR, seg_name)):  # left by a SIGKILL on failure
-            os.unlink(os.path.join(SHM_DIR, seg_name))
+        cleanup.remove(os.path.join(SHM_DIR, seg_name))  # left by a SIGKILL on failure

@@ -1,6 +1,7 @@
 """Segments: sealed memfds no process can truncate, owner-only, layout checked on attach, stale
-ones replaced, removed on exit/signals. A segment's name is a link that dangles once its creator
-is gone, so these tests look for the name itself (`lexists`)."""
+ones replaced, removed on exit/signals. A segment's name is a 0700 directory in /dev/shm holding
+a link to the creator's memfd (`LINK`), which dangles once the creator is gone, so these tests
+look for the name itself (`lexists`)."""
 
 from __future__ import annotations
 
@@ -15,24 +16,26 @@ import pytest
 from shm_ipc.errors import SegmentError
 from shm_ipc.ring import RING_KIND, RING_LAYOUT_VERSION, Ring
 from shm_ipc.receiver import KVReceiver
-from shm_ipc.segment import SHM_DIR, Segment, remove_if_stale, segment_name
+from shm_ipc.segment import LINK, SHM_DIR, Segment, remove_if_stale, segment_name
 
 from shm_peer import spawn_peer
 
 
 def test_created_owner_only_and_removed_on_close(seg_name):
     seg = Segment.create(seg_name, 8192, kind=9, layout_version=1)
-    path = os.path.join(SHM_DIR, seg_name)
-    assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+    where = os.path.join(SHM_DIR, seg_name)
+    assert stat.S_IMODE(os.stat(where).st_mode) == 0o700  # no other uid reads the link in it
+    assert os.listdir(where) == [LINK] and seg.path == os.path.join(where, LINK)
+    assert stat.S_IMODE(os.stat(seg.path).st_mode) == 0o600
     seg.close()
-    assert not os.path.lexists(path)
+    assert not os.path.lexists(where)
 
 
 def test_no_process_can_truncate_or_grow_a_segment(seg_name):
     """Truncating a ring under a mapping would kill its users with SIGBUS; the seals refuse
     it to anyone, this uid included, through the name or through any descriptor."""
     with Ring.create(seg_name, 1 << 12) as ring:
-        path = os.path.join(SHM_DIR, seg_name)
+        path = ring.seg.path
         code = f"""if True:
             import os
             fd = os.open({path!r}, os.O_RDWR)
@@ -55,15 +58,17 @@ def test_no_process_can_truncate_or_grow_a_segment(seg_name):
 
 def test_attach_refuses_a_plain_file_under_a_segment_name(seg_name):
     """A file someone put under a segment's name (not a sealed memfd) is not attached."""
-    path = os.path.join(SHM_DIR, seg_name)
-    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    where = os.path.join(SHM_DIR, seg_name)
+    os.mkdir(where, 0o700)
+    fd = os.open(os.path.join(where, LINK), os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
     try:
         os.ftruncate(fd, 8192)
         with pytest.raises(SegmentError, match="not sealed"):
             Segment.attach(seg_name, RING_KIND, RING_LAYOUT_VERSION)
     finally:
         os.close(fd)
-        os.unlink(path)
+        os.unlink(os.path.join(where, LINK))
+        os.rmdir(where)
 
 
 def test_attach_checks_layout_version_and_kind(seg_name):
@@ -77,7 +82,7 @@ def test_attach_checks_layout_version_and_kind(seg_name):
 
 def test_attach_refuses_group_readable_and_missing(seg_name):
     with Ring.create(seg_name, 1 << 12):
-        os.chmod(os.path.join(SHM_DIR, seg_name), 0o640)
+        os.chmod(os.path.join(SHM_DIR, seg_name, LINK), 0o640)  # the memfd behind the link
         with pytest.raises(SegmentError, match="owner-only"):
             Ring.attach(seg_name)
     with pytest.raises(SegmentError, match="does not exist"):
@@ -112,6 +117,23 @@ def test_consumer_removes_only_a_dead_creators_segment(seg_name):
     assert not os.path.lexists(os.path.join(SHM_DIR, seg_name))
     assert not remove_if_stale(seg_name)
     assert not remove_if_stale("../../etc/passwd") and not remove_if_stale("not_ours")
+
+
+def test_a_segment_being_made_is_not_swept(seg_name):
+    """Between making its name and writing its header's magic a segment has no valid header:
+    a consumer's sweep must leave it (it once removed it, and the producer's attach failed)."""
+    where = os.path.join(SHM_DIR, seg_name)
+    fd = os.memfd_create(seg_name)
+    try:
+        os.ftruncate(fd, 8192)
+        os.mkdir(where, 0o700)
+        os.symlink(f"/proc/{os.getpid()}/fd/{fd}", os.path.join(where, LINK))
+        assert not remove_if_stale(seg_name)
+        assert os.path.lexists(os.path.join(where, LINK))
+    finally:
+        os.close(fd)
+    assert remove_if_stale(seg_name)  # its link dangles now: gone
+    assert not os.path.lexists(where)
 
 
 def test_receiver_sweeps_a_dead_producers_ring_it_never_attached(seg_name):

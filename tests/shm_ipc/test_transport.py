@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import stat
 import resource
 import signal
 import socket
@@ -368,6 +369,9 @@ def test_shm_links_are_named_with_nothing_usable(rx):
         name = tx.ring.name
         port = rx.endpoint.rsplit(":", 1)[1]
         assert "secret" not in name and str(os.getpid()) not in name and port not in name
+        # the link to the creator's memfd (it names the creator's pid) is in a 0700 directory
+        where = os.path.join(SHM_DIR, name)
+        assert stat.S_IMODE(os.lstat(where).st_mode) == 0o700 and os.path.isdir(where)
         other = make_transport(rx.endpoint, "p-secret-identity-2", mode="shm", ring_bytes=64 << 10)
         assert other.ring.name != name
         other.close()
