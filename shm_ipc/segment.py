@@ -105,6 +105,7 @@ class Segment:
         _check_name(name)
         where = os.path.join(SHM_DIR, name)
         fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        made = False
         try:
             os.fchmod(fd, 0o600)
             os.ftruncate(fd, size)
@@ -112,6 +113,7 @@ class Segment:
             for _ in range(3):
                 try:
                     os.mkdir(where, 0o700)
+                    made = True
                     break
                 except FileExistsError:
                     _may_remove_stale(where)
@@ -119,6 +121,8 @@ class Segment:
                 raise SegmentError(f"segment {name!r} keeps reappearing; another creator races us")
             os.symlink(f"/proc/{os.getpid()}/fd/{fd}", os.path.join(where, LINK))
         except BaseException:
+            if made:
+                cleanup.remove(where)
             os.close(fd)
             raise
         cleanup.register(where)
