@@ -16,8 +16,9 @@ def run(coro):
     return asyncio.run(coro)
 
 
-async def queued(adm: Admission, client: str, weight: int, order: list, name: str):
-    await adm.acquire(weight, client)
+async def queued(adm: Admission, client: str, weight: int, order: list, name: str,
+                 tokens: int = 0):
+    await adm.acquire(weight, client, tokens)
     order.append(name)
 
 
@@ -112,9 +113,9 @@ def test_kv_tokens_wait_for_room_beside_those_in_flight():
         adm = Admission(max_running=10, max_queue=10, kv_budget=lambda: budget[0])
         assert await adm.acquire(1, "a", 60) == 0.0
         order: list[str] = []
-        big = asyncio.create_task(queued_tokens(adm, "b", 50, order, "b50"))
+        big = asyncio.create_task(queued(adm, "b", 1, order, "b50", tokens=50))
         await settle()
-        small = asyncio.create_task(queued_tokens(adm, "c", 10, order, "c10"))
+        small = asyncio.create_task(queued(adm, "c", 1, order, "c10", tokens=10))
         await settle()
         assert order == [] and adm.num_waiting == 2 and adm.kv_running == 60
         adm.release(1, 60)
@@ -148,7 +149,3 @@ def test_a_cancelled_waiter_gives_its_kv_tokens_back():
 
     run(main())
 
-
-async def queued_tokens(adm: Admission, client: str, tokens: int, order: list, name: str):
-    await adm.acquire(1, client, tokens)
-    order.append(name)
