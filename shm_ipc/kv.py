@@ -126,11 +126,11 @@ def gather_pipelined(kv: torch.Tensor, block_ids: torch.Tensor, chunks, reserve,
                     done.synchronize()
                 publish()
             out = reserve((l0, l1, b0, b1))
+            dst = torch.frombuffer(out, dtype=kv.dtype).view(chunk_shape(kv, l0, l1, b1 - b0))
             if stream is None:
-                gather_into(kv, block_ids, (l0, l1, b0, b1), out)
+                torch.index_select(kv[l0:l1], 2, block_ids[b0:b1], out=dst)
                 in_flight.append(None)
                 continue
-            dst = torch.frombuffer(out, dtype=kv.dtype).view(chunk_shape(kv, l0, l1, b1 - b0))
             with torch.cuda.stream(stream):
                 staged = staging(kv, dst.shape)
                 copy_blocks(kv[l0:l1].flatten(0, 1), staged.flatten(0, 1), src_ids=ids[b0:b1])
@@ -150,25 +150,10 @@ def gather_pipelined(kv: torch.Tensor, block_ids: torch.Tensor, chunks, reserve,
 
 
 def gather_into(kv: torch.Tensor, block_ids: torch.Tensor, chunk, out: memoryview) -> None:
-    """Write kv[l0:l1, :, block_ids[b0:b1]] into `out` (writable, exactly that many bytes).
-
-    On CUDA the copy runs on the side stream, by DMA when `out` is pinned (a pinned ring), and
-    this returns once the bytes are in `out`; the compute stream is not waited for."""
-    l0, l1, b0, b1 = chunk
-    dst = torch.frombuffer(out, dtype=kv.dtype).view(chunk_shape(kv, l0, l1, b1 - b0))
-    idx = block_ids[b0:b1]
-    if kv.device.type == "cpu":
-        torch.index_select(kv[l0:l1], 2, idx, out=dst)
-        return
-    stream = copy_stream(kv.device)
-    # NOTE: the KV was written by work queued on the current stream; the copy waits for it there.
-    stream.wait_stream(torch.cuda.current_stream(kv.device))
-    with torch.cuda.stream(stream):
-        staged = staging(kv, dst.shape)
-        copy_blocks(kv[l0:l1].flatten(0, 1), staged.flatten(0, 1),
-                    src_ids=idx.to(kv.device, non_blocking=True))
-        dst.copy_(staged, non_blocking=True)
-    stream.synchronize()  # the record is published after this: its bytes must be there
+    """Write kv[l0:l1, :, block_ids[b0:b1]] into `out` (writable, exactly that many bytes): one
+    chunk of `gather_pipelined`, returning once the bytes are in `out` (on CUDA by DMA when
+    `out` is pinned; the compute stream is not waited for)."""
+    gather_pipelined(kv, block_ids, [chunk], lambda _: out, lambda: None)
 
 
 def gather(kv: torch.Tensor, block_ids: torch.Tensor, chunk) -> torch.Tensor:
