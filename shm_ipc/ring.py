@@ -103,9 +103,9 @@ class Ring:
         pos = self._cursor
         off = pos % self.capacity
         tail = self.capacity - off
-        need = total if total <= tail else tail + total
-        if pos + need - self._ctl[READ_POS] > self.capacity:
-            self._wait_space(pos + need, timeout)
+        end = self._end_of(total)
+        if end - self._ctl[READ_POS] > self.capacity:
+            self._wait_space(end, timeout)
         if total > tail:
             self._words[off // 4], self._words[off // 4 + 1] = 0, tail - RECORD_HEADER  # PAD
             pos += tail
@@ -116,13 +116,15 @@ class Ring:
         start = off + RECORD_HEADER
         return self._data[start:start + length]
 
+    def _end_of(self, total: int) -> int:
+        """Where a record of `total` bytes reserved now would end (after a PAD when it does not
+        fit before the end of the data region)."""
+        tail = self.capacity - self._cursor % self.capacity
+        return self._cursor + (total if total <= tail else tail + total)
+
     def fits(self, length: int) -> bool:
         """Whether a record of `length` payload bytes could be reserved now without waiting."""
-        total = record_size(length)
-        off = self._cursor % self.capacity
-        tail = self.capacity - off
-        need = total if total <= tail else tail + total
-        return self._cursor + need - self._ctl[READ_POS] <= self.capacity
+        return self._end_of(record_size(length)) - self._ctl[READ_POS] <= self.capacity
 
     @property
     def num_pending(self) -> int:
