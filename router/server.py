@@ -352,9 +352,8 @@ class RouterServer:
                 choices.append(Choice(index, self.tokenizer, ids, req.stop,
                                       req.logprobs is not None, req.stop_token_ids))
                 greqs.append(GenerateRequest(uuid.uuid4().hex, ids, params))
-        nodes, prompt_lens = self.backend.kv_blocks(), [len(g.prompt_ids) for g in greqs]
-        capacity.check(prompt_lens, req.max_tokens, nodes)
-        kv_tokens = capacity.kv_tokens(prompt_lens, req.max_tokens, nodes)
+        kv_tokens = capacity.kv_tokens([len(g.prompt_ids) for g in greqs], req.max_tokens,
+                                       self.backend.kv_blocks())
         h = self.backend.health()
         if h.get("prefill", 0) < 1 or h.get("decode", 0) < 1:
             raise unavailable(f"no healthy prefill or decode node ({h.get('prefill', 0)} "
