@@ -285,11 +285,7 @@ class DecodeNode(NodeService):
         inc.num_records += 1
         inc.kv_bytes += rec.payload.nbytes
         self.num_kv_records += 1
-        self.metrics.kv_received_bytes(self.tier(inc.peer)).inc(rec.payload.nbytes)
-
-    def tier(self, peer: bytes) -> str:
-        """How a prefill node's KV reaches this node: "shm" (its ring) or "zmq" (frames)."""
-        return "shm" if self.receiver.has_ring(peer) else "zmq"
+        self.metrics.kv_received_bytes(self.receiver.tier(inc.peer)).inc(rec.payload.nbytes)
 
     def on_kv_done(self, peer: bytes, msg: m.KVDone) -> None:
         inc = self.expect(peer, msg.req_id, IncomingState.RECEIVING)
@@ -297,7 +293,7 @@ class DecodeNode(NodeService):
             self.fail(inc, f"KV incomplete: {inc.num_records} of {msg.num_records} records arrived")
             return
         self.receiver.send_control(peer, m.to_dict(m.KVAck(msg.req_id)))
-        tier = self.tier(peer)
+        tier = self.receiver.tier(peer)
         self.metrics.kv_transfer_seconds(tier).observe(time.perf_counter() - inc.accepted_at)
         self.metrics.kv_transfer_bytes(tier).observe(inc.kv_bytes)
         del self.incoming[msg.req_id]

@@ -89,9 +89,9 @@ class KVReceiver:
     def send_control(self, peer: bytes, msg: dict) -> None:
         self.socket.send_multipart([peer, control.encode(msg)])
 
-    def has_ring(self, peer: bytes) -> bool:
-        """Whether `peer` sends through a shared-memory ring (else ZMQ frames only)."""
-        return peer in self.rings
+    def tier(self, peer: bytes) -> str:
+        """How `peer`'s KV arrives: "shm" (through its shared-memory ring) or "zmq" (frames)."""
+        return "shm" if peer in self.rings else "zmq"
 
     def poll(self, timeout: float | None = 0) -> bool:
         ms = None if timeout is None else int(timeout * 1000)
