@@ -79,7 +79,8 @@ _ACCEPTED_POS = Counter("pd_spec_decode_num_accepted_tokens_per_pos",
 
 
 def _mirror(counter):
-    """`mirror(total)` raises `counter` to a running total kept elsewhere (the scheduler's)."""
+    """`mirror(total)` raises `counter` to a running total kept elsewhere (the scheduler's, the
+    decode loop's)."""
     seen = 0
 
     def mirror(total: int) -> None:
@@ -91,13 +92,15 @@ def _mirror(counter):
 
 
 def _mirror_phases(role: str, node_id: str):
-    """`mirror(totals)` raises each phase's counter to `totals[phase]` (seconds kept elsewhere)."""
-    seen: dict[str, float] = {}
+    """`mirror(totals)` raises each phase's counter to `totals[phase]` (seconds kept elsewhere,
+    growing): a `_mirror` per phase."""
+    mirrors = {}
 
     def mirror(totals: dict[str, float]) -> None:
         for phase, total in totals.items():
-            _HOST.labels(role=role, node=node_id, phase=phase).inc(max(0.0, total - seen.get(phase, 0.0)))
-            seen[phase] = total
+            if phase not in mirrors:
+                mirrors[phase] = _mirror(_HOST.labels(role=role, node=node_id, phase=phase))
+            mirrors[phase](total)
 
     return mirror
 
