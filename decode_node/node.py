@@ -6,6 +6,12 @@ message, in columns (`TokenStreams`).
 Intake, per request, on the KV ingest socket (from one prefill node, in order):
   RequestMeta -> FIRST_TOKEN (forwarded to the router; blocks reserved, or queued until free)
   -> KVAccept sent -> KV records (installed) -> KVDone -> KVAck sent, the request joins the batch.
+A prefill node on this host with its cache on a GPU may write the KV into this node's blocks
+itself (CUDA IPC, `shm_ipc.cuda_ipc`): the cache is offered in HelloOk, the request's
+RequestMeta says `direct`, KVAccept names the blocks, no records come, and KVDone means the
+blocks are filled; nothing is installed here and no step waits for a transfer. A direct request
+dropped after its KVAccept keeps its blocks until the prefill node answers that KVAccept
+(KVDone, or KVReleased when it will not write them) or is gone.
 With prefix caching, the blocks reserved start with the prompt's longest prefix this node holds
 in its cache (a previous turn of the same conversation, a shared system prompt); KVAccept says
 how many, and the prefill node sends only the rest. Received and decoded blocks join the cache.
@@ -44,6 +50,7 @@ from pd.spec.verify import SpecStats
 from pd.wire import messages as m
 from pd.wire.geometry import mismatch
 from pd.wire.sampling_params import SamplingParams
+from shm_ipc.cuda_ipc import export as export_kv
 from shm_ipc.kv import install_kv, installed, prepare as prepare_kv_copies
 from shm_ipc.receiver import KVReceiver, PeerGone
 from shm_ipc.header import Flag
@@ -83,6 +90,7 @@ class Incoming:
     kv_bytes: int = 0  # KV bytes received for it
     accepted_at: float = 0.0  # perf_counter time of its KVAccept (the transfer's start)
     first_token_at: float = 0.0  # monotonic time of the first token's arrival
+    direct: bool = False  # the prefill node writes its KV into our blocks (CUDA IPC)
 
 
 class DecodeNode(NodeService):
@@ -110,6 +118,9 @@ class DecodeNode(NodeService):
             self.register(self.receiver.wake_fd, self.on_kv_socket)  # the ring's fast wake
         self.geometry = engine.geometry(mtp_enabled=engine.spec is not None)
         self.peers: dict[bytes, str] = {}  # paired prefill nodes: identity -> node id
+        self.kv_ipc = export_kv(engine.runner.kv_cache.kv)  # the cache for peers on this host
+        self.ipc_peers: set[bytes] = set()  # peers offered it
+        self.fenced: dict[str, Incoming] = {}  # dropped direct requests a peer may still write
         self.incoming: dict[str, Incoming] = {}
         self.waiting_blocks: deque[Incoming] = deque()
         self.reply_to: dict[str, str] = {}  # running request -> router event endpoint
@@ -175,8 +186,10 @@ class DecodeNode(NodeService):
                 raise m.MessageError(f"{type(msg).__name__} from an unpaired peer {peer!r}")
             elif isinstance(msg, m.RequestMeta):
                 self.on_meta(peer, msg)
-            elif isinstance(msg, m.KVDone):
+            elif isinstance(msg, m.KVDone) and msg.req_id not in self.fenced:
                 self.on_kv_done(peer, msg)
+            elif isinstance(msg, (m.KVDone, m.KVReleased)):
+                self.unfence(peer, msg.req_id)
             else:
                 raise m.MessageError(f"unexpected {type(msg).__name__} on the KV ingest socket")
         elif isinstance(item, PeerGone):
@@ -207,15 +220,20 @@ class DecodeNode(NodeService):
             self.receiver.send_control(peer, m.to_dict(m.HelloRefused(self.node_id, why)))
             return
         self.peers[peer] = msg.node_id
-        self.receiver.send_control(peer, m.to_dict(m.HelloOk(self.node_id)))
+        offer = self.kv_ipc if self.receiver.tier(peer) == "shm" else None
+        if offer is not None:
+            self.ipc_peers.add(peer)
+        self.receiver.send_control(peer, m.to_dict(m.HelloOk(self.node_id, kv_ipc=offer)))
         log.info("paired with prefill node %s", msg.node_id)
 
     def on_meta(self, peer: bytes, msg: m.RequestMeta) -> None:
         try:
             if self.draining:
                 raise ValueError(f"decode node {self.node_id} is draining (shutting down)")
-            if msg.req_id in self.incoming or msg.req_id in self.reply_to:
+            if msg.req_id in self.incoming or msg.req_id in self.reply_to or msg.req_id in self.fenced:
                 raise ValueError(f"duplicate request id {msg.req_id!r}")
+            if msg.direct and peer not in self.ipc_peers:
+                raise ValueError("direct KV (CUDA IPC) was not offered to this prefill node")
             if len(self.incoming) >= self.max_queue:
                 raise ValueError(f"decode node {self.node_id} is full ({self.max_queue} incoming)")
             params = SamplingParams.from_dict(msg.params)
@@ -227,7 +245,8 @@ class DecodeNode(NodeService):
             return
         req = Req(msg.req_id, list(msg.prompt_ids), params, eos_token_ids=self.engine.eos_token_ids)
         deadline = time.monotonic() + min(msg.deadline_s, self.kv_timeout)
-        self.incoming[msg.req_id] = Incoming(req, peer, msg.reply_to, msg.num_blocks, deadline)
+        self.incoming[msg.req_id] = Incoming(req, peer, msg.reply_to, msg.num_blocks, deadline,
+                                             direct=msg.direct)
 
     def on_first_token(self, inc: Incoming, rec: FirstTokenRecord) -> None:
         req = inc.req
@@ -270,10 +289,13 @@ class DecodeNode(NodeService):
             req.block_ids = hit + self.allocator.allocate(need)
             inc.num_cached = len(hit)
             INCOMING_STATES.move(inc, IncomingState.RECEIVING)
-            self.receiver.send_control(inc.peer, m.to_dict(m.KVAccept(req.req_id, len(hit))))
+            ids = req.block_ids[len(hit):inc.num_blocks] if inc.direct else None
+            self.receiver.send_control(inc.peer, m.to_dict(m.KVAccept(req.req_id, len(hit), ids)))
             inc.accepted_at = time.perf_counter()
 
     def on_kv(self, inc: Incoming, rec: KVRecord) -> None:
+        if inc.direct:
+            raise m.MessageError(f"KV record for {inc.req.req_id}, whose KV is written directly")
         if rec.block_start + rec.num_blocks > inc.num_blocks - inc.num_cached:
             raise m.MessageError(f"KV record for {inc.req.req_id} beyond its "
                                  f"{inc.num_blocks - inc.num_cached} uncached blocks")
@@ -293,7 +315,11 @@ class DecodeNode(NodeService):
             self.fail(inc, f"KV incomplete: {inc.num_records} of {msg.num_records} records arrived")
             return
         self.receiver.send_control(peer, m.to_dict(m.KVAck(msg.req_id)))
-        tier = self.receiver.tier(peer)
+        tier = "ipc" if inc.direct else self.receiver.tier(peer)
+        if inc.direct:
+            kv = self.engine.runner.kv_cache.kv
+            inc.kv_bytes = (inc.num_blocks - inc.num_cached) * kv[:, :, :1].numel() * kv.element_size()
+            self.metrics.kv_received_bytes(tier).inc(inc.kv_bytes)
         self.metrics.kv_transfer_seconds(tier).observe(time.perf_counter() - inc.accepted_at)
         self.metrics.kv_transfer_bytes(tier).observe(inc.kv_bytes)
         del self.incoming[msg.req_id]
@@ -308,8 +334,21 @@ class DecodeNode(NodeService):
 
     def on_peer_gone(self, peer: bytes, reason: str) -> None:
         self.peers.pop(peer, None)
+        self.ipc_peers.discard(peer)
         for inc in [i for i in self.incoming.values() if i.peer == peer]:
             self.fail(inc, f"prefill node gone before the KV arrived: {reason}", tell_peer=False)
+        for req_id in [r for r, inc in self.fenced.items() if inc.peer == peer]:
+            self.unfence(peer, req_id)
+
+    def unfence(self, peer: bytes, req_id: str) -> None:
+        """The prefill node will not write a dropped direct request's blocks: free them."""
+        inc = self.fenced.get(req_id)
+        if inc is None or inc.peer != peer:
+            raise m.MessageError(f"KV answer for request {req_id!r}, which holds no blocks for "
+                                 f"this peer")
+        del self.fenced[req_id]
+        self.scheduler.free_blocks(inc.req)
+        self.may_reserve()
 
     # -- decoding ------------------------------------------------------------------------------
     def has_work(self) -> bool:
@@ -384,7 +423,10 @@ class DecodeNode(NodeService):
         self.incoming.pop(inc.req.req_id, None)
         if inc.state is IncomingState.WAITING_BLOCKS:
             self.waiting_blocks.remove(inc)
-        self.scheduler.free_blocks(inc.req)
+        if inc.direct and inc.state is IncomingState.RECEIVING and inc.peer in self.peers:
+            self.fenced[inc.req.req_id] = inc  # the peer may be writing them: see unfence
+        else:
+            self.scheduler.free_blocks(inc.req)
         INCOMING_STATES.move(inc, IncomingState.DROPPED)
 
     def abort(self, req_id: str, peer: bytes | None = None) -> None:

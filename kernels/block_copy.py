@@ -17,14 +17,19 @@ from kernels.launch import use_kernels
 
 SOURCE = r"""
 extern "C" __global__ void copy_blocks(
-    const char* src, char* dst, const long long* src_ids, const long long* dst_ids,
-    long long src_row, long long dst_row, long long unit)
+    const char* __restrict__ src, char* __restrict__ dst, const long long* __restrict__ src_ids,
+    const long long* __restrict__ dst_ids, long long src_row, long long dst_row, long long unit)
 {
     long long j = blockIdx.x, r = blockIdx.y;
     long long s = src_ids ? src_ids[j] : j, d = dst_ids ? dst_ids[j] : j;
-    const uint4* from = (const uint4*)(src + r * src_row + s * unit);
-    uint4* to = (uint4*)(dst + r * dst_row + d * unit);
-    for (long long i = threadIdx.x; i < unit / 16; i += blockDim.x) to[i] = from[i];
+    const uint4* __restrict__ from = (const uint4*)(src + r * src_row + s * unit);
+    uint4* __restrict__ to = (uint4*)(dst + r * dst_row + d * unit);
+    long long n = unit / 16, i = threadIdx.x, step = blockDim.x;
+    for (; i + 3 * step < n; i += 4 * step) {  // four loads in flight before their stores
+        uint4 a = from[i], b = from[i + step], c = from[i + 2 * step], e = from[i + 3 * step];
+        to[i] = a; to[i + step] = b; to[i + 2 * step] = c; to[i + 3 * step] = e;
+    }
+    for (; i < n; i += step) to[i] = from[i];
 }
 """
 
@@ -62,26 +67,37 @@ def copy_blocks(src: torch.Tensor, dst: torch.Tensor, src_ids: torch.Tensor | No
     s, d = _rows(src), _rows(dst)
     unit = s.shape[2]
     if use_kernel if use_kernel is not None else use_kernels(src):
-        if unit % 16 or any(t.stride(1) != unit or t.stride(2) != 1 or t.data_ptr() % 16
-                            or t.stride(0) % 16 for t in (s, d)):
-            raise ValueError("copy_blocks needs 16-byte aligned, contiguous blocks")
-        import numpy as np  # noqa: PLC0415
-
-        from kernels.launch import _compiled, _cupy  # noqa: PLC0415
-        if n == 0 or s.shape[0] == 0:
-            return
-        cp = _cupy()
-        dev = src.device.index or 0
-        kernel = _compiled("copy_blocks", SOURCE, dev)
-        ptr = lambda t: np.uint64(t.data_ptr() if t is not None else 0)  # noqa: E731
-        stream = torch.cuda.current_stream(src.device)
-        with cp.cuda.Device(dev), cp.cuda.ExternalStream(stream.cuda_stream, dev):
-            kernel((n, s.shape[0]), (THREADS,),
-                   (ptr(s), ptr(d), ptr(src_ids), ptr(dst_ids), np.int64(s.stride(0)),
-                    np.int64(d.stride(0)), np.int64(unit)))
+        if any(t.stride(1) != unit or t.stride(2) != 1 for t in (s, d)):
+            raise ValueError("copy_blocks needs contiguous blocks")
+        launch_copy(s.data_ptr(), d.data_ptr(), s.shape[0], unit, s.stride(0), d.stride(0), n,
+                    src.device, src_ids, dst_ids)
         return
     picked = s if src_ids is None else s.index_select(1, src_ids)
     if dst_ids is None:
         d[:, :n].copy_(picked[:, :n])
     else:
         d.index_copy_(1, dst_ids, picked)
+
+
+def launch_copy(src: int, dst: int, rows: int, unit: int, src_row: int, dst_row: int, n: int,
+                device: torch.device, src_ids: torch.Tensor | None = None,
+                dst_ids: torch.Tensor | None = None) -> None:
+    """The kernel on raw addresses, on torch's current stream of `device`: rows of `unit` bytes,
+    `src_row` / `dst_row` bytes apart, `n` blocks each (ids int64 on `device`, or j itself).
+    `dst` may be another process's memory opened by CUDA IPC (`shm_ipc.cuda_ipc`), on this GPU
+    or on a peer one."""
+    if unit % 16 or src % 16 or dst % 16 or src_row % 16 or dst_row % 16:
+        raise ValueError("copy_blocks needs 16-byte aligned blocks")
+    if n == 0 or rows == 0:
+        return
+    import numpy as np  # noqa: PLC0415
+
+    from kernels.launch import _compiled, _cupy  # noqa: PLC0415
+    cp = _cupy()
+    dev = device.index or 0
+    kernel = _compiled("copy_blocks", SOURCE, dev)
+    ptr = lambda t: np.uint64(t.data_ptr() if t is not None else 0)  # noqa: E731
+    stream = torch.cuda.current_stream(device)
+    with cp.cuda.Device(dev), cp.cuda.ExternalStream(stream.cuda_stream, dev):
+        kernel((n, rows), (THREADS,), (np.uint64(src), np.uint64(dst), ptr(src_ids), ptr(dst_ids),
+                                       np.int64(src_row), np.int64(dst_row), np.int64(unit)))

@@ -1,7 +1,10 @@
 """One prefill node's connection to one decode node: the handshake, then the request hand-off.
 
 On creation it connects the KV transport (shm ring on this host, ZMQ frames across hosts) and
-sends `Hello` with this node's geometry. Requests submitted before `HelloOk` wait in `pending`;
+sends `Hello` with this node's geometry. A decode node on this host whose cache is on a GPU
+offers it by CUDA IPC in `HelloOk`; a prefill node on a GPU opens it (transport "auto" or "ipc")
+and then writes each request's KV straight into the blocks `KVAccept` names (`shm_ipc.cuda_ipc`),
+the ring carrying only the records and control messages. Requests submitted before `HelloOk` wait in `pending`;
 `HelloRefused` (or no answer within the handshake timeout) fails them with the reason. Once
 paired, a request goes out as RequestMeta + FIRST_TOKEN record (+ a DRAFT_TOKENS record with
 MTP); its KV follows on `KVAccept` (all
@@ -30,6 +33,7 @@ from zmq.utils.monitor import recv_monitor_message
 from pd.engine.request import Req
 from pd.service.states import Transitions
 from pd.wire import messages as m
+from shm_ipc.cuda_ipc import PeerCache
 from shm_ipc.errors import TransportError
 from shm_ipc.header import Flag
 from shm_ipc.records import AbortRecord, FirstTokenRecord, TokensRecord
@@ -69,7 +73,7 @@ class LinkOwner(Protocol):
     def unregister(self, sock: zmq.Socket) -> None: ...
     def refuse(self, source: str, error: Exception) -> None: ...
     def on_first_token_sent(self, job: Handoff) -> None: ...
-    def on_kv_accept(self, link: "DecodeLink", req_id: str, num_cached_blocks: int) -> None: ...
+    def on_kv_accept(self, link: "DecodeLink", msg: m.KVAccept) -> None: ...
     def on_kv_ack(self, link: "DecodeLink", req_id: str) -> None: ...
     def on_kv_refuse(self, link: "DecodeLink", req_id: str, reason: str) -> None: ...
     def on_link_broken(self, link: "DecodeLink", reason: str, jobs: list[Handoff] | None) -> None:
@@ -89,7 +93,12 @@ class DecodeLink:
         # NOTE: the link's identity on D's KV port is random and named nowhere (not in a
         # segment name, not in a log): D's KV socket takes no identity handover, and a request's
         # messages count only from the identity that handed it over
-        self.transport = make_transport(addr, secrets.token_hex(16), mode=transport)
+        # "ipc": the ring for records and control, KV by CUDA IPC or the link fails
+        self.ipc = transport in ("auto", "ipc") and kv.is_cuda
+        self.ipc_required = transport == "ipc"
+        self.peer_cache: PeerCache | None = None  # D's cache, once opened by CUDA IPC
+        self.transport = make_transport(addr, secrets.token_hex(16),
+                                        mode="shm" if transport == "ipc" else transport)
         self.monitor = self.transport.socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         owner.register(self.transport.socket, self.on_socket)
         owner.register(self.monitor, self.on_monitor)
@@ -98,8 +107,8 @@ class DecodeLink:
 
     @property
     def tier(self) -> str:
-        """How KV crosses this link: "shm" (the ring) or "zmq" (frames), for the metrics."""
-        return self.transport.mode
+        """How KV crosses this link: "ipc" (into D's cache), "shm" (the ring) or "zmq" (frames)."""
+        return "ipc" if self.peer_cache is not None else self.transport.mode
 
     @property
     def failed(self) -> bool:
@@ -129,7 +138,8 @@ class DecodeLink:
         try:
             self.control(m.RequestMeta(req.req_id, req.prompt_token_ids, job.msg.params,
                                        job.msg.reply_to, num_blocks=self.num_prompt_blocks(job),
-                                       deadline_s=self.handoff_timeout))
+                                       deadline_s=self.handoff_timeout,
+                                       direct=self.peer_cache is not None))
             self.transport.send_record(FirstTokenRecord(
                 req.req_id, first,
                 req.output_logprobs[0] if asked else 0.0,
@@ -145,9 +155,10 @@ class DecodeLink:
     def num_prompt_blocks(self, job: Handoff) -> int:
         return -(-job.req.num_prompt_tokens // self.block_size)
 
-    def send_kv(self, job: Handoff, num_cached_blocks: int = 0) -> int:
+    def send_kv(self, job: Handoff, num_cached_blocks: int = 0, dst_block_ids=None) -> int:
         """Send the prompt's KV blocks but the first `num_cached_blocks` (the decode node holds
-        them) then KVDone; returns the bytes sent."""
+        them) then KVDone; returns the bytes sent. A direct request's blocks are written into the
+        decode node's `dst_block_ids` (CUDA IPC) instead of being sent as records."""
         kv = self.kv
         num_blocks = self.num_prompt_blocks(job)
         if not 0 <= num_cached_blocks <= num_blocks:
@@ -156,12 +167,25 @@ class DecodeLink:
             return 0
         blocks = job.req.block_ids[num_cached_blocks:num_blocks]
         try:
-            num_records = self.transport.send_kv(job.req.req_id, kv, blocks)
+            if self.peer_cache is not None and dst_block_ids is not None:
+                self.peer_cache.write(kv, blocks, dst_block_ids)
+                num_records = 0
+            else:
+                num_records = self.transport.send_kv(job.req.req_id, kv, blocks)
             self.control(m.KVDone(job.req.req_id, num_records))
-        except TransportError as e:
+        except (TransportError, ValueError) as e:
             self._broken(f"KV transfer to decode node {self.addr} failed: {e}", job)
             return 0
         return kv[:, :, :1].numel() * kv.element_size() * len(blocks)
+
+    def release(self, req_id: str) -> None:
+        """Tell the decode node that this node will not write the blocks its direct KVAccept for
+        `req_id` named (the request ended here first)."""
+        if self.state is not LinkState.FAILED:
+            try:
+                self.control(m.KVReleased(req_id))
+            except TransportError as e:
+                log.warning("could not release %s's blocks at %s: %s", req_id, self.addr, e)
 
     def send_abort(self, req_id: str, reason: str) -> None:
         if self.state is LinkState.FAILED:
@@ -210,21 +234,41 @@ class DecodeLink:
             if self.state is not LinkState.HELLO_SENT:
                 owner.refuse("kv", m.MessageError(f"HelloOk from {self.addr} out of turn"))
                 return
+            if not self._open_peer_cache(msg.kv_ipc):
+                return
             LINK_STATES.move(self, LinkState.READY)
-            log.info("paired with decode node %s (%s)", msg.node_id, self.addr)
+            log.info("paired with decode node %s (%s), KV over %s", msg.node_id, self.addr,
+                     self.tier)
             pending, self.pending = self.pending, []
             for job in pending:
                 self._send_request(job)
         elif isinstance(msg, m.HelloRefused):
             self._broken(f"decode node {self.addr} refused to pair: {msg.reason}")
         elif isinstance(msg, m.KVAccept):
-            owner.on_kv_accept(self, msg.req_id, msg.num_cached_blocks)
+            owner.on_kv_accept(self, msg)
         elif isinstance(msg, m.KVAck):
             owner.on_kv_ack(self, msg.req_id)
         elif isinstance(msg, m.KVRefuse):
             owner.on_kv_refuse(self, msg.req_id, msg.reason)
         else:
             owner.refuse("kv", m.MessageError(f"unexpected {type(msg).__name__} from a decode node"))
+
+    def _open_peer_cache(self, offer: dict | None) -> bool:
+        """Open the decode node's cache when offered and wanted; False when the link failed
+        (transport "ipc" and no usable offer)."""
+        if self.ipc and offer is not None:
+            try:
+                self.peer_cache = PeerCache.open(offer, self.kv)
+            except TransportError as e:
+                if self.ipc_required:
+                    self._broken(f"decode node {self.addr}: no CUDA IPC ({e})")
+                    return False
+                log.warning("decode node %s: %s; KV goes through the ring", self.addr, e)
+        elif self.ipc_required:
+            self._broken(f"no CUDA IPC to decode node {self.addr}: both caches must be on GPUs "
+                         f"of one host")
+            return False
+        return True
 
     def tick(self, now: float) -> None:
         if self.state is LinkState.HELLO_SENT and now > self.hello_deadline:
@@ -236,3 +280,5 @@ class DecodeLink:
         self.transport.socket.disable_monitor()
         self.monitor.close()
         self.transport.close()
+        if self.peer_cache is not None:
+            self.peer_cache.close()

@@ -188,14 +188,16 @@ class PrefillNode(NodeService):
             if job.state is not JobState.DONE:
                 self.fail(job, reason)
 
-    def on_kv_accept(self, link: DecodeLink, req_id: str, num_cached_blocks: int = 0) -> None:
-        job = self.jobs.get(req_id)
+    def on_kv_accept(self, link: DecodeLink, msg: m.KVAccept) -> None:
+        job = self.jobs.get(msg.req_id)
         if job is None or job.state is not JobState.HANDED_OFF or job.link is not link:
-            log.warning("KVAccept for %s, which is not waiting for one here", req_id)
+            log.warning("KVAccept for %s, which is not waiting for one here", msg.req_id)
+            if msg.block_ids is not None:
+                link.release(msg.req_id)  # the decode node holds those blocks until told
             return
         JOB_STATES.move(job, JobState.KV_SENT)
         job.kv_started = time.perf_counter()
-        nbytes = link.send_kv(job, num_cached_blocks)
+        nbytes = link.send_kv(job, msg.num_cached_blocks, msg.block_ids)
         job.kv_bytes = nbytes
         self.metrics.kv_sent_bytes(link.tier).inc(nbytes)
         self.kv_sent_bytes += nbytes

@@ -15,6 +15,11 @@ producer's (same seed) at the end.
 
 Beside the one-process copy bandwidth, the D2H and H2D bandwidth of two processes copying at
 once (on one GPU their copies share the GPU, so each gets about half): the ring's ceiling.
+
+Then the CUDA IPC tier (`shm_ipc.cuda_ipc`): the decode side exports its cache, the producer
+opens it and writes each request's blocks straight into the decode side's blocks
+(`PeerCache.write`, as the prefill node does), beside a device copy of the same size in one
+process (on one GPU a device-to-device copy, on two a peer copy).
 """
 
 from __future__ import annotations
@@ -151,6 +156,58 @@ def transfer(per_req: int, requests: int, pin: bool, devices: tuple[str, str],
     return total / dt / 1e9, intact
 
 
+def ipc_producer(desc: dict, go, done, num_blocks: int, per_req: int, requests: int,
+                 device: str) -> None:
+    from shm_ipc.cuda_ipc import PeerCache  # noqa: PLC0415
+
+    torch.cuda.set_device(device)
+    kv = cache(num_blocks, seed=0, device=device)
+    prepare(kv)
+    peer = PeerCache.open(desc, kv)
+    peer.write(kv, [0], [0])  # the first launch loads the kernel; a node does it at start
+    go.wait()
+    t0 = time.perf_counter()
+    for r in range(requests):
+        src = [(b + r * per_req) % num_blocks for b in range(per_req)]
+        dst = [(b + (r + 1) * per_req) % num_blocks for b in range(per_req)]
+        peer.write(kv, src, dst)
+    wall = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    for r in range(requests):  # the same copies, not waited for one by one
+        src = [(b + r * per_req) % num_blocks for b in range(per_req)]
+        dst = [(b + (r + 1) * per_req) % num_blocks for b in range(per_req)]
+        peer.write(kv, src, dst, wait=False)
+    torch.cuda.synchronize()
+    done.put((wall, time.perf_counter() - t0))
+    peer.close()
+
+
+def ipc_transfer(per_req: int, requests: int, devices: tuple[str, str]
+                 ) -> tuple[float, float, bool]:
+    """GB/s of KV written into this process's cache by another through CUDA IPC (each request's
+    write waited for, as the prefill node does; and all queued, then waited for once), and
+    whether the last request's blocks arrived intact."""
+    from shm_ipc.cuda_ipc import export  # noqa: PLC0415
+
+    num_blocks = per_req * 2
+    kv = cache(num_blocks, seed=None, device=devices[1])
+    ctx = mp.get_context("spawn")
+    go, done = ctx.Event(), ctx.Queue()
+    proc = ctx.Process(target=ipc_producer, args=(export(kv), go, done, num_blocks, per_req,
+                                                  requests, devices[0]))
+    proc.start()
+    go.set()
+    dt, queued = done.get(timeout=120)
+    proc.join()
+    total = requests * per_req * LAYERS * unit_bytes(kv)
+    src = cache(num_blocks, seed=0, device=devices[0]).to(devices[1])
+    last = requests - 1
+    src_ids = torch.arange(last * per_req, (last + 1) * per_req) % num_blocks
+    dst_ids = (src_ids + per_req) % num_blocks
+    intact = torch.equal(src[:, :, src_ids.to(devices[1])], kv[:, :, dst_ids.to(devices[1])])
+    return total / dt / 1e9, total / queued / 1e9, intact
+
+
 def _gbps(fn, nbytes: int, reps: int) -> float:
     """GB/s of `fn` moving `nbytes`, over `reps` calls after one warm-up."""
     fn()
@@ -255,6 +312,12 @@ def main() -> None:
         gbs, intact = transfer(per_req, args.requests, pin, devices, ring_bytes)
         print(f"{'pinned' if pin else 'pageable':>10} | {gbs:>6.1f} | {gbs / min(d2h, h2d):>15.0%} | "
               f"{gbs / min(dd2h, dh2d):>8.0%} | {intact}")
+    a, b = (torch.empty(size, dtype=torch.uint8, device=d) for d in devices)
+    copy = _gbps(lambda: b.copy_(a, non_blocking=True), size, 20)
+    gbs, queued, intact = ipc_transfer(per_req, args.requests, devices)
+    print(f"one process, {size >> 20} MiB {devices[0]} -> {devices[1]}: {copy:.0f} GB/s")
+    print(f"CUDA IPC: {gbs:.0f} GB/s, {gbs / copy:.0%} of that copy, intact {intact} (writes "
+          f"queued without a wait each: {queued:.0f} GB/s)")
 
 if __name__ == "__main__":
     main()

@@ -9,8 +9,9 @@ every gap between two consecutive tokens of a steady stream (its first `--skip` 
 out), pooled: p50, p99 and max.
 
 - PD: a prefill node on `--prefill-device` and a decode node on `--decode-device`, real
-  processes joined by ZMQ and the KV transport (the shm ring on one host), driven by
-  `pd.service.client.NodeClient`; a token's time is when the client receives it.
+  processes joined by ZMQ and the KV transport (`--transports`: one row each, CUDA IPC and
+  the shm ring by default on GPUs), driven by `pd.service.client.NodeClient`; a token's time is
+  when the client receives it.
 - colocated: one `Engine` on `--prefill-device` doing both, driven in this process (chunked
   prefill of up to `--max-num-batched-tokens` tokens per step, mixed into the decode steps); a
   token's time is when the step that sampled it returns.
@@ -136,9 +137,13 @@ def main() -> None:
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048,
                     help="prefill chunk per step, for P and the colocated engine")
     ap.add_argument("--setups", nargs="+", default=["pd", "colocated"], choices=["pd", "colocated"])
+    ap.add_argument("--transports", nargs="+", default=None, choices=["ipc", "shm", "zmq"],
+                    help="the PD setup's KV transports, one row each (default: ipc and shm on "
+                         "GPUs, shm on CPU)")
     args = ap.parse_args()
 
     cuda = args.prefill_device.startswith("cuda")
+    transports = args.transports or (["ipc", "shm"] if cuda else ["shm"])
     dtype = "bfloat16" if cuda else "float32"
     ctx = args.prompt_len + args.long_tokens + 16
     if args.model:
@@ -156,11 +161,11 @@ def main() -> None:
     print(f"model {model}; {args.streams} streams of {args.stream_tokens} tokens; mixed: "
           f"{args.prompt_len}-token prompts every {args.interval}s")
     results = {}
-    if "pd" in args.setups:
+    for transport in transports if "pd" in args.setups else []:
         decode = start_node("decode", [*common, "--device", args.decode_device, "--port", "0",
                                        "--kv-port", "0"], timeout=600, die_with_parent=True)
-        prefill = start_node("prefill", [*common, "--device", args.prefill_device, "--port", "0"],
-                             timeout=600, die_with_parent=True)
+        prefill = start_node("prefill", [*common, "--device", args.prefill_device, "--port", "0",
+                                         "--transport", transport], timeout=600, die_with_parent=True)
         decode.addr, decode.kv_addr = f"tcp://127.0.0.1:{decode.info['port']}", decode.info["kv_addr"]
         prefill.addr = f"tcp://127.0.0.1:{prefill.info['port']}"
         client = NodeClient()
@@ -168,7 +173,7 @@ def main() -> None:
             run_pd(client, prefill, decode, Load(args, vocab, mixed=True, seed=99))  # warm-up
             alone, _ = run_pd(client, prefill, decode, Load(args, vocab, mixed=False, seed=1))
             mixed, sent = run_pd(client, prefill, decode, Load(args, vocab, mixed=True, seed=2))
-            results["PD"] = (alone, mixed, sent)
+            results[f"PD {transport}"] = (alone, mixed, sent)
         finally:
             client.close()
             prefill.stop()

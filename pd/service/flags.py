@@ -112,9 +112,11 @@ NODE_FLAGS = (
              "(taking no new ones) before ending the rest with an error and exiting (default: "
              "%(default)s; SIGINT stops at once)", ("prefill", "decode"), float),
     NodeFlag("transport", os.environ.get("PD_KV_TRANSPORT", "auto"),
-             "KV transport to decode nodes: shm (shared-memory ring, same host), zmq (frames "
-             "over TCP), auto (shm when the decode node is on this host); env PD_KV_TRANSPORT "
-             "(default: %(default)s)", ("prefill",), choices=("auto", "shm", "zmq")),
+             "KV transport to decode nodes: ipc (CUDA IPC: written into the decode node's "
+             "GPU blocks, same host, both on GPUs; records still through the ring), shm "
+             "(shared-memory ring, same host), zmq (frames over TCP), auto (ipc when the "
+             "decode node offers it, else shm on this host, else zmq); env PD_KV_TRANSPORT "
+             "(default: %(default)s)", ("prefill",), choices=("auto", "ipc", "shm", "zmq")),
     NodeFlag("max_queue", {"prefill": 1024, "decode": 4096},
              "requests held at once (prefill: queued, prefilling, handing off; decode: being "
              "handed over); more are refused (default: %(default)s)", ("prefill", "decode"), int,

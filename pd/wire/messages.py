@@ -14,7 +14,8 @@ Who sends what:
   P, D -> router  Pong (reply to Ping)                 (same socket)
   P, D -> router  TokenStream, TokenStreams (D: a step's streams of one router in one message)
                                                        (the router's event socket, `reply_to`)
-  P -> D          Hello, RequestMeta, KVDone, Abort    (D's KV ingest, in order with records)
+  P -> D          Hello, RequestMeta, KVDone, KVReleased, Abort
+                                                       (D's KV ingest, in order with records)
   D -> P          HelloOk, HelloRefused, KVAccept, KVAck, KVRefuse
 """
 
@@ -198,6 +199,7 @@ class HelloOk:
     TYPE: ClassVar[str] = "hello_ok"
     VERSION: ClassVar[int] = 1
     node_id: str
+    kv_ipc: dict | None = None  # D's KV cache by CUDA IPC (shm_ipc.cuda_ipc.export), same host
 
 
 @message
@@ -220,6 +222,7 @@ class RequestMeta:
     reply_to: str
     num_blocks: int  # KV blocks P will send (the prompt's)
     deadline_s: float = 60.0
+    direct: bool = False  # P writes the KV into D's blocks itself (CUDA IPC): KVAccept names them
 
 
 @message
@@ -231,6 +234,7 @@ class KVAccept:
     VERSION: ClassVar[int] = 1
     req_id: str
     num_cached_blocks: int = 0
+    block_ids: list | None = None  # direct requests: D's blocks for P's uncached prompt blocks
 
 
 @message
@@ -239,6 +243,16 @@ class KVDone:
     VERSION: ClassVar[int] = 1
     req_id: str
     num_records: int
+
+
+@message
+class KVReleased:
+    """P -> D, the answer to a direct KVAccept for a request P no longer sends: P will not write
+    the blocks named there (D keeps a dropped direct request's blocks until this or KVDone)."""
+
+    TYPE: ClassVar[str] = "kv_released"
+    VERSION: ClassVar[int] = 1
+    req_id: str
 
 
 @message

@@ -19,8 +19,8 @@ def test_mixed_load_benchmark_runs_both_setups_on_cpu():
         capture_output=True, text=True, timeout=240)
     assert out.returncode == 0, out.stderr[-3000:]
     rows = {line.split("|")[0].strip(): line.split("|") for line in out.stdout.splitlines()
-            if line.strip().startswith(("PD |", "colocated |"))}
-    assert set(rows) == {"PD", "colocated"}, out.stdout
+            if line.strip().startswith(("PD shm |", "colocated |"))}
+    assert set(rows) == {"PD shm", "colocated"}, out.stdout
     for cells in rows.values():
         alone, mixed = map(float, cells[1].split()), map(float, cells[2].split())
         assert all(v > 0 for v in [*alone, *mixed]), cells

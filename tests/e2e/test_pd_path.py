@@ -13,7 +13,7 @@ import pytest
 
 from pd.engine.llm import LLM
 from pd.wire.sampling_params import SamplingParams
-from tests.e2e.conftest import DEVICE_KWARGS, wait_idle
+from tests.e2e.conftest import DEVICE, DEVICE_KWARGS, wait_idle
 
 
 def mixed_prompts(n: int, seed: int = 0) -> list[list[int]]:
@@ -28,8 +28,10 @@ def reference(tiny_model_dir):
     return LLM(tiny_model_dir, num_blocks=512, **DEVICE_KWARGS)
 
 
-@pytest.mark.parametrize("transport", ["shm", "zmq"])
+@pytest.mark.parametrize("transport", ["ipc", "shm", "zmq"])
 def test_pd_equals_single_process(cluster, client, reference, transport):
+    if transport == "ipc" and DEVICE == "cpu":
+        pytest.skip("CUDA IPC needs both nodes on a GPU (PD_TEST_DEVICE=cuda)")
     decode, prefill = cluster.ready(
         cluster.decode(wait=False),
         cluster.prefill("--transport", transport, wait=False))
@@ -54,6 +56,8 @@ def test_pd_equals_single_process(cluster, client, reference, transport):
     for node in (prefill, decode):
         stats = wait_idle(client, node)
         assert stats["free_blocks"] == stats["total_blocks"]
+    # the KV went where asked: "shm" on a GPU is the ring, not CUDA IPC
+    assert f"KV over {transport}" in Path(prefill.log_path).read_text()
 
 
 def test_requests_ending_at_the_first_token(cluster, client, reference, tmp_path):

@@ -39,8 +39,8 @@ class Owner:
     def on_first_token_sent(self, job):
         self.events.append(("first_token_sent", job.req.req_id))
 
-    def on_kv_accept(self, link, req_id, num_cached_blocks=0):
-        self.events.append(("kv_accept", req_id))
+    def on_kv_accept(self, link, msg):
+        self.events.append(("kv_accept", msg.req_id))
 
     def on_kv_ack(self, link, req_id):
         self.events.append(("kv_ack", req_id))
@@ -70,12 +70,15 @@ def make_job(req_id: str) -> Job:
 
 
 def recv_control(sock) -> tuple[bytes, dict]:
-    """The next control message (one frame after the identity); records are skipped."""
+    """The next control message (one frame after the identity, plus the ring position from a
+    ring's sender); records and doorbells are skipped."""
     while True:
         assert sock.poll(5000), "nothing arrived"
         frames = sock.recv_multipart()
-        if len(frames) == 2:
-            return frames[0], control.decode(frames[1])
+        if len(frames) in (2, 3) and len(frames[1]) > 4:  # not a header word or a doorbell
+            msg = control.decode(frames[1])
+            if msg["type"] not in control.INTERNAL:
+                return frames[0], msg
 
 
 def pump(owner: Owner, until, timeout: float = 5.0) -> None:
@@ -87,9 +90,9 @@ def pump(owner: Owner, until, timeout: float = 5.0) -> None:
                 handler()
 
 
-def link_to(owner: Owner, addr: str) -> DecodeLink:
+def link_to(owner: Owner, addr: str, transport: str = "zmq") -> DecodeLink:
     return DecodeLink(owner, addr, kv=torch.zeros(2, 2, 4, 16, 1, 8), block_size=16,
-                      handoff_timeout=30.0, transport="zmq")
+                      handoff_timeout=30.0, transport=transport)
 
 
 def test_jobs_wait_for_the_handshake_then_go_out_in_order(decode_side):
@@ -153,3 +156,32 @@ def test_job_states_move_only_along_the_table():
         JOB_STATES.move(job, state)
     with pytest.raises(IllegalTransition):
         JOB_STATES.move(job, JobState.QUEUED)
+
+
+@pytest.mark.parametrize("offer", [None, {"handle": b"x" * 64}])
+def test_transport_ipc_fails_the_link_when_the_cache_cannot_be_shared(decode_side, offer):
+    # a CPU cache here: CUDA IPC is impossible whether or not the decode node offers its cache
+    sock, addr = decode_side
+    owner = Owner()
+    link = link_to(owner, addr, transport="ipc")
+    peer, _ = recv_control(sock)
+    link.submit(make_job("a"))
+    sock.send_multipart([peer, control.encode(m.to_dict(m.HelloOk("decode-test", kv_ipc=offer)))])
+    pump(owner, lambda: link.failed)
+    assert owner.events == [("broken", f"no CUDA IPC to decode node {addr}: both caches must be "
+                             f"on GPUs of one host", ["a"])]
+    link.close()
+
+
+def test_auto_ignores_an_offer_it_cannot_use_and_sends_records(decode_side):
+    sock, addr = decode_side
+    owner = Owner()
+    link = link_to(owner, addr, transport="auto")
+    peer, _ = recv_control(sock)
+    sock.send_multipart([peer, control.encode(m.to_dict(m.HelloOk("decode-test",
+                                                                   kv_ipc={"handle": b"x"})))])
+    pump(owner, lambda: link.state is LinkState.READY)
+    assert link.tier in ("shm", "zmq") and link.peer_cache is None
+    link.submit(make_job("a"))
+    assert recv_control(sock)[1]["direct"] is False
+    link.close()
