@@ -90,6 +90,10 @@ class ModelRunner:
     def __init__(self, cfg: EngineConfig) -> None:
         self.config = cfg
         self.device = torch.device(cfg.device)
+        if self.device.type == "cuda" and self.device.index is not None:
+            # Triton launches and graph captures use the current device: a node on cuda:1
+            # failed its first Triton kernel while the current device was cuda:0
+            torch.cuda.set_device(self.device)
         self.dtype = cfg.torch_dtype
         self.model = load_model(cfg.model, self.dtype, self.device)
         self.model_config = mc = self.model.config
