@@ -92,12 +92,10 @@ def launch_copy(src: int, dst: int, rows: int, unit: int, src_row: int, dst_row:
         return
     import numpy as np  # noqa: PLC0415
 
-    from kernels.launch import _compiled, _cupy  # noqa: PLC0415
-    cp = _cupy()
+    from kernels.launch import _compiled, _cupy, current_stream  # noqa: PLC0415
     dev = device.index or 0
     kernel = _compiled("copy_blocks", SOURCE, dev)
     ptr = lambda t: np.uint64(t.data_ptr() if t is not None else 0)  # noqa: E731
-    stream = torch.cuda.current_stream(device)
-    with cp.cuda.Device(dev), cp.cuda.ExternalStream(stream.cuda_stream, dev):
+    with _cupy().cuda.Device(dev), current_stream(device):
         kernel((n, rows), (THREADS,), (np.uint64(src), np.uint64(dst), ptr(src_ids), ptr(dst_ids),
                                        np.int64(src_row), np.int64(dst_row), np.int64(unit)))

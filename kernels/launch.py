@@ -57,9 +57,23 @@ def launch(name: str, source: str, num_threads: int, args: list) -> None:
     kernel = _compiled(name, source, device.index or 0)
     raw = [np.uint64(a.data_ptr()) if isinstance(a, torch.Tensor) else a for a in args]
     blocks = (num_threads + THREADS - 1) // THREADS
-    stream = torch.cuda.current_stream(device)
-    with cp.cuda.Device(device.index or 0), cp.cuda.ExternalStream(stream.cuda_stream, device.index or 0):
+    with cp.cuda.Device(device.index or 0), current_stream(device):
         kernel((blocks,), (THREADS,), tuple(raw))
+
+
+def current_stream(device: torch.device):
+    """torch's current stream on `device` as a CuPy stream (`with` it, kernels launch there)."""
+    return _external(torch.cuda.current_stream(device).cuda_stream, device.index or 0)
+
+
+@functools.cache
+def _external(handle: int, device_index: int):
+    # NOTE: one wrapper per torch stream, made once instead of at every launch
+    import warnings  # noqa: PLC0415
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # ExternalStream's successor needs
+        return _cupy().cuda.ExternalStream(handle, device_index)  # the stream protocol
 
 
 def check(t: torch.Tensor, name: str, dtype: torch.dtype, shape: tuple, device: torch.device) -> None:

@@ -24,6 +24,7 @@ import enum
 import logging
 import secrets
 import time
+from collections import deque
 from typing import Callable, Protocol
 
 import torch
@@ -97,6 +98,7 @@ class DecodeLink:
         self.ipc = transport in ("auto", "ipc") and kv.is_cuda
         self.ipc_required = transport == "ipc"
         self.peer_cache: PeerCache | None = None  # D's cache, once opened by CUDA IPC
+        self.writes: deque = deque()  # (request id, copy done event) of direct KV in flight
         self.transport = make_transport(addr, secrets.token_hex(16),
                                         mode="shm" if transport == "ipc" else transport)
         self.monitor = self.transport.socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
@@ -158,7 +160,8 @@ class DecodeLink:
     def send_kv(self, job: Handoff, num_cached_blocks: int = 0, dst_block_ids=None) -> int:
         """Send the prompt's KV blocks but the first `num_cached_blocks` (the decode node holds
         them) then KVDone; returns the bytes sent. A direct request's blocks are written into the
-        decode node's `dst_block_ids` (CUDA IPC) instead of being sent as records."""
+        decode node's `dst_block_ids` (CUDA IPC) instead of being sent as records, and its
+        KVDone goes once the copy is done (`finish_writes`, called by the owner's loop)."""
         kv = self.kv
         num_blocks = self.num_prompt_blocks(job)
         if not 0 <= num_cached_blocks <= num_blocks:
@@ -168,15 +171,26 @@ class DecodeLink:
         blocks = job.req.block_ids[num_cached_blocks:num_blocks]
         try:
             if self.peer_cache is not None and dst_block_ids is not None:
-                self.peer_cache.write(kv, blocks, dst_block_ids)
-                num_records = 0
+                self.writes.append((job.req.req_id, self.peer_cache.write(kv, blocks, dst_block_ids)))
+                self.finish_writes()
             else:
                 num_records = self.transport.send_kv(job.req.req_id, kv, blocks)
-            self.control(m.KVDone(job.req.req_id, num_records))
+                self.control(m.KVDone(job.req.req_id, num_records))
         except (TransportError, ValueError) as e:
             self._broken(f"KV transfer to decode node {self.addr} failed: {e}", job)
             return 0
         return kv[:, :, :1].numel() * kv.element_size() * len(blocks)
+
+    def finish_writes(self) -> None:
+        """KVDone for each direct write whose copy has completed, in order (also for a request
+        that ended here meanwhile: the decode node holds its blocks until told)."""
+        while self.writes and self.writes[0][1].query():
+            req_id, _ = self.writes.popleft()
+            try:
+                self.control(m.KVDone(req_id, 0))
+            except TransportError as e:
+                self._broken(f"KV transfer to decode node {self.addr} failed: {e}")
+                return
 
     def release(self, req_id: str) -> None:
         """Tell the decode node that this node will not write the blocks its direct KVAccept for

@@ -124,9 +124,11 @@ class PrefillNode(NodeService):
 
     # -- the step --------------------------------------------------------------------------------
     def has_work(self) -> bool:
-        return self.scheduler.has_work
+        return self.scheduler.has_work or any(link.writes for link in self.links.values())
 
     def step(self) -> None:
+        for link in self.links.values():
+            link.finish_writes()  # KVDone for the direct KV copies done
         batch = self.scheduler.schedule()
         if batch is None:
             return

@@ -7,9 +7,9 @@ holding `kv`, the cache's offset in it, its shape and dtype. The handle travels 
 (`PeerCache.open`, peer access enabled on demand when the cache is on another GPU of the host)
 and, per request, copies its blocks from its own cache into the decode node's blocks named in
 `KVAccept` with the block-copy kernel (`PeerCache.write`): on one GPU a device copy, between two
-a peer copy over NVLink or PCIe. The copy runs on the side stream and is done when `write`
-returns, so the `KVDone` sent after it finds the blocks filled; the decode node's steps never
-wait for a transfer. Whoever holds the handle can write the whole cache: it goes only to a
+a peer copy over NVLink or PCIe. The copy runs on the side stream; the prefill node sends
+`KVDone` once its event has completed, so the decode node finds the blocks filled and its steps
+never wait for a transfer (nor does the prefill node's loop). Whoever holds the handle can write the whole cache: it goes only to a
 paired prefill node (same host, through the authenticated KV connection).
 """
 
@@ -109,31 +109,29 @@ class PeerCache:
             raise TransportError(f"cannot open the peer's KV cache by CUDA IPC: {e}") from None
         return cls(base, dict(desc, offset=offset, shape=shape, gpu=gpu), kv.device)
 
-    def write(self, kv: torch.Tensor, src_block_ids, dst_block_ids, wait: bool = True) -> int:
-        """Copy kv[:, :, src_block_ids[j]] into the peer's [:, :, dst_block_ids[j]] for every j
-        and return the bytes copied; with `wait` (what a transport needs before it says the KV
-        is there) once the copy is done, else once it is queued on the side stream. Ids are
-        checked against both caches."""
+    def write(self, kv: torch.Tensor, src_block_ids, dst_block_ids) -> torch.cuda.Event:
+        """Queue the copy of kv[:, :, src_block_ids[j]] into the peer's [:, :, dst_block_ids[j]]
+        for every j on the side stream, after the work queued so far on the current stream (the
+        KV's writes); returns the event that marks it done: the peer may read the blocks once
+        it has completed. Ids are checked against both caches."""
         src, dst = list(src_block_ids), list(dst_block_ids)
         if len(src) != len(dst):
             raise ValueError(f"{len(src)} blocks to send but {len(dst)} reserved by the peer")
-        if not src:
-            return 0
-        if min(src) < 0 or max(src) >= kv.shape[2] or min(dst) < 0 or max(dst) >= self.num_blocks:
+        if src and (min(src) < 0 or max(src) >= kv.shape[2] or min(dst) < 0
+                    or max(dst) >= self.num_blocks):
             raise ValueError("block ids outside the caches")
-        rows = kv.shape[0] * 2
         unit = kv[0, 0, 0].numel() * kv.element_size()
         stream = copy_stream(kv.device)
-        stream.wait_stream(torch.cuda.current_stream(kv.device))  # the KV's writes
+        stream.wait_stream(torch.cuda.current_stream(kv.device))
         with torch.cuda.stream(stream):
-            ids = self._on_device(src + dst, kv.device)
-            launch_copy(kv.data_ptr(), self.ptr, rows, unit, kv.shape[2] * unit,
-                        self.num_blocks * unit, len(src), kv.device, ids[:len(src)], ids[len(src):])
+            if src:
+                ids = self._on_device(src + dst, kv.device)
+                launch_copy(kv.data_ptr(), self.ptr, kv.shape[0] * 2, unit, kv.shape[2] * unit,
+                            self.num_blocks * unit, len(src), kv.device, ids[:len(src)],
+                            ids[len(src):])
             done = torch.cuda.Event()
             done.record(stream)
-        if wait:
-            done.synchronize()
-        return rows * unit * len(src)
+        return done
 
     def _on_device(self, ids: list[int], device: torch.device) -> torch.Tensor:
         """`ids` on the device, on the current stream, through the reused page-locked buffer
@@ -151,8 +149,11 @@ class PeerCache:
         return out
 
     def close(self) -> None:
+        """Wait for the copies queued, then unmap the peer's cache."""
         if self.base:
             import cupy  # noqa: PLC0415
+
+            copy_stream(self.device).synchronize()
 
             try:
                 with cupy.cuda.Device(self.device.index or 0):

@@ -164,29 +164,31 @@ def ipc_producer(desc: dict, go, done, num_blocks: int, per_req: int, requests: 
     kv = cache(num_blocks, seed=0, device=device)
     prepare(kv)
     peer = PeerCache.open(desc, kv)
-    peer.write(kv, [0], [0])  # the first launch loads the kernel; a node does it at start
+    peer.write(kv, [0], [0]).synchronize()  # the first launch loads the kernel (a node: at start)
     go.wait()
     t0 = time.perf_counter()
     for r in range(requests):
         src = [(b + r * per_req) % num_blocks for b in range(per_req)]
         dst = [(b + (r + 1) * per_req) % num_blocks for b in range(per_req)]
-        peer.write(kv, src, dst)
+        peer.write(kv, src, dst).synchronize()  # one at a time
     wall = time.perf_counter() - t0
-    t0 = time.perf_counter()
+    t0, host = time.perf_counter(), 0.0
     for r in range(requests):  # the same copies, not waited for one by one
         src = [(b + r * per_req) % num_blocks for b in range(per_req)]
         dst = [(b + (r + 1) * per_req) % num_blocks for b in range(per_req)]
-        peer.write(kv, src, dst, wait=False)
+        t = time.perf_counter()
+        peer.write(kv, src, dst)
+        host += time.perf_counter() - t
     torch.cuda.synchronize()
-    done.put((wall, time.perf_counter() - t0))
+    done.put((wall, time.perf_counter() - t0, host / requests))
     peer.close()
 
 
 def ipc_transfer(per_req: int, requests: int, devices: tuple[str, str]
-                 ) -> tuple[float, float, bool]:
+                 ) -> tuple[float, float, float, bool]:
     """GB/s of KV written into this process's cache by another through CUDA IPC (each request's
-    write waited for, as the prefill node does; and all queued, then waited for once), and
-    whether the last request's blocks arrived intact."""
+    write waited for; and all queued, then waited for once, as a busy prefill node does), the host
+    seconds of one queued write, and whether the last request's blocks arrived intact."""
     from shm_ipc.cuda_ipc import export  # noqa: PLC0415
 
     num_blocks = per_req * 2
@@ -197,7 +199,7 @@ def ipc_transfer(per_req: int, requests: int, devices: tuple[str, str]
                                                   requests, devices[0]))
     proc.start()
     go.set()
-    dt, queued = done.get(timeout=120)
+    dt, queued, host = done.get(timeout=120)
     proc.join()
     total = requests * per_req * LAYERS * unit_bytes(kv)
     src = cache(num_blocks, seed=0, device=devices[0]).to(devices[1])
@@ -205,7 +207,7 @@ def ipc_transfer(per_req: int, requests: int, devices: tuple[str, str]
     src_ids = torch.arange(last * per_req, (last + 1) * per_req) % num_blocks
     dst_ids = (src_ids + per_req) % num_blocks
     intact = torch.equal(src[:, :, src_ids.to(devices[1])], kv[:, :, dst_ids.to(devices[1])])
-    return total / dt / 1e9, total / queued / 1e9, intact
+    return total / dt / 1e9, total / queued / 1e9, host, intact
 
 
 def _gbps(fn, nbytes: int, reps: int) -> float:
@@ -314,10 +316,11 @@ def main() -> None:
               f"{gbs / min(dd2h, dh2d):>8.0%} | {intact}")
     a, b = (torch.empty(size, dtype=torch.uint8, device=d) for d in devices)
     copy = _gbps(lambda: b.copy_(a, non_blocking=True), size, 20)
-    gbs, queued, intact = ipc_transfer(per_req, args.requests, devices)
+    gbs, queued, host, intact = ipc_transfer(per_req, args.requests, devices)
     print(f"one process, {size >> 20} MiB {devices[0]} -> {devices[1]}: {copy:.0f} GB/s")
-    print(f"CUDA IPC: {gbs:.0f} GB/s, {gbs / copy:.0%} of that copy, intact {intact} (writes "
-          f"queued without a wait each: {queued:.0f} GB/s)")
+    print(f"CUDA IPC, writes queued (as the prefill node does): {queued:.0f} GB/s, "
+          f"{queued / copy:.0%} of that copy, {host * 1e6:.0f} us of host time each; one at a "
+          f"time: {gbs:.0f} GB/s ({gbs / copy:.0%}); intact {intact}")
 
 if __name__ == "__main__":
     main()
