@@ -273,6 +273,8 @@ class DecodeLink:
         if self.ipc and offer is not None:
             try:
                 self.peer_cache = PeerCache.open(offer, self.kv)
+                log.info("decode node %s: KV by CUDA IPC into its cache (%s)", self.addr,
+                         "same GPU" if self.peer_cache.same_gpu else "another GPU")
             except TransportError as e:
                 if self.ipc_required:
                     self._broken(f"decode node {self.addr}: no CUDA IPC ({e})")

@@ -75,8 +75,6 @@ class PeerCache:
         self.shape = tuple(desc["shape"])
         self.num_blocks = self.shape[2]
         self.same_gpu = desc["gpu"] == str(torch.cuda.get_device_properties(device).uuid)
-        self._ids_host = torch.empty(0, dtype=torch.long)  # page-locked, reused per write
-        self._ids_copied: torch.cuda.Event | None = None  # its last copy to the device
 
     @classmethod
     def open(cls, desc: dict, kv: torch.Tensor) -> "PeerCache":
@@ -133,20 +131,13 @@ class PeerCache:
             done.record(stream)
         return done
 
-    def _on_device(self, ids: list[int], device: torch.device) -> torch.Tensor:
-        """`ids` on the device, on the current stream, through the reused page-locked buffer
-        (allocating page-locked memory per write costs more than a small copy)."""
-        if self._ids_copied is not None:
-            self._ids_copied.synchronize()  # its last copy has read it
-        if self._ids_host.numel() < len(ids):
-            self._ids_host = torch.empty(max(len(ids), 2 * self._ids_host.numel()),
-                                         dtype=torch.long).pin_memory()
-        host = self._ids_host[:len(ids)]
+    @staticmethod
+    def _on_device(ids: list[int], device: torch.device) -> torch.Tensor:
+        """`ids` on the device, copied on the current stream from page-locked memory (torch's
+        pinned-memory cache hands the buffer out again only once that copy is done)."""
+        host = torch.empty(len(ids), dtype=torch.long, pin_memory=True)
         host.numpy()[:] = ids
-        out = host.to(device, non_blocking=True)
-        self._ids_copied = torch.cuda.Event()
-        self._ids_copied.record()
-        return out
+        return host.to(device, non_blocking=True)
 
     def close(self) -> None:
         """Wait for the copies queued, then unmap the peer's cache."""
