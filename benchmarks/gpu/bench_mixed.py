@@ -90,7 +90,10 @@ def run_colocated(engine: Engine, load: Load) -> tuple[np.ndarray, int]:
     return gaps(times, load.args.skip), sent
 
 
-def run_pd(client: NodeClient, prefill, decode, load: Load) -> tuple[np.ndarray, int]:
+def run_pd(client: NodeClient, prefill, decode, load: Load) -> tuple[np.ndarray, int, np.ndarray]:
+    """The streams' ITL gaps (ms), the prompts sent, and each arriving prompt's gap from its
+    first token (sent on by the decode node as it arrives, before the KV) to its second (its
+    first decode step, once its KV is in): the transfer's exposed time plus one step."""
     streams = [client.submit(prefill.addr, decode.kv_addr, p, load.stream_params)
                for p in load.streams]
     times: dict[str, list[float]] = {rid: [] for rid in streams}
@@ -100,6 +103,7 @@ def run_pd(client: NodeClient, prefill, decode, load: Load) -> tuple[np.ndarray,
         while (not all(client.results[r].done for r in streams)) and load.due(start, len(longs)):
             longs.append(client.submit(prefill.addr, decode.kv_addr, load.longs[len(longs)],
                                        load.long_params))
+            times[longs[-1]] = []
         msgs = client.poll(0.001)
         now = time.perf_counter()
         for msg in msgs:
@@ -108,13 +112,14 @@ def run_pd(client: NodeClient, prefill, decode, load: Load) -> tuple[np.ndarray,
     failed = [r.error for r in client.results.values() if r.error]
     if failed:
         raise RuntimeError(f"{len(failed)} request(s) failed: {failed[0]}")
-    return gaps(times, load.args.skip), len(longs)
+    joins = np.array([(times[r][1] - times[r][0]) * 1e3 for r in longs if len(times[r]) > 1])
+    return gaps({r: times[r] for r in streams}, load.args.skip), len(longs), joins
 
 
 def row(name: str, alone: np.ndarray, mixed: np.ndarray, sent: int) -> str:
     p = lambda a, q: float(np.percentile(a, q))  # noqa: E731
-    return (f"{name:>10} | {p(alone, 50):7.2f} {p(alone, 99):7.2f} | {p(mixed, 50):7.2f} "
-            f"{p(mixed, 99):7.2f} {mixed.max():8.2f} | {sent:5d} | "
+    return (f"{name:>10} | {p(alone, 50):7.2f} {p(alone, 99):7.2f} {alone.max():7.2f} | "
+            f"{p(mixed, 50):7.2f} {p(mixed, 99):7.2f} {mixed.max():8.2f} | {sent:5d} | "
             f"{p(mixed, 99) / p(alone, 99):6.2f}x")
 
 
@@ -160,7 +165,7 @@ def main() -> None:
     vocab = ModelConfig.from_dir(model).vocab_size
     print(f"model {model}; {args.streams} streams of {args.stream_tokens} tokens; mixed: "
           f"{args.prompt_len}-token prompts every {args.interval}s")
-    results = {}
+    results, joins = {}, {}
     for transport in transports if "pd" in args.setups else []:
         decode = start_node("decode", [*common, "--device", args.decode_device, "--port", "0",
                                        "--kv-port", "0"], timeout=600, die_with_parent=True)
@@ -171,8 +176,9 @@ def main() -> None:
         client = NodeClient()
         try:
             run_pd(client, prefill, decode, Load(args, vocab, mixed=True, seed=99))  # warm-up
-            alone, _ = run_pd(client, prefill, decode, Load(args, vocab, mixed=False, seed=1))
-            mixed, sent = run_pd(client, prefill, decode, Load(args, vocab, mixed=True, seed=2))
+            alone, _, _ = run_pd(client, prefill, decode, Load(args, vocab, mixed=False, seed=1))
+            mixed, sent, joins[transport] = run_pd(client, prefill, decode,
+                                                   Load(args, vocab, mixed=True, seed=2))
             results[f"PD {transport}"] = (alone, mixed, sent)
         finally:
             client.close()
@@ -188,11 +194,15 @@ def main() -> None:
         results["colocated"] = (alone, mixed, sent)
     print(f"\ndecode ITL of the steady streams, ms   (P on {args.prefill_device}, D on "
           f"{args.decode_device}; colocated on {args.prefill_device})")
-    print(f"{'setup':>10} | {'streams alone':>15} | {'with arriving prompts':>24} | {'sent':>5} | "
+    print(f"{'setup':>10} | {'streams alone':>23} | {'with arriving prompts':>24} | {'sent':>5} | "
           f"p99 mixed/alone")
-    print(f"{'':>10} | {'p50':>7} {'p99':>7} | {'p50':>7} {'p99':>7} {'max':>8} |       |")
+    print(f"{'':>10} | {'p50':>7} {'p99':>7} {'max':>7} | {'p50':>7} {'p99':>7} {'max':>8} |       |")
     for name, (alone, mixed, sent) in results.items():
         print(row(name, alone, mixed, sent))
+    for transport, ms in joins.items():
+        if ms.size:
+            print(f"PD {transport}: an arriving prompt's first -> second token (its KV's way in "
+                  f"+ one step), ms: p50 {np.percentile(ms, 50):.2f}, max {ms.max():.2f}")
 
 
 if __name__ == "__main__":

@@ -27,3 +27,5 @@ def test_mixed_load_benchmark_runs_both_setups_on_cpu():
         # NOTE: --warmup 0 makes the first prompt due at the start, while the streams decode,
         # whatever this machine's speed (0.05 s let a fast host finish the streams first)
         assert int(cells[3]) > 0, cells  # prompts did arrive while the streams decoded
+    joined = [line for line in out.stdout.splitlines() if line.startswith("PD shm: an arriving")]
+    assert len(joined) == 1 and float(joined[0].split("p50 ")[1].split(",")[0]) > 0, out.stdout
