@@ -37,7 +37,7 @@ TAIL=4 step pytest python3 -m pytest -q -p no:cacheprovider tests/engine/test_cu
     tests/shm_ipc/test_kv.py
 TAIL=4 step pd_path env PD_TEST_DEVICE=cuda python3 -m pytest -q -p no:cacheprovider \
     tests/e2e/test_pd_path.py -k equals_single_process
-TAIL=9 step kv timeout 300 python3 benchmarks/gpu/bench_kv.py
+TAIL=12 step kv timeout 300 python3 benchmarks/gpu/bench_kv.py
 TAIL=8 step attention python3 benchmarks/gpu/bench_attention.py
 TAIL=12 step skinny python3 benchmarks/gpu/bench_skinny.py
 TAIL=14 step decode python3 benchmarks/gpu/bench_decode.py
@@ -69,7 +69,7 @@ TAIL=7 step serving_256 python3 benchmarks/bench_serving.py --device cuda --synt
     --concurrency 256 --num-prompts 1536 --router-workers 4
 fi
 if [[ $PART == 3 ]]; then  # needs two GPUs: P on cuda:0, D on cuda:1
-TAIL=8 step kv_two_gpus timeout 300 python3 benchmarks/gpu/bench_kv.py --devices cuda:0,cuda:1
-TAIL=8 step mixed python3 benchmarks/gpu/bench_mixed.py
+TAIL=12 step kv_two_gpus timeout 300 python3 benchmarks/gpu/bench_kv.py --devices cuda:0,cuda:1
+TAIL=10 step mixed python3 benchmarks/gpu/bench_mixed.py --stream-tokens 4096 --warmup 0.25
 fi
 exit $status
