@@ -19,6 +19,7 @@ import ctypes
 import functools
 import logging
 
+import numpy as np
 import torch
 
 from kernels.block_copy import launch_copy
@@ -28,6 +29,7 @@ from .kv import copy_stream, dtype_name
 
 log = logging.getLogger(__name__)
 _LAZY_PEER_ACCESS = 1  # cudaIpcMemLazyEnablePeerAccess
+IDS_BUFFERS = 8  # writes in flight before one waits to reuse its block-id buffer
 
 
 @functools.cache
@@ -75,6 +77,10 @@ class PeerCache:
         self.shape = tuple(desc["shape"])
         self.num_blocks = self.shape[2]
         self.same_gpu = desc["gpu"] == str(torch.cuda.get_device_properties(device).uuid)
+        # page-locked block-id buffers used in turn, each with the event of its last copy
+        self._ids: list[list] = [[torch.empty(0, dtype=torch.long), None]
+                                 for _ in range(IDS_BUFFERS)]
+        self._turn = 0
 
     @classmethod
     def open(cls, desc: dict, kv: torch.Tensor) -> "PeerCache":
@@ -112,32 +118,43 @@ class PeerCache:
         for every j on the side stream, after the work queued so far on the current stream (the
         KV's writes); returns the event that marks it done: the peer may read the blocks once
         it has completed. Ids are checked against both caches."""
-        src, dst = list(src_block_ids), list(dst_block_ids)
-        if len(src) != len(dst):
-            raise ValueError(f"{len(src)} blocks to send but {len(dst)} reserved by the peer")
-        if src and (min(src) < 0 or max(src) >= kv.shape[2] or min(dst) < 0
-                    or max(dst) >= self.num_blocks):
+        src, dst = np.asarray(src_block_ids, dtype=np.int64), np.asarray(dst_block_ids, dtype=np.int64)
+        n = src.size
+        if dst.size != n:
+            raise ValueError(f"{n} blocks to send but {dst.size} reserved by the peer")
+        if n and (src.min() < 0 or src.max() >= kv.shape[2] or dst.min() < 0
+                  or dst.max() >= self.num_blocks):
             raise ValueError("block ids outside the caches")
         unit = kv[0, 0, 0].numel() * kv.element_size()
         stream = copy_stream(kv.device)
         stream.wait_stream(torch.cuda.current_stream(kv.device))
         with torch.cuda.stream(stream):
-            if src:
-                ids = self._on_device(src + dst, kv.device)
+            if n:
+                ids = self._on_device(np.concatenate([src, dst]), kv.device)
                 launch_copy(kv.data_ptr(), self.ptr, kv.shape[0] * 2, unit, kv.shape[2] * unit,
-                            self.num_blocks * unit, len(src), kv.device, ids[:len(src)],
-                            ids[len(src):])
+                            self.num_blocks * unit, n, kv.device, ids[:n], ids[n:])
             done = torch.cuda.Event()
             done.record(stream)
         return done
 
-    @staticmethod
-    def _on_device(ids: list[int], device: torch.device) -> torch.Tensor:
-        """`ids` on the device, copied on the current stream from page-locked memory (torch's
-        pinned-memory cache hands the buffer out again only once that copy is done)."""
-        host = torch.empty(len(ids), dtype=torch.long, pin_memory=True)
+    def _on_device(self, ids: np.ndarray, device: torch.device) -> torch.Tensor:
+        """`ids` on the device, copied on the current stream from the next of a few page-locked
+        buffers kept for this (no page-locked allocation per write); a buffer is refilled once
+        its last copy is done, `IDS_BUFFERS` writes later."""
+        slot = self._ids[self._turn]
+        self._turn = (self._turn + 1) % len(self._ids)
+        buf, copied = slot
+        if copied is not None:
+            copied.synchronize()
+        if buf.numel() < ids.size:
+            buf = slot[0] = torch.empty(max(ids.size, 2 * buf.numel()), dtype=torch.long,
+                                        pin_memory=True)
+        host = buf[:ids.size]
         host.numpy()[:] = ids
-        return host.to(device, non_blocking=True)
+        out = host.to(device, non_blocking=True)
+        slot[1] = torch.cuda.Event()
+        slot[1].record()
+        return out
 
     def close(self) -> None:
         """Wait for the copies queued, then unmap the peer's cache."""
