@@ -17,7 +17,10 @@ pool:
   that the host copies back in one transfer;
 - advance: the next step's inputs from that result, on the device, for a step launched before
   the host has read this one (`kernels.advance_inputs`, one kernel; the overlap loop);
-- logprobs: the raw logprobs of every row's accepted token, one graph per top-k width.
+- logprobs: the raw logprobs of every row's accepted token, one graph per top-k width; with
+  top_logprobs 0 a second draft graph instead, the draft chain followed by each row's token
+  logprob and rank (`kernels.token_logprob`) packed after the result, so one replay and one host
+  copy carry both.
 Greedy rows without logit processing need nothing between the two replays. Other rows
 (sampling, penalties, min_tokens) overwrite the target ids, the target's draft probabilities
 and the acceptance uniforms between the replays (`pd.spec.verify`); the kernels read them from
@@ -58,6 +61,12 @@ def pack_logprobs(lp: Logprobs) -> torch.Tensor:
     and ranks are exact in float32 below 2**24 (`SpecDecoder` refuses larger vocabularies)."""
     return torch.cat([lp.token_logprobs[:, None], lp.ranks[:, None].float(), lp.topk_ids.float(),
                       lp.topk_logprobs], dim=1)
+
+
+def unpack_lp0(columns: torch.Tensor) -> torch.Tensor:
+    """The host copy of `StepGraphs.draft(lp0=True)`'s last k + 1 columns -> [S * (k + 1), 2]
+    float32 (token logprob, rank), as `pack_logprobs` packs top_logprobs 0."""
+    return columns.contiguous().view(torch.float32).view(-1, 2)
 
 
 def _round_up(n: int, sizes) -> int:
@@ -117,6 +126,7 @@ class StepGraphs:
         self.uniforms = torch.zeros(num_slots, owner.k, device=owner.device)
         self.graphs = None
         self.lp_graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.lp0_graph: tuple[torch.cuda.CUDAGraph, torch.Tensor] | None = None  # `draft(lp0)`
         self.verified: Verified | None = None
         self.result: torch.Tensor | None = None  # [S, 2k + 4] int64
         self.rings = HostRing(pin=owner.device.type == "cuda")  # `host_buffer`'s
@@ -156,12 +166,34 @@ class StepGraphs:
         else:
             self.verified = self.owner._verify(self.views, self.width)
 
-    def draft(self) -> None:
+    def draft(self, lp0: bool = False) -> torch.Tensor | None:
+        """The draft chain into `result`. With `lp0` (a step whose rows ask top_logprobs 0) it
+        also returns the result followed by each verified row's token logprob and rank
+        (`token_logprob`'s float32 pairs as k + 1 int64 columns) [S, 3k + 5], for one host copy
+        (`unpack_lp0`): a graph of its own, captured on first use, where the logits are small
+        enough to keep (`LOGPROB_GRAPH_ELEMENTS`)."""
+        if lp0 and self.graphs is not None and self.verified.logits.numel() <= LOGPROB_GRAPH_ELEMENTS:
+            if self.lp0_graph is None:
+                self.lp0_graph = capture(self._draft_lp0, self.owner.pool_owner, self.owner.device)
+            graph, out = self.lp0_graph
+            graph.replay()
+            return out
         if self.graphs is not None:
             self.graphs[1].replay()
         else:
             self.result = self.owner._draft(self.views, self.verified, self.p_draft, self.uniforms,
                                             self.width)
+        return self._with_lp0(self.result) if lp0 else None
+
+    def _draft_lp0(self) -> torch.Tensor:
+        result = self.owner._draft(self.views, self.verified, self.p_draft, self.uniforms, self.width)
+        self.result.copy_(result)  # where `advance` reads it
+        return self._with_lp0(result)
+
+    def _with_lp0(self, result: torch.Tensor) -> torch.Tensor:
+        k1 = self.owner.k + 1
+        lp = token_logprob(self.verified.logits, result[:, :k1].clamp(min=0).reshape(-1))
+        return torch.cat([result, lp.view(torch.int64).view(result.shape[0], k1)], dim=1)
 
     def logprobs(self, num_top: int) -> torch.Tensor:
         """Raw logprobs of each row's accepted token with `num_top` top columns, from the

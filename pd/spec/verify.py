@@ -40,7 +40,7 @@ from pd.engine.runner import ModelRunner, SampledToken, spec_layout_requested
 from pd.engine.sampler import (GREEDY_EPS, SamplingRow, probs_after_processing, process_logits,
                                step_seed)
 from pd.engine.scheduler import ScheduledBatch
-from pd.spec.graphs import STOP_WIDTH, SpecGraphs, pack_logprobs
+from pd.spec.graphs import STOP_WIDTH, SpecGraphs, pack_logprobs, unpack_lp0
 from pd.spec.mtp import MTPDrafter
 
 _UNIFORM_SALT = 0x5BD1E995  # seeded rows draw acceptance uniforms apart from their tokens
@@ -386,8 +386,9 @@ class SpecDecoder:
             g.verified.target[:num_slots].copy_(target)
             g.p_draft[:num_slots].copy_(p_draft)
             g.uniforms[:num_slots].copy_(self._uniforms(reqs))
-        g.draft()
-        return self._finish_launch(batch, key, g, start_event, list(range(num_slots)), all(plain))
+        packed = g.draft(lp0=self._top_asked(reqs) == 0)
+        return self._finish_launch(batch, key, g, start_event, list(range(num_slots)), all(plain),
+                                   packed)
 
     @torch.inference_mode()
     def launch_chained(self, prev: "SpecFlight") -> "SpecFlight":
@@ -414,19 +415,30 @@ class SpecDecoder:
         event.record()
         return event
 
-    def _finish_launch(self, batch, key, g, start_event, rows: list[int],
-                       chainable: bool) -> "SpecFlight":
-        """Queue the result's copy to the host (and the logprobs of the accepted tokens)."""
+    def _top_asked(self, reqs: list[Req]) -> int | None:
+        """The widest top_logprobs the step's requests ask (None: no logprobs at all)."""
+        asked = [r.params.logprobs for r in reqs if r.params.logprobs is not None]
+        return min(max(asked), self.runner.model_config.vocab_size) if asked else None
+
+    def _finish_launch(self, batch, key, g, start_event, rows: list[int], chainable: bool,
+                       packed_lp0: torch.Tensor | None = None) -> "SpecFlight":
+        """Queue the result's copy to the host (and the logprobs of the accepted tokens; with
+        top_logprobs 0 they came packed after the result, `packed_lp0`: one copy)."""
         k, reqs = self.k, batch.reqs
         num_slots = len(reqs)
-        out = g.host_buffer(g.result)[:num_slots]
-        out.copy_(g.result[:num_slots], non_blocking=True)
         lp = None
-        asked = [r.params.logprobs for r in reqs if r.params.logprobs is not None]
-        if asked:
-            packed = g.logprobs(min(max(asked), self.runner.model_config.vocab_size))
-            lp = g.host_buffer(packed)[:num_slots * (k + 1)]
-            lp.copy_(packed[:num_slots * (k + 1)], non_blocking=True)
+        if packed_lp0 is not None:
+            both = g.host_buffer(packed_lp0)[:num_slots]
+            both.copy_(packed_lp0[:num_slots], non_blocking=True)
+            out, lp = both[:, :2 * k + 4], both[:, 2 * k + 4:]
+        else:
+            out = g.host_buffer(g.result)[:num_slots]
+            out.copy_(g.result[:num_slots], non_blocking=True)
+            top = self._top_asked(reqs)
+            if top is not None:
+                packed = g.logprobs(top)
+                lp = g.host_buffer(packed)[:num_slots * (k + 1)]
+                lp.copy_(packed[:num_slots * (k + 1)], non_blocking=True)
         end_event = self._event()
         return SpecFlight(batch, key, g, out, lp, start_event, end_event, rows,
                           {r: b for b, r in enumerate(reqs)}, [], chainable)
@@ -439,10 +451,11 @@ class SpecDecoder:
         k = self.k
         live = [b for b, i in enumerate(f.rows) if i >= 0]
         rows = f.out.tolist()
+        lp = unpack_lp0(f.lp) if f.lp is not None and f.lp.dtype == torch.int64 else f.lp
         return self.results([f.rows[b] for b in live], [f.batch.reqs[b] for b in live],
                             [rows[b][:k + 1] for b in live], [rows[b][k + 1] for b in live],
                             [rows[b][k + 2] for b in live], [rows[b][k + 3] for b in live],
-                            [rows[b][k + 4:] for b in live], f.lp, live)
+                            [rows[b][k + 4:] for b in live], lp, live)
 
 
 class SpecFlight(NamedTuple):
@@ -452,7 +465,8 @@ class SpecFlight(NamedTuple):
     key: tuple[int, int]
     graphs: object  # pd.spec.graphs.StepGraphs
     out: torch.Tensor  # [S, 2k + 4] host copy of the result
-    lp: torch.Tensor | None  # host copy of the verified rows' packed logprobs (`pack_logprobs`)
+    lp: torch.Tensor | None  # host copy of the verified rows' packed logprobs (`pack_logprobs`;
+    # int64 columns when folded into the draft graph's output: `unpack_lp0`)
     start: object  # CUDA events (None on CPU)
     end: object
     rows: list[int]  # batch index of each slot; -1: invalid, its result dropped

@@ -14,6 +14,7 @@ import torch
 
 from pd.engine.llm import LLM
 from pd.engine.runner import SPEC_LAYOUT_ENV
+from pd.spec.graphs import StepGraphs
 from pd.wire.sampling_params import SamplingParams
 from tests.spec.test_mtp import assert_same, mixed_params, prompts
 
@@ -52,6 +53,26 @@ def test_layout_greedy_equals_plain_decoding(tiny_model_dir, k):
     assert set(llm.engine.spec.graphs.graphs) >= {(16, 4)}, "the layout path did not run"
     llm.engine.allocator.check_integrity()
     assert llm.engine.allocator.num_free == llm.engine.allocator.num_blocks
+
+
+def test_layout_top_logprobs_0_rides_with_the_result(tiny_model_dir, monkeypatch):
+    """Steps whose requests ask at most top_logprobs 0 take the token logprobs from the draft
+    step's packed output (one copy with the result); they equal plain decoding's."""
+    batch = prompts(9, seed=8)
+    params = [SamplingParams(max_tokens=18 + i % 3, temperature=0.0, ignore_eos=i % 2 == 0,
+                             logprobs=[0, None][i % 2]) for i in range(len(batch))]
+    ref = LLM(tiny_model_dir, num_blocks=256).generate(batch, params)
+    with spec_layout():
+        llm = LLM(tiny_model_dir, num_blocks=256, num_speculative_tokens=3)
+    folded, draft = [], StepGraphs.draft
+
+    def watched(self, lp0=False):
+        folded.append(lp0)
+        return draft(self, lp0)
+
+    monkeypatch.setattr(StepGraphs, "draft", watched)
+    assert_same(llm.generate(batch, params), ref)
+    assert any(folded), "no step folded its logprobs into the draft step's output"
 
 
 def test_layout_sampling_equals_eager_step(tiny_model_dir):
