@@ -51,6 +51,7 @@ class DecodeNode(NodeService):
         self.scheduler = engine.scheduler
         self.allocator = engine.allocator
         self.reply_to: dict[str, str] = {}  # running request -> router event endpoint
+        self.ready_at: dict[str, float] = {}  # joined, no token decoded yet: when its KV was in
         self.metrics = node_metrics.for_node(self.role, node_id)
         receiver = KVReceiver(f"tcp://{host}:{kv_port}", ctx=self.ctx,
                               pin_rings=engine.runner.device.type == "cuda")
@@ -111,6 +112,10 @@ class DecodeNode(NodeService):
         self.metrics.count_steps_ahead(self.loop.num_ahead)
         t = time.perf_counter()
         counts = Counter(emitted)  # with MTP a request is emitted once per kept token
+        for req in counts:
+            ready = self.ready_at.pop(req.req_id, None)
+            if ready is not None:
+                self.metrics.kv_exposed_seconds.observe(t - ready)
         batches: dict[str, dict] = {}  # router -> this step's columns for it (`TokenStreams`)
         for req, n in counts.items():
             reply_to = self.reply_to.get(req.req_id)
@@ -164,6 +169,7 @@ class DecodeNode(NodeService):
 
     def join(self, req: Req, reply_to: str) -> None:
         self.reply_to[req.req_id] = reply_to
+        self.ready_at[req.req_id] = time.perf_counter()
         self.scheduler.add_running(req)
 
     # -- endings -------------------------------------------------------------------------------
@@ -172,6 +178,7 @@ class DecodeNode(NodeService):
         it is being handed over."""
         if not self.intake.abort(req_id, peer) and req_id in self.reply_to and peer is None:
             del self.reply_to[req_id]
+            self.ready_at.pop(req_id, None)
             req = next((r for r in self.scheduler.running if r.req_id == req_id), None) or \
                 next((r for r in self.scheduler.waiting if r.req_id == req_id), None)
             if req is not None:

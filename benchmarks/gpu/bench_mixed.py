@@ -32,6 +32,7 @@ import random
 import sys
 import tempfile
 import time
+import urllib.request
 
 import numpy as np
 
@@ -116,6 +117,19 @@ def run_pd(client: NodeClient, prefill, decode, load: Load) -> tuple[np.ndarray,
     return gaps({r: times[r] for r in streams}, load.args.skip), len(longs), joins
 
 
+def exposed(decode) -> tuple[float, float]:
+    """The decode node's pd_kv_exposed_seconds (sum, count) from its /metrics."""
+    url = f"http://127.0.0.1:{decode.info['metrics_port']}/metrics"
+    with urllib.request.urlopen(url, timeout=10) as r:
+        text = r.read().decode()
+    got = {}
+    for line in text.splitlines():
+        for part in ("_sum", "_count"):
+            if line.startswith(f"pd_kv_exposed_seconds{part}{{"):
+                got[part] = got.get(part, 0.0) + float(line.rsplit(" ", 1)[1])
+    return got.get("_sum", 0.0), got.get("_count", 0.0)
+
+
 def row(name: str, alone: np.ndarray, mixed: np.ndarray, sent: int) -> str:
     p = lambda a, q: float(np.percentile(a, q))  # noqa: E731
     return (f"{name:>10} | {p(alone, 50):7.2f} {p(alone, 99):7.2f} {alone.max():7.2f} | "
@@ -165,10 +179,11 @@ def main() -> None:
     vocab = ModelConfig.from_dir(model).vocab_size
     print(f"model {model}; {args.streams} streams of {args.stream_tokens} tokens; mixed: "
           f"{args.prompt_len}-token prompts every {args.interval}s")
-    results, joins = {}, {}
+    results, joins, ready = {}, {}, {}
     for transport in transports if "pd" in args.setups else []:
         decode = start_node("decode", [*common, "--device", args.decode_device, "--port", "0",
-                                       "--kv-port", "0"], timeout=600, die_with_parent=True)
+                                       "--kv-port", "0", "--metrics-port", "0"], timeout=600,
+                            die_with_parent=True)
         prefill = start_node("prefill", [*common, "--device", args.prefill_device, "--port", "0",
                                          "--transport", transport], timeout=600, die_with_parent=True)
         decode.addr, decode.kv_addr = f"tcp://127.0.0.1:{decode.info['port']}", decode.info["kv_addr"]
@@ -177,8 +192,12 @@ def main() -> None:
         try:
             run_pd(client, prefill, decode, Load(args, vocab, mixed=True, seed=99))  # warm-up
             alone, _, _ = run_pd(client, prefill, decode, Load(args, vocab, mixed=False, seed=1))
+            before = exposed(decode)
             mixed, sent, joins[transport] = run_pd(client, prefill, decode,
                                                    Load(args, vocab, mixed=True, seed=2))
+            after = exposed(decode)
+            ready[transport] = ((after[0] - before[0]) / max(after[1] - before[1], 1),
+                                after[1] - before[1])
             results[f"PD {transport}"] = (alone, mixed, sent)
         finally:
             client.close()
@@ -202,7 +221,9 @@ def main() -> None:
     for transport, ms in joins.items():
         if ms.size:
             print(f"PD {transport}: an arriving prompt's first -> second token (its KV's way in "
-                  f"+ one step), ms: p50 {np.percentile(ms, 50):.2f}, max {ms.max():.2f}")
+                  f"+ one step), ms: p50 {np.percentile(ms, 50):.2f}, max {ms.max():.2f}; the "
+                  f"decode node's KV in -> first decoded token (pd_kv_exposed_seconds), mean "
+                  f"{ready[transport][0] * 1e3:.2f} ms over {ready[transport][1]:.0f} requests")
 
 
 if __name__ == "__main__":

@@ -48,6 +48,10 @@ _FIRST_SEND = Histogram("pd_first_token_send_seconds",
 _JOIN = Histogram("pd_request_join_seconds",
                   "From a request's first token at the decode node to its joining the running "
                   "batch (blocks reserved, KV received and installed)", LABELS, buckets=TIME_BUCKETS)
+_EXPOSED = Histogram("pd_kv_exposed_seconds",
+                     "From a request's KV being complete at the decode node (KVDone) to its first "
+                     "decoded token: the transfer's time in no step's shadow, plus that step",
+                     LABELS, buckets=TIME_BUCKETS)
 _BATCH = Histogram("pd_batch_size", "Requests in one engine step", LABELS,
                    buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024))
 _STEP_GAP = Histogram("pd_decode_step_gap_seconds",
@@ -127,7 +131,8 @@ def for_node(role: str, node_id: str) -> SimpleNamespace:
         preemptions=_PREEMPT.labels(**lab), first_token_send_seconds=_FIRST_SEND.labels(**lab),
         count_preemptions=_mirror(_PREEMPT.labels(**lab)),
         count_steps_ahead=_mirror(_AHEAD.labels(**lab)),
-        join_seconds=_JOIN.labels(**lab), batch_size=_BATCH.labels(**lab), step_gap_seconds=_STEP_GAP.labels(**lab),
+        join_seconds=_JOIN.labels(**lab), kv_exposed_seconds=_EXPOSED.labels(**lab),
+        batch_size=_BATCH.labels(**lab), step_gap_seconds=_STEP_GAP.labels(**lab),
         spec_drafts=_DRAFTS.labels(**lab), spec_draft_tokens=_DRAFT_TOKENS.labels(**lab),
         spec_accepted_tokens=_ACCEPTED.labels(**lab),
         count_spec_plain_steps=_mirror(_SPEC_PLAIN.labels(**lab)),

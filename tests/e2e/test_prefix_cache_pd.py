@@ -66,6 +66,9 @@ def test_multi_turn_sends_only_the_new_blocks(cluster, client, tiny_model_dir):
     for text in (d, p):
         assert sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
                    if line.startswith("pd_kv_transfer_seconds_count{") and shm in line) == len(turns)
+    # each turn's first decoded token timed from its KV being in (every turn decodes past it)
+    assert metric(d, "pd_kv_exposed_seconds_count") == len(turns)
+    assert 0 < metric(d, "pd_kv_exposed_seconds_sum") < 10 * len(turns)
     # P caches each turn's prompt: the next turn computes from there
     assert metric(p, "pd_prefix_cache_hits_total") > 0
     assert metric(p, "pd_prompt_tokens_computed_total") < sum(len(t[0]) for t in turns)
