@@ -7,7 +7,8 @@ chunk's bytes are `kv[l0:l1, :, block_ids[b0:b1]]`, contiguous, in that order. T
 gathers into ring memory (or a fresh tensor for ZMQ); the receiver copies a record's payload
 into `kv[l0:l1, :, dst_block_ids[b0:b1]]`. On CUDA each way is one block-copy kernel
 (`kernels.block_copy`) between the cache and a device staging buffer, and one DMA copy between
-that buffer and the (page-locked) record, on a side stream. Geometry agreement between the two
+that buffer and the (page-locked) record: the DMAs on one side stream, the kernels on another,
+and `STAGING_SLOTS` staging buffers used in turn, so one record's kernel overlaps another's DMA. Geometry agreement between the two
 nodes is the handshake's job (the node services); here each record's size and dtype are checked.
 """
 
@@ -58,8 +59,12 @@ def chunk_shape(kv: torch.Tensor, l0: int, l1: int, nb: int) -> tuple[int, ...]:
     return (l1 - l0, 2, nb) + tuple(kv.shape[3:])
 
 
+STAGING_SLOTS = 3  # staging buffers per device, used in turn: records in flight at once
 _COPY_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
-_STAGING: dict[torch.device, torch.Tensor] = {}
+_KERNEL_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+_STAGING: dict[tuple[torch.device, int], torch.Tensor] = {}
+_SLOT_FREE: dict[tuple[torch.device, int], torch.cuda.Event] = {}  # receiver: slot's scatter done
+_TURN: dict[torch.device, int] = {}
 
 
 def copy_stream(device: torch.device) -> torch.cuda.Stream:
@@ -69,28 +74,47 @@ def copy_stream(device: torch.device) -> torch.cuda.Stream:
     return _COPY_STREAMS[device]
 
 
+def kernel_stream(device: torch.device) -> torch.cuda.Stream:
+    """The side stream the block-copy kernels of the KV path run on, beside `copy_stream`'s
+    DMAs (a kernel and a DMA on one stream would run one after the other)."""
+    if device not in _KERNEL_STREAMS:
+        _KERNEL_STREAMS[device] = torch.cuda.Stream(device)
+    return _KERNEL_STREAMS[device]
+
+
+def _next_slot(device: torch.device) -> int:
+    turn = _TURN.get(device, 0)
+    _TURN[device] = (turn + 1) % STAGING_SLOTS
+    return turn
+
+
 def prepare(kv: torch.Tensor) -> None:
     """Ready the KV copies of a node's cache before the first transfer: the side stream and the
     block-copy kernel (compiled once per process); nothing on CPU."""
     if kv.is_cuda:
         copy_stream(kv.device)
+        kernel_stream(kv.device)
         compile_kernel(kv.device)
 
 
-def staging(kv: torch.Tensor, shape) -> torch.Tensor:
-    """A device buffer of `shape` in kv's dtype on kv's device, reused by every KV copy there:
-    a chunk's blocks gathered before one DMA to the host, or a record's payload landed before
-    being scattered. The copies run in order on one side stream (`copy_stream`), so each use
-    starts after the previous one is done, however many are queued."""
+def staging(kv: torch.Tensor, shape, slot: int = 0) -> torch.Tensor:
+    """Staging buffer `slot` (< STAGING_SLOTS) of kv's device, `shape` in kv's dtype: a chunk's
+    blocks gathered before one DMA to the host, or a record's payload landed before being
+    scattered. The caller makes sure a slot's previous use is done before the next starts
+    (the sender waits for it on the host, the receiver orders it on the device)."""
     n = 1
     for d in shape:
         n *= d
     nbytes = n * kv.element_size()
-    buf = _STAGING.get(kv.device)
+    key = (kv.device, slot)
+    buf = _STAGING.get(key)
     if buf is None or buf.numel() < nbytes:
-        # NOTE: growing frees the old buffer through the caching allocator while queued copies
-        # may still use it; they are on the same stream as every later use, so that is safe.
-        buf = _STAGING[kv.device] = torch.empty(nbytes, dtype=torch.uint8, device=kv.device)
+        # NOTE: growing frees the old buffer through the caching allocator while a copy queued
+        # on another stream may still use it: wait for the KV streams first
+        if buf is not None:
+            copy_stream(kv.device).synchronize()
+            kernel_stream(kv.device).synchronize()
+        buf = _STAGING[key] = torch.empty(nbytes, dtype=torch.uint8, device=kv.device)
     return buf[:nbytes].view(kv.dtype).view(shape)
 
 
@@ -101,24 +125,28 @@ def _on_device(ids: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 
 def gather_pipelined(kv: torch.Tensor, block_ids: torch.Tensor, chunks, reserve, publish,
-                     depth: int = 2, fits=None) -> None:
+                     depth: int = STAGING_SLOTS, fits=None) -> None:
     """Gather each chunk of `plan_chunks` into the memory `reserve(chunk)` returns (its
     record's payload) and call `publish()` once per chunk, in order, when the oldest unpublished
-    chunk's bytes are there; at most `depth` chunks are reserved and unpublished. On CUDA those
-    are copies in flight on the side stream (block-copy kernel into the staging buffer, then one
-    DMA into the record), so the copy engine keeps working while the host publishes and
-    reserves; on CPU each chunk is copied at once (and published up to `depth` chunks later, the
-    same order). `fits(chunk)` (optional): whether `reserve(chunk)` would not wait; when it
+    chunk's bytes are there; at most `depth` (<= STAGING_SLOTS) chunks are reserved and
+    unpublished. On CUDA those are copies in flight (the block-copy kernel into a staging
+    buffer of their own on the kernel stream, then one DMA into the record on the copy stream),
+    so the copy engine keeps working while the next chunk is gathered and the host publishes
+    and reserves; on CPU each chunk is copied at once (and published up to `depth` chunks
+    later, the same order). `fits(chunk)` (optional): whether `reserve(chunk)` would not wait; when it
     would, every chunk reserved is published first, so that the receiver, woken by them, frees
     the space."""
+    if not 1 <= depth <= STAGING_SLOTS:
+        raise ValueError(f"depth {depth}: 1 to {STAGING_SLOTS} chunks in flight")
     stream = copy_stream(kv.device) if kv.is_cuda else None
     in_flight: deque = deque()  # per reserved chunk: its copy's event (None: done)
     try:
         if stream is not None:
-            stream.wait_stream(torch.cuda.current_stream(kv.device))  # the KV's writes
-            with torch.cuda.stream(stream):
+            kstream = kernel_stream(kv.device)
+            kstream.wait_stream(torch.cuda.current_stream(kv.device))  # the KV's writes
+            with torch.cuda.stream(kstream):
                 ids = _on_device(block_ids, kv.device)
-        for l0, l1, b0, b1 in chunks:
+        for i, (l0, l1, b0, b1) in enumerate(chunks):
             full = fits is not None and not fits((l0, l1, b0, b1))
             while len(in_flight) == depth or (full and in_flight):
                 done = in_flight.popleft()
@@ -131,9 +159,15 @@ def gather_pipelined(kv: torch.Tensor, block_ids: torch.Tensor, chunks, reserve,
                 torch.index_select(kv[l0:l1], 2, block_ids[b0:b1], out=dst)
                 in_flight.append(None)
                 continue
-            with torch.cuda.stream(stream):
-                staged = staging(kv, dst.shape)
+            # NOTE: slot i % depth was last used by chunk i - depth, whose copy is done (waited
+            # for above before this chunk could be reserved)
+            with torch.cuda.stream(kstream):
+                staged = staging(kv, dst.shape, i % depth)
                 copy_blocks(kv[l0:l1].flatten(0, 1), staged.flatten(0, 1), src_ids=ids[b0:b1])
+                gathered = torch.cuda.Event()
+                gathered.record(kstream)
+            with torch.cuda.stream(stream):
+                stream.wait_event(gathered)
                 dst.copy_(staged, non_blocking=True)
                 done = torch.cuda.Event()
                 done.record(stream)
@@ -146,6 +180,7 @@ def gather_pipelined(kv: torch.Tensor, block_ids: torch.Tensor, chunks, reserve,
     except BaseException:
         if stream is not None:
             stream.synchronize()  # no copy may still write into memory the caller gives up
+            kstream.synchronize()
         raise
 
 
@@ -180,11 +215,12 @@ def payload_tensor(rec: KVRecord, kv: torch.Tensor) -> torch.Tensor:
 def install_kv(rec: KVRecord, kv: torch.Tensor, dst_block_ids, wait: bool = True) -> None:
     """Copy the record into kv[l0:l1, :, dst_block_ids[b0:b0+nb]] (the receiver's own blocks).
 
-    On CUDA the copy runs on the side stream (by DMA from a pinned ring, then the block-copy
-    kernel). With `wait` this returns once it is done, so the record may be released and any
-    step launched later reads the blocks; without, the copies of several records queue up
-    back to back and the caller calls `installed(kv)` before releasing the records or running
-    a step."""
+    On CUDA the record lands by DMA (from a pinned ring) in the next staging buffer on the copy
+    stream, and the block-copy kernel scatters it on the kernel stream, so one record's scatter
+    overlaps the next one's DMA. With `wait` this returns once it is done, so the record may be
+    released and any step launched later reads the blocks; without, the copies of several
+    records queue up and the caller calls `installed(kv)` before releasing the records or
+    running a step."""
     src = payload_tensor(rec, kv)
     ids = torch.as_tensor(dst_block_ids, dtype=torch.long)
     idx = ids[rec.block_start:rec.block_start + rec.num_blocks]
@@ -195,16 +231,27 @@ def install_kv(rec: KVRecord, kv: torch.Tensor, dst_block_ids, wait: bool = True
     if kv.device.type == "cpu":
         dst.index_copy_(2, idx, src)
         return
-    stream = copy_stream(kv.device)
+    stream, kstream = copy_stream(kv.device), kernel_stream(kv.device)
+    slot = _next_slot(kv.device)
+    free = _SLOT_FREE.get((kv.device, slot))
     with torch.cuda.stream(stream):
-        staged = staging(kv, src.shape)
+        if free is not None:
+            stream.wait_event(free)  # the slot's last scatter has read it
+        staged = staging(kv, src.shape, slot)
         staged.copy_(src, non_blocking=src.is_pinned())
+        landed = torch.cuda.Event()
+        landed.record(stream)
+    with torch.cuda.stream(kstream):
+        kstream.wait_event(landed)
         copy_blocks(staged.flatten(0, 1), dst.flatten(0, 1), dst_ids=_on_device(idx, kv.device))
+        free = _SLOT_FREE[(kv.device, slot)] = torch.cuda.Event()
+        free.record(kstream)
     if wait:
-        stream.synchronize()
+        installed(kv)
 
 
 def installed(kv: torch.Tensor) -> None:
     """Wait for every KV copy queued by `install_kv(..., wait=False)` on kv's device."""
     if kv.is_cuda:
         copy_stream(kv.device).synchronize()
+        kernel_stream(kv.device).synchronize()
