@@ -185,3 +185,68 @@ def test_auto_ignores_an_offer_it_cannot_use_and_sends_records(decode_side):
     link.submit(make_job("a"))
     assert recv_control(sock)[1]["direct"] is False
     link.close()
+
+
+class FakeCopy:
+    """A direct copy's completion event, finished when the test says."""
+
+    def __init__(self) -> None:
+        self.finished = False
+
+    def query(self) -> bool:
+        return self.finished
+
+
+class FakePeerCache:
+    """Stands in for a decode node's cache opened by CUDA IPC (this machine has no GPU)."""
+
+    def __init__(self) -> None:
+        self.writes: list = []
+        self.closed = False
+
+    def write(self, kv, src, dst) -> FakeCopy:
+        copy = FakeCopy()
+        self.writes.append((list(src), list(dst), copy))
+        return copy
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def no_control(sock, wait_ms: int = 200) -> bool:
+    """Nothing but records and doorbells arrives within `wait_ms`."""
+    deadline = time.monotonic() + wait_ms / 1000
+    while (left := deadline - time.monotonic()) > 0:
+        if sock.poll(int(left * 1000) + 1):
+            frames = sock.recv_multipart()
+            if len(frames) in (2, 3) and len(frames[1]) > 4 and \
+                    control.decode(frames[1])["type"] not in control.INTERNAL:
+                return False
+    return True
+
+
+def test_direct_kv_is_done_only_once_its_copy_has_completed(decode_side):
+    sock, addr = decode_side
+    owner = Owner()
+    link = link_to(owner, addr, transport="shm")
+    peer, _ = recv_control(sock)
+    sock.send_multipart([peer, control.encode(m.to_dict(m.HelloOk("decode-test")))])
+    pump(owner, lambda: link.state is LinkState.READY)
+    cache = link.peer_cache = FakePeerCache()
+    assert link.tier == "ipc"
+    job = make_job("a")
+    job.req.block_ids = [3]
+    link.submit(job)
+    assert recv_control(sock)[1]["direct"] is True
+    assert link.send_kv(job, 0, [7]) == link.kv[:, :, :1].numel() * link.kv.element_size()
+    (src, dst, copy), = cache.writes
+    assert (src, dst) == ([3], [7]) and link.writes
+    link.finish_writes()  # the copy is still running: no KVDone yet
+    assert no_control(sock)
+    copy.finished = True
+    link.finish_writes()
+    assert recv_control(sock)[1] == m.to_dict(m.KVDone("a", 0)) and not link.writes
+    link.release("gone")  # a KVAccept for a request that ended here: its blocks are released
+    assert recv_control(sock)[1] == m.to_dict(m.KVReleased("gone"))
+    link.close()
+    assert cache.closed
