@@ -4,12 +4,13 @@ On creation it connects the KV transport (shm ring on this host, ZMQ frames acro
 sends `Hello` with this node's geometry. A decode node on this host whose cache is on a GPU
 offers it by CUDA IPC in `HelloOk`; a prefill node on a GPU opens it (transport "auto" or "ipc")
 and then writes each request's KV straight into the blocks `KVAccept` names (`shm_ipc.cuda_ipc`),
-the ring carrying only the records and control messages. Requests submitted before `HelloOk` wait in `pending`;
-`HelloRefused` (or no answer within the handshake timeout) fails them with the reason. Once
-paired, a request goes out as RequestMeta + FIRST_TOKEN record (+ a DRAFT_TOKENS record with
-MTP); its KV follows on `KVAccept` (all
-but the prompt blocks the decode node says it already holds), closed by `KVDone`. Replies are dispatched back to the node. Transport errors (ring full past its
-timeout, peer gone) fail the request and mark the link failed, so the next request reconnects.
+the ring carrying only the records and control messages. Requests submitted before `HelloOk`
+wait in `pending`; `HelloRefused` (or no answer within the handshake timeout) fails them with
+the reason. Once paired, a request goes out as RequestMeta + FIRST_TOKEN record (+ a
+DRAFT_TOKENS record with MTP); its KV follows on `KVAccept` (all but the prompt blocks the decode
+node says it already holds), closed by `KVDone`. Replies are dispatched back to the node.
+Transport errors (ring full past its timeout, peer gone) fail the request and mark the link
+failed, so the next request reconnects.
 A decode node that disconnects (killed, restarted) has lost every request handed to it: they all
 fail at once, and the link with them (a restarted node must be greeted again).
 
@@ -176,14 +177,16 @@ class DecodeLink:
             else:
                 num_records = self.transport.send_kv(job.req.req_id, kv, blocks)
                 self.control(m.KVDone(job.req.req_id, num_records))
-        except (TransportError, ValueError) as e:
+        except (TransportError, ValueError, TypeError) as e:  # TypeError: block ids not ints
             self._broken(f"KV transfer to decode node {self.addr} failed: {e}", job)
             return 0
         return kv[:, :, :1].numel() * kv.element_size() * len(blocks)
 
     def finish_writes(self) -> None:
         """KVDone for each direct write whose copy has completed, in order (also for a request
-        that ended here meanwhile: the decode node holds its blocks until told)."""
+        that ended here meanwhile: the decode node holds its blocks until told; this node may
+        have reused the source blocks before the copy read them, which only fills blocks the
+        decode node has dropped)."""
         while self.writes and self.writes[0][1].query():
             req_id, _ = self.writes.popleft()
             try:
