@@ -177,7 +177,8 @@ class Intake:
         try:
             if self.owner.draining:
                 raise ValueError(f"decode node {self.owner.node_id} is draining (shutting down)")
-            if msg.req_id in self.incoming or self.owner.running(msg.req_id) or msg.req_id in self.fenced:
+            if (msg.req_id in self.incoming or msg.req_id in self.fenced
+                    or self.owner.running(msg.req_id)):
                 raise ValueError(f"duplicate request id {msg.req_id!r}")
             if msg.direct and peer not in self.ipc_peers:
                 raise ValueError("direct KV (CUDA IPC) was not offered to this prefill node")
@@ -265,7 +266,8 @@ class Intake:
         tier = "ipc" if inc.direct else self.receiver.tier(peer)
         if inc.direct:
             kv = self.engine.runner.kv_cache.kv
-            inc.kv_bytes = (inc.num_blocks - inc.num_cached) * kv[:, :, :1].numel() * kv.element_size()
+            per_block = kv[:, :, :1].numel() * kv.element_size()
+            inc.kv_bytes = (inc.num_blocks - inc.num_cached) * per_block
             self.metrics.kv_received_bytes(tier).inc(inc.kv_bytes)
         self.metrics.kv_transfer_seconds(tier).observe(time.perf_counter() - inc.accepted_at)
         self.metrics.kv_transfer_bytes(tier).observe(inc.kv_bytes)

@@ -9,8 +9,9 @@ and, per request, copies its blocks from its own cache into the decode node's bl
 `KVAccept` with the block-copy kernel (`PeerCache.write`): on one GPU a device copy, between two
 a peer copy over NVLink or PCIe. The copy runs on the side stream; the prefill node sends
 `KVDone` once its event has completed, so the decode node finds the blocks filled and its steps
-never wait for a transfer (nor does the prefill node's loop). Whoever holds the handle can write the whole cache: it goes only to a
-paired prefill node (same host, through the authenticated KV connection).
+never wait for a transfer (nor does the prefill node's loop). Whoever holds the handle can
+write the whole cache: it goes only to a paired prefill node (same host, through the
+authenticated KV connection).
 """
 
 from __future__ import annotations

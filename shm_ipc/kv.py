@@ -8,8 +8,9 @@ gathers into ring memory (or a fresh tensor for ZMQ); the receiver copies a reco
 into `kv[l0:l1, :, dst_block_ids[b0:b1]]`. On CUDA each way is one block-copy kernel
 (`kernels.block_copy`) between the cache and a device staging buffer, and one DMA copy between
 that buffer and the (page-locked) record: the DMAs on one side stream, the kernels on another,
-and `STAGING_SLOTS` staging buffers used in turn, so one record's kernel overlaps another's DMA. Geometry agreement between the two
-nodes is the handshake's job (the node services); here each record's size and dtype are checked.
+and `STAGING_SLOTS` staging buffers used in turn, so one record's kernel overlaps another's DMA.
+Geometry agreement between the two nodes is the handshake's job (the node services); here each
+record's size and dtype are checked.
 """
 
 from __future__ import annotations
