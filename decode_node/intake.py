@@ -192,6 +192,8 @@ class Intake:
             self.owner.events.send(msg.reply_to, m.TokenStream(msg.req_id, [], error=str(e)))
             return
         req = Req(msg.req_id, list(msg.prompt_ids), params, eos_token_ids=self.engine.eos_token_ids)
+        if params.prompt_logprobs is not None:
+            req.prompt_logprobs = msg.prompt_logprobs or []  # sent on with the first token
         deadline = time.monotonic() + min(msg.deadline_s, self.kv_timeout)
         self.incoming[msg.req_id] = Incoming(req, peer, msg.reply_to, msg.num_blocks, deadline,
                                              direct=msg.direct)

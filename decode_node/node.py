@@ -158,6 +158,8 @@ class DecodeNode(NodeService):
         if req.params.logprobs is not None:
             extra = {"logprobs": req.output_logprobs[-n:],
                      "top_logprobs": [[list(p) for p in top] for top in req.output_top_logprobs[-n:]]}
+        if req.params.prompt_logprobs is not None and req.num_output_tokens == n:
+            extra["prompt_logprobs"] = req.prompt_logprobs  # as the prefill node sent them
         return m.TokenStream(
             req.req_id, req.token_ids[-n:], finish_reason=finish_reason,
             num_prompt_tokens=req.num_prompt_tokens, num_output_tokens=req.num_output_tokens, **extra)

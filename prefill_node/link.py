@@ -142,7 +142,8 @@ class DecodeLink:
             self.control(m.RequestMeta(req.req_id, req.prompt_token_ids, job.msg.params,
                                        job.msg.reply_to, num_blocks=self.num_prompt_blocks(job),
                                        deadline_s=self.handoff_timeout,
-                                       direct=self.peer_cache is not None))
+                                       direct=self.peer_cache is not None,
+                                       prompt_logprobs=prompt_logprobs_wire(req)))
             self.transport.send_record(FirstTokenRecord(
                 req.req_id, first,
                 req.output_logprobs[0] if asked else 0.0,
@@ -301,3 +302,10 @@ class DecodeLink:
         self.transport.close()
         if self.peer_cache is not None:
             self.peer_cache.close()
+
+
+def prompt_logprobs_wire(req: Req) -> list | None:
+    """The request's prompt logprobs as messages carry them (None when not asked)."""
+    if req.params.prompt_logprobs is None:
+        return None
+    return [[v, rank, [list(p) for p in top]] for v, rank, top in req.prompt_logprobs]

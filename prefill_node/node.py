@@ -32,7 +32,7 @@ from pd.service.node import NodeService
 from pd.service.states import Transitions
 from pd.wire import messages as m
 from pd.wire.sampling_params import SamplingParams
-from prefill_node.link import DecodeLink
+from prefill_node.link import DecodeLink, prompt_logprobs_wire
 from shm_ipc.kv import prepare as prepare_kv_copies
 
 log = logging.getLogger(__name__)
@@ -307,8 +307,13 @@ class PrefillNode(NodeService):
 
 
 def first_token_logprobs(req: Req) -> dict:
-    if req.params.logprobs is None:
-        return {}
-    return {"logprobs": list(req.output_logprobs),
-            "top_logprobs": [[list(p) for p in top] for top in req.output_top_logprobs]}
+    """The logprobs a request's first TokenStream carries: its token's, and its prompt's when
+    asked."""
+    out = {}
+    if req.params.logprobs is not None:
+        out = {"logprobs": list(req.output_logprobs),
+               "top_logprobs": [[list(p) for p in top] for top in req.output_top_logprobs]}
+    if req.params.prompt_logprobs is not None:
+        out["prompt_logprobs"] = prompt_logprobs_wire(req)
+    return out
 

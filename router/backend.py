@@ -55,6 +55,9 @@ class TokenEvent:
     finish_reason: str | None = None  # "stop" (EOS/stop id), "length", "abort"; None: running
     error: str | None = None  # a failure: the router ends the stream with an error event
     first_token_sent: bool = True
+    # with the first token, when the request asked (SamplingParams.prompt_logprobs): per
+    # prompt token after the first, (logprob, rank, [(id, logprob), ...])
+    prompt_logprobs: list | None = None
 
 
 class Backend(ABC):

@@ -26,8 +26,8 @@ class TextTokenizer(Protocol):
 class TokenLogprob:
     token: str
     token_id: int
-    logprob: float
-    top: list[tuple[str, int, float]]  # (text, id, logprob), best first as the node sent them
+    logprob: float | None  # None: an echoed prompt's first token (nothing before it)
+    top: list[tuple[str, int, float]] | None  # (text, id, logprob), best first as sent
     text_offset: int  # where this token's text starts in the choice's output
 
 
@@ -48,8 +48,15 @@ class Delta:
 class Choice:
     def __init__(self, index: int, tokenizer: TextTokenizer, prompt_ids: Sequence[int],
                  stop: Sequence[str], want_logprobs: bool,
-                 stop_token_ids: Sequence[int] = ()) -> None:
+                 stop_token_ids: Sequence[int] = (), echo: str | None = None,
+                 prompt_only: bool = False) -> None:
+        """`echo`: the prompt's text, sent before the completion (with the prompt's logprobs
+        when asked); `prompt_only` (max_tokens 0 with echo): the token the nodes sample is
+        neither shown nor counted."""
         self.index = index
+        self._prompt_ids = list(prompt_ids)
+        self._echo = echo
+        self._prompt_only = prompt_only
         self.num_prompt_tokens = len(prompt_ids)
         self.num_generated = 0
         self.done = False
@@ -64,16 +71,17 @@ class Choice:
     def process(self, ev: TokenEvent) -> Delta:
         if self.done:
             raise RuntimeError(f"choice {self.index} got an event after it finished")
-        d = Delta(self.index, num_tokens=len(ev.token_ids))
-        self.num_generated += len(ev.token_ids)
-        shown = ev.token_ids
+        d = Delta(self.index, num_tokens=0 if self._prompt_only else len(ev.token_ids))
+        self.num_generated += d.num_tokens
+        shown = [] if self._prompt_only else ev.token_ids
         if ev.finish_reason == "stop" and shown:
             # NOTE: the EOS / stop token id closes the stream: counted, never shown.
             if shown[-1] in self._stop_token_ids:
                 self.stop_reason = shown[-1]
             shown = shown[:-1]
+        echoed = self._echo_prompt(ev) if self._echo is not None else ""
         if self._want_logprobs and ev.logprobs is not None:
-            d.logprobs = self._entries(shown, ev)
+            d.logprobs += self._entries(shown, ev)
         text = self._detok.push(shown) if shown else ""
         last = ev.finish_reason is not None or ev.error is not None
         if last:
@@ -85,11 +93,36 @@ class Choice:
         elif last:
             d.text += self._stop.flush()
             d.finish_reason = ev.finish_reason if ev.error is None else None
+            if self._prompt_only and d.finish_reason is not None:
+                d.finish_reason = "length"  # max_tokens 0: nothing was generated
             d.error = ev.error
+        if echoed:
+            d.text = echoed + d.text
+            d.logprobs = self._echoed_logprobs + d.logprobs
         self.done = d.is_last
         return d
 
+    def _echo_prompt(self, ev: TokenEvent) -> str:
+        """The prompt's text (and logprob entries, `_echoed_logprobs`) on the first event;
+        "" after. Stop strings are not looked for in it, as OpenAI's echo."""
+        text, self._echo = self._echo, None
+        self._echoed_logprobs = []
+        if self._want_logprobs:
+            given = ev.prompt_logprobs or []
+            offset = 0
+            for i, tid in enumerate(self._prompt_ids):
+                token = token_text(self._tok, tid)
+                lp = given[i - 1] if 0 < i <= len(given) else None
+                top = None if lp is None else [(token_text(self._tok, t), t, float(v))
+                                               for t, v in lp[2]]
+                self._echoed_logprobs.append(TokenLogprob(
+                    token, tid, None if lp is None else float(lp[0]), top, offset))
+                offset += len(token)
+        self._offset = len(text)  # the completion's offsets follow the echoed prompt
+        return text
+
     def _entries(self, ids: Sequence[int], ev: TokenEvent) -> list[TokenLogprob]:
+        # NOTE: a prompt-only choice shows no token, so `ids` is empty and so are its entries
         out = []
         tops = ev.top_logprobs or [[] for _ in ids]
         for tid, lp, top in zip(ids, ev.logprobs, tops):

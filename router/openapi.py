@@ -77,14 +77,23 @@ def completion_request(model: str, max_model_len: int, vocab_size: int) -> dict:
             "prompt": {"anyOf": [text, ids, {"type": "array", "items": text, "minItems": 1},
                                  {"type": "array", "items": ids, "minItems": 1}]},
             **_sampling_properties(max_model_len, vocab_size),
+            "max_tokens": _nullable({"type": "integer", "minimum": 0,
+                                     "maximum": max_model_len - 1,
+                                     "description": "0 only with echo (the prompt alone)"}),
             "logprobs": _nullable({"type": "integer", "minimum": 0,
                                    "maximum": MAX_TOP_LOGPROBS}),
-            "echo": _nullable({"type": "boolean", "enum": [False]}),
+            "echo": _nullable({"type": "boolean", "description": "the prompt comes back before "
+                               "the completion, with its tokens' logprobs when logprobs is set"}),
             "suffix": _nullable({"type": "string", "enum": [""]}),
             "best_of": _nullable({"type": "integer", "minimum": 1, "maximum": MAX_CHOICES,
                                   "description": "must equal n"}),
         },
-        "dependentSchemas": _only_with("stream_options", "stream"),
+        "dependentSchemas": {
+            **_only_with("stream_options", "stream"),
+            # max_tokens 0 only with echo
+            "max_tokens": {"anyOf": [{"properties": {"max_tokens": {"not": {"const": 0}}}},
+                                     {"required": ["echo"], "properties": {"echo": {"const": True}}}]},
+        },
         "example": {"model": model, "prompt": "def fibonacci(n):", "max_tokens": 8,
                     "temperature": 0},
     }

@@ -53,6 +53,8 @@ class ApiRequest:
     sampling: dict = field(default_factory=dict)  # the other SamplingParams fields given
     ignored: list[str] = field(default_factory=list)  # unknown fields, accepted and ignored
     user: str | None = None  # OpenAI's end-user id: the client, for the admission queue's turns
+    echo: bool = False  # completions: the prompt comes back before the completion (its
+    # logprobs too, when logprobs is asked); max_tokens may then be 0 (the prompt alone)
 
     @property
     def num_choices(self) -> int:
@@ -63,7 +65,10 @@ class ApiRequest:
         """Parameters for choice `index`; each choice gets its own seed when one is given.
         `defaults` (the checkpoint's generation config) fill the fields the request omits."""
         seed = None if self.seed is None else self.seed + index
-        return SamplingParams(max_tokens=max_tokens, seed=seed, logprobs=self.logprobs,
+        # NOTE: max_tokens 0 (echo) runs as 1 and the token is dropped: the nodes always sample
+        # the first token (`Choice` leaves it out)
+        return SamplingParams(max_tokens=max(max_tokens, 1), seed=seed, logprobs=self.logprobs,
+                              prompt_logprobs=self.logprobs if self.echo else None,
                               stop_token_ids=tuple(self.stop_token_ids),
                               **{**(defaults or {}), **self.sampling})
 
@@ -165,7 +170,8 @@ def _common(body: dict, allowed: set[str], endpoint: str) -> ApiRequest:
     if model is not None and (not isinstance(model, str) or not model):
         raise bad_param("model", "must be a non-empty string (or left out: the served model)")
     req = ApiRequest(endpoint=endpoint, model=model, ignored=sorted(set(body) - allowed))
-    req.max_tokens = _int(body, "max_tokens", 1)
+    # NOTE: 0 passes here; only echo takes it (`parse_completion`, `_check_tokens`)
+    req.max_tokens = _int(body, "max_tokens", 0)
     req.n = _int(body, "n", 1, MAX_CHOICES) or 1
     req.stream = bool(_bool(body, "stream"))
     opts = body.get("stream_options")
@@ -226,6 +232,8 @@ def _logit_bias(v) -> tuple[tuple[int, float], ...]:
 
 
 def _check_tokens(req: ApiRequest, max_tokens_name: str) -> None:
+    if req.max_tokens == 0 and not req.echo:
+        raise bad_param(max_tokens_name, "must be >= 1 (0 only with echo: the prompt alone)")
     min_tokens = req.sampling.get("min_tokens", 0)
     if req.max_tokens is not None and min_tokens > req.max_tokens:
         raise bad_param("min_tokens", f"must be <= {max_tokens_name} ({req.max_tokens})")
@@ -254,7 +262,7 @@ def parse_completion(body: dict) -> ApiRequest:
     req.prompts = prompts
     lp = _int(body, "logprobs", 0, MAX_TOP_LOGPROBS)
     req.logprobs = lp
-    _neutral(body, "echo", False)
+    req.echo = bool(_bool(body, "echo"))
     _neutral(body, "suffix", "")
     best_of = _int(body, "best_of", 1)
     if best_of is not None and best_of != req.n:

@@ -21,8 +21,8 @@ from router.choice import Delta, TokenLogprob
 _MIN_LOGPROB = -9999.0  # JSON has no -inf
 
 
-def _lp(v: float) -> float:
-    return v if math.isfinite(v) else _MIN_LOGPROB
+def _lp(v: float | None) -> float | None:
+    return v if v is None or math.isfinite(v) else _MIN_LOGPROB
 
 
 def dumps(obj) -> bytes:
@@ -48,9 +48,12 @@ def completion_logprobs(entries: list[TokenLogprob]) -> dict:
     }
 
 
-def _top_with_sampled(e: TokenLogprob) -> dict:
+def _top_with_sampled(e: TokenLogprob) -> dict | None:
     """A completion token's top logprobs, with the sampled token among them even when it is
-    not in the top k (as OpenAI's legacy completions and vLLM have it: up to k + 1 entries)."""
+    not in the top k (as OpenAI's legacy completions and vLLM have it: up to k + 1 entries);
+    None for an echoed prompt's first token."""
+    if e.top is None:
+        return None
     top = {t: _lp(v) for t, _, v in e.top}
     if all(i != e.token_id for _, i, _ in e.top):
         top.setdefault(e.token, _lp(e.logprob))

@@ -349,8 +349,13 @@ class RouterServer:
                     params = req.sampling_params(max_tokens, s, self.config.sampling_defaults)
                 except ValueError as e:
                     raise bad_param("", str(e))
+                echo = None
+                if req.echo:  # the prompt as given (token ids: their text)
+                    given = req.prompts[p]
+                    echo = given if isinstance(given, str) else self.tokenizer.decode(given)
                 choices.append(Choice(index, self.tokenizer, ids, req.stop,
-                                      req.logprobs is not None, req.stop_token_ids))
+                                      req.logprobs is not None, req.stop_token_ids, echo=echo,
+                                      prompt_only=req.echo and req.max_tokens == 0))
                 greqs.append(GenerateRequest(uuid.uuid4().hex, ids, params))
         kv_tokens = capacity.kv_tokens([len(g.prompt_ids) for g in greqs], req.max_tokens,
                                        self.backend.kv_blocks())

@@ -284,7 +284,8 @@ class ZmqBackend(Backend):
                     logprobs=list(msg.logprobs) if asked and msg.logprobs is not None else None,
                     top_logprobs=[[tuple(p) for p in top] for top in msg.top_logprobs]
                     if asked and msg.top_logprobs is not None else None,
-                    finish_reason=msg.finish_reason, error=msg.error, first_token_sent=True)
+                    finish_reason=msg.finish_reason, error=msg.error, first_token_sent=True,
+                    prompt_logprobs=msg.prompt_logprobs)
                 if finished:
                     return
         finally:

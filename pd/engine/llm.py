@@ -27,6 +27,8 @@ class RequestOutput:
     logprobs: list[float] | None = None
     ranks: list[int] | None = None
     top_logprobs: list[list[tuple[int, float]]] | None = field(default=None)
+    # per prompt token after the first: (logprob, rank, top list), when prompt_logprobs asked
+    prompt_logprobs: list[tuple[float, int, list[tuple[int, float]]]] | None = None
 
     def to_dict(self) -> dict:
         return {
@@ -39,6 +41,8 @@ class RequestOutput:
             "ranks": self.ranks,
             "top_logprobs": [[list(p) for p in step] for step in self.top_logprobs]
             if self.top_logprobs is not None else None,
+            "prompt_logprobs": [[v, r, [list(p) for p in top]] for v, r, top in self.prompt_logprobs]
+            if self.prompt_logprobs is not None else None,
         }
 
 
@@ -91,4 +95,5 @@ class LLM:
             logprobs=req.output_logprobs if asked else None,
             ranks=req.output_ranks if asked else None,
             top_logprobs=req.output_top_logprobs if asked else None,
+            prompt_logprobs=req.prompt_logprobs if req.params.prompt_logprobs is not None else None,
         )

@@ -76,3 +76,41 @@ def compute_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, num_top: int
     ranks = (lp > tok).sum(dim=-1) + 1
     top_lp, top_ids = topk_lowest_id(lp, num_top)
     return Logprobs(tok.view(-1), ranks, top_ids, top_lp)
+
+
+PROMPT_LOGITS_ROWS = 1024  # prompt positions whose logits are formed at once
+
+
+def prompt_spans(reqs, num_new_tokens) -> list[tuple]:
+    """The prompt positions of a step whose next-token logprobs are asked
+    (`params.prompt_logprobs`) and not yet known: (request, its first row in the step's tokens,
+    first position, count) per request. A position p scores prompt token p + 1; positions done
+    before (a preempted request computed again) are skipped."""
+    spans, offset = [], 0
+    for req, n in zip(reqs, num_new_tokens):
+        if req.params.prompt_logprobs is not None:
+            start = req.num_computed_tokens
+            first = max(start, len(req.prompt_logprobs))
+            end = min(start + n, req.num_prompt_tokens - 1)
+            if end > first:
+                spans.append((req, offset + first - start, first, end - first))
+        offset += n
+    return spans
+
+
+def record_prompt_logprobs(compute_logits, hidden: torch.Tensor, spans: list[tuple]) -> None:
+    """Append each span's prompt logprobs to its request (`Req.prompt_logprobs`: logprob,
+    rank, top list per position), from the step's hidden states [T, H]. Reads them back to the
+    host: a step that asks for prompt logprobs waits for its forward."""
+    for req, row, first, count in spans:
+        k = req.params.prompt_logprobs
+        for a in range(0, count, PROMPT_LOGITS_ROWS):
+            b = min(count, a + PROMPT_LOGITS_ROWS)
+            logits = compute_logits(hidden[row + a:row + b])
+            ids = torch.tensor(req.prompt_token_ids[first + a + 1:first + b + 1],
+                               dtype=torch.int64, device=hidden.device)
+            lp = compute_logprobs(logits, ids, min(k, logits.shape[-1]))
+            for v, rank, top_ids, top_lps in zip(lp.token_logprobs.tolist(), lp.ranks.tolist(),
+                                                 lp.topk_ids.tolist(), lp.topk_logprobs.tolist()):
+                req.prompt_logprobs.append((v, rank, list(zip(top_ids, top_lps))))
+

@@ -43,6 +43,8 @@ class Req:
     output_logprobs: list[float] = field(default_factory=list)
     output_ranks: list[int] = field(default_factory=list)
     output_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    # Per prompt token after the first, (logprob, rank, top) when params.prompt_logprobs is set.
+    prompt_logprobs: list[tuple[float, int, list[tuple[int, float]]]] = field(default_factory=list)
     num_preemptions: int = 0
     # MTP draft tokens to verify in the next step (after token_ids; not counted in num_tokens).
     spec_token_ids: list[int] = field(default_factory=list)

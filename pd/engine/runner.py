@@ -29,6 +29,7 @@ from pd.config import EngineConfig, dtype_name
 from pd.model.context import ForwardContext, forward_context, host_context
 from pd.engine.host_ring import HostRing
 from pd.engine.kv_cache import KVCache, num_blocks_for
+from pd.engine.logprobs import prompt_spans, record_prompt_logprobs
 from pd.model.loader import load_model
 from pd.engine.request import Req
 from pd.engine.sampler import Sampler, SamplerOutput, SamplingRow
@@ -70,6 +71,7 @@ class ForwardInput(NamedTuple):
     # a decode step run as a CUDA graph: its key and its inputs in the graph's layout (pinned,
     # `DecodeGraphs.host_inputs`); input_ids, positions, context and logits_index are then None
     decode_graph: tuple[tuple[int, int], torch.Tensor] | None = None
+    prompt_spans: tuple = ()  # prompt positions whose logprobs are asked (`prompt_spans`)
 
     @property
     def wants_logprobs(self) -> bool:
@@ -193,6 +195,7 @@ class ModelRunner:
             future_index=dev.get("future_index"),
             future_slots=dev.get("future_slots"),
             num_top=min(max(asked, default=0), self.model_config.vocab_size),
+            prompt_spans=tuple(prompt_spans(batch.reqs, batch.num_new_tokens)),
         )
 
     def prepare_graphed(self, batch: ScheduledBatch, key: tuple[int, int]) -> ForwardInput:
@@ -268,6 +271,8 @@ class ModelRunner:
             ids = inp.input_ids.index_put((inp.future_index,), prev_tokens[inp.future_slots])
             inp = inp._replace(input_ids=ids)
         hidden = self.forward(inp)
+        if inp.prompt_spans:
+            record_prompt_logprobs(self.model.compute_logits, hidden, inp.prompt_spans)
         if not inp.rows:
             return None
         return self.sampler(self.model.compute_logits(hidden[inp.logits_index]), inp.rows)

@@ -147,7 +147,8 @@ class Scheduler:
     def cached_prefix(self, req: Req) -> list[int]:
         """The cached blocks a waiting request with nothing computed can start from (leaving
         at least its last token to compute, which samples the next one)."""
-        if self.prefix is None or req.num_computed_tokens or req.block_ids:
+        if (self.prefix is None or req.num_computed_tokens or req.block_ids
+                or req.params.prompt_logprobs is not None):  # every prompt position is needed
             return []
         return self.prefix.match(req, (req.num_tokens - 1) // self.block_size)
 

@@ -34,7 +34,7 @@ from kernels import update_status, verify_accept
 from kernels.draft_preprocess import CHUNK, DECODE, PREFILL
 from kernels.update_status import LENGTH, STOP
 from pd.model.context import ForwardContext, build_context, forward_context
-from pd.engine.logprobs import compute_logprobs
+from pd.engine.logprobs import compute_logprobs, prompt_spans, record_prompt_logprobs
 from pd.engine.request import FinishReason, Req
 from pd.engine.runner import ModelRunner, SampledToken, spec_layout_requested
 from pd.engine.sampler import (GREEDY_EPS, SamplingRow, probs_after_processing, process_logits,
@@ -71,6 +71,7 @@ class SpecStep(NamedTuple):
     sample_batch_index: list[int]  # batch index of each sampled slot
     max_position: int  # the largest position in the step
     num_top: int  # top-logprob columns: the most any sampled slot asked for
+    prompt_spans: tuple = ()  # prompt positions whose logprobs are asked (`prompt_spans`)
 
 
 class SpecResult(NamedTuple):
@@ -202,6 +203,7 @@ class SpecDecoder:
             stop_ids=t([s + [-1] * (width - len(s)) for s in stops]).view(len(reqs), width),
             rows=rows, reqs=reqs, sample_batch_index=sample_batch_index,
             max_position=max(positions), num_top=min(max(asked, default=0), self.runner.model_config.vocab_size),
+            prompt_spans=tuple(prompt_spans(batch.reqs, batch.num_new_tokens)),
         )
 
     def sampling_rows(self, req: Req) -> list[SamplingRow]:
@@ -253,6 +255,8 @@ class SpecDecoder:
         model, k = self.runner.model, self.k
         with forward_context(step.context):
             hidden = model(step.input_ids, step.positions)
+        if step.prompt_spans:
+            record_prompt_logprobs(model.compute_logits, hidden, step.prompt_spans)
         num_slots = len(step.reqs)
         if num_slots:
             logits = model.compute_logits(hidden[step.logits_index])  # [S * (k+1), V]

@@ -128,6 +128,9 @@ class TokenStream:
     error: str | None = None
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
+    # with the first token when asked (SamplingParams.prompt_logprobs): per prompt token after
+    # the first, [logprob, rank, [[id, logprob], ...]]
+    prompt_logprobs: list | None = None
 
 
 @message
@@ -223,6 +226,7 @@ class RequestMeta:
     num_blocks: int  # KV blocks P will send (the prompt's)
     deadline_s: float = 60.0
     direct: bool = False  # P writes the KV into D's blocks itself (CUDA IPC): KVAccept names them
+    prompt_logprobs: list | None = None  # as TokenStream's, for D to send with the first token
 
 
 @message

@@ -36,6 +36,9 @@ class SamplingParams:
     ignore_eos: bool = False
     # None: no logprobs at all. 0: the sampled token's logprob and rank only. k: plus top-k.
     logprobs: int | None = None
+    # The same for each prompt token after the first (computed where the prompt is prefilled;
+    # such a prompt is computed whole, not from the prefix cache). None: none.
+    prompt_logprobs: int | None = None
     min_tokens: int = 0
     # (token id, bias) pairs added to the logits before sampling (OpenAI's logit_bias)
     logit_bias: tuple[tuple[int, float], ...] = ()
@@ -65,6 +68,11 @@ class SamplingParams:
             not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= MAX_TOP_LOGPROBS
         ):
             bad("logprobs", f"must be None or an integer in [0, {MAX_TOP_LOGPROBS}]")
+        if self.prompt_logprobs is not None and (
+            not isinstance(self.prompt_logprobs, int)
+            or not 0 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS
+        ):
+            bad("prompt_logprobs", f"must be None or an integer in [0, {MAX_TOP_LOGPROBS}]")
         if self.seed is not None and not isinstance(self.seed, int):
             bad("seed", "must be an integer")
         if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= self.max_tokens:

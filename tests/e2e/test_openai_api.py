@@ -91,6 +91,39 @@ def test_logprobs_match_single_process(api, reference, model_name):
     assert all(len(c.top_logprobs) == 2 for c in chat.choices[0].logprobs.content)
 
 
+def test_echo_scores_the_prompt_as_single_process(api, reference, model_name):
+    """lm-eval's loglikelihood request (echo, logprobs, max_tokens 0) and echo with a
+    completion, streamed or not: the prompt's logprobs are the prefill node's, equal to
+    single-process ones; the first prompt token has none."""
+    tok = reference.tokenizer
+    for prompt in PROMPTS[:2]:
+        ids = tok.encode(prompt)
+        ref = reference.generate([ids], SamplingParams(max_tokens=4, temperature=0.0,
+                                                       prompt_logprobs=1, logprobs=1))[0]
+        scored = api.completions.create(model=model_name, prompt=prompt, max_tokens=0,
+                                        echo=True, logprobs=1, temperature=0)
+        c = scored.choices[0]
+        assert c.text == prompt and c.finish_reason == "length"
+        assert scored.usage.completion_tokens == 0
+        assert len(c.logprobs.tokens) == len(ids) and c.logprobs.token_logprobs[0] is None
+        assert c.logprobs.top_logprobs[0] is None
+        assert c.logprobs.token_logprobs[1:] == pytest.approx(
+            [v for v, _, _ in ref.prompt_logprobs], abs=1e-4)
+        for got, (_, _, top) in zip(c.logprobs.top_logprobs[1:], ref.prompt_logprobs):
+            assert tok.decode([top[0][0]]) in got
+        with_completion = api.completions.create(model=model_name, prompt=prompt, max_tokens=4,
+                                                 echo=True, logprobs=1, temperature=0)
+        c = with_completion.choices[0]
+        assert c.text == prompt + ref.text
+        assert c.logprobs.token_logprobs[1:len(ids)] == pytest.approx(  # through the decode node
+            [v for v, _, _ in ref.prompt_logprobs], abs=1e-4)
+        assert c.logprobs.token_logprobs[len(ids):] == pytest.approx(ref.logprobs, abs=1e-4)
+        assert c.logprobs.text_offset[len(ids)] == len(prompt)
+        streamed = api.completions.create(model=model_name, prompt=prompt, max_tokens=4,
+                                          echo=True, temperature=0, stream=True)
+        assert "".join(ch.choices[0].text for ch in streamed) == prompt + ref.text
+
+
 def test_stop_string(api, reference, model_name):
     prompt = PROMPTS[1]
     free = greedy_text(reference, prompt, 24)

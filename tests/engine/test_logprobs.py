@@ -101,3 +101,29 @@ def test_topk_lowest_id_orders_any_float_values():
 def test_num_top_out_of_range_raises():
     with pytest.raises(ValueError):
         compute_logprobs(torch.randn(1, 4), torch.tensor([0]), 5)
+
+
+@pytest.mark.parametrize("mtp", [0, 2])
+def test_prompt_logprobs_equal_transformers_over_chunks_and_the_prefix_cache(tiny_model_dir, mtp):
+    """Prompt logprobs (each prompt token after the first, scored by the positions before it)
+    equal transformers' log_softmax, prefilled in 16-token chunks, with MTP's prefill too, and
+    a prompt whose blocks are cached is computed whole again."""
+    import transformers
+
+    from pd.engine.llm import LLM
+
+    prompt = [3 + (7 * i) % 400 for i in range(47)]
+    model = transformers.AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    with torch.no_grad():
+        exact = torch.log_softmax(model(torch.tensor([prompt])).logits[0].double(), dim=-1)
+    llm = LLM(tiny_model_dir, num_blocks=256, max_num_batched_tokens=16, num_speculative_tokens=mtp)
+    params = SP(max_tokens=2, temperature=0.0, prompt_logprobs=3)
+    for _ in range(2):  # the second prompt's full blocks are in the prefix cache
+        out = llm.generate([prompt], params)[0]
+        assert len(out.prompt_logprobs) == len(prompt) - 1
+        for p, (v, rank, top) in enumerate(out.prompt_logprobs):
+            row, token = exact[p], prompt[p + 1]
+            assert v == pytest.approx(row[token].item(), abs=1e-4)
+            assert rank == 1 + int((row > row[token] + 1e-6).sum())
+            assert [t for t, _ in top] == row.topk(3).indices.tolist()
+    assert llm.generate([prompt], SP(max_tokens=2, temperature=0.0))[0].prompt_logprobs is None

@@ -51,7 +51,7 @@ BAD = [
     ("/v1/completions", {**CMPL, "stop": 5}, 400, "stop"),
     ("/v1/completions", {**CMPL, "logprobs": 21}, 400, "logprobs"),
     ("/v1/completions", {**CMPL, "seed": "abc"}, 400, "seed"),
-    ("/v1/completions", {**CMPL, "echo": True}, 400, "echo"),
+    ("/v1/completions", {**CMPL, "echo": "yes"}, 400, "echo"),
     ("/v1/completions", {**CMPL, "stream_options": {"include_usage": True}}, 400,
      "stream_options"),
     ("/v1/completions", {**CMPL, "prompt": ""}, 400, "prompt"),

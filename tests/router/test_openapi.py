@@ -35,6 +35,7 @@ def test_example_is_valid_and_accepted(name, parse):
     {"prompt": "x", "max_tokens": 255, "n": 128, "seed": -(2**63), "top_p": 1, "top_k": -1,
      "min_p": 0, "presence_penalty": -2, "frequency_penalty": 2, "logprobs": 20, "stop": ["a"],
      "stop_token_ids": [0, 511], "echo": False, "suffix": "", "best_of": 128, "logit_bias": {}},
+    {"prompt": "x", "max_tokens": 0, "echo": True, "logprobs": 1},
     {"prompt": [[1, 2], [511]], "temperature": 0, "repetition_penalty": 1e-9, "min_tokens": 0,
      "stream": True, "stream_options": {"include_usage": True}, "user": ""},
 ])
@@ -47,7 +48,7 @@ def test_bounds_agree_with_validation_completion(body):
 @pytest.mark.parametrize("field,value", [
     ("max_tokens", 0), ("n", 129), ("top_p", 0), ("top_k", -2), ("min_p", 1.5),
     ("presence_penalty", 2.5), ("repetition_penalty", 0), ("logprobs", 21), ("stop", ""),
-    ("stop", ["a"] * 17), ("echo", True), ("suffix", "s"), ("logit_bias", {"1": 200}),
+    ("stop", ["a"] * 17), ("echo", "yes"), ("suffix", "s"), ("logit_bias", {"1": 200}),
     ("seed", 2**63), ("temperature", -1), ("best_of", 0),
 ])
 def test_schema_and_validation_refuse_alike(field, value):
