@@ -122,6 +122,16 @@ def test_echo_scores_the_prompt_as_single_process(api, reference, model_name):
         streamed = api.completions.create(model=model_name, prompt=prompt, max_tokens=4,
                                           echo=True, temperature=0, stream=True)
         assert "".join(ch.choices[0].text for ch in streamed) == prompt + ref.text
+        # lm-eval's own request: token ids, echo, logprobs 1, max_tokens 1; it reads the prompt
+        # part of token_logprobs and whether each equals its top entry
+        harness = api.completions.create(model=model_name, prompt=ids, max_tokens=1, echo=True,
+                                         logprobs=1, temperature=0).choices[0].logprobs
+        assert len(harness.token_logprobs) == len(ids) + 1
+        assert harness.token_logprobs[1:-1] == pytest.approx(
+            [v for v, _, _ in ref.prompt_logprobs], abs=1e-4)
+        assert [v == max(top.values()) for v, top in zip(harness.token_logprobs[1:-1],
+                                                         harness.top_logprobs[1:-1])] == [
+            rank == 1 for _, rank, _ in ref.prompt_logprobs]
 
 
 def test_stop_string(api, reference, model_name):
