@@ -43,6 +43,7 @@ from router.protocol import ApiRequest, decode_body, parse_chat, parse_completio
 from router.responses import Accumulator, ResponseFormat, dumps, sse, usage
 
 log = logging.getLogger(__name__)
+MAX_PROMPT_LOGPROB_ENTRIES = 200_000  # echoed prompt tokens x (logprobs + 1) in one request
 CLIENT_GONE = web.RequestKey("pd_client_gone", bool)  # left while its answer was written
 MAX_BYTES_PER_TOKEN = 64  # no token of a real vocabulary is longer (characters or bytes)
 MAX_BODY = 64 * 2**20  # a request body is never larger than this, whatever the context
@@ -343,6 +344,12 @@ class RouterServer:
         choices, greqs = [], []
         for p, ids in enumerate(prompts):
             max_tokens = self._max_tokens(req, len(ids))
+            if req.echo and req.logprobs is not None and \
+                    len(ids) * (req.logprobs + 1) > MAX_PROMPT_LOGPROB_ENTRIES:
+                # NOTE: they travel in one message from node to node (m.MAX_MESSAGE_BYTES)
+                raise bad_param("logprobs", f"echo with logprobs {req.logprobs} on a prompt of "
+                                            f"{len(ids)} tokens: more than prompt tokens x "
+                                            f"(logprobs + 1) = {MAX_PROMPT_LOGPROB_ENTRIES}")
             for s in range(req.n):
                 index = p * req.n + s
                 try:

@@ -386,3 +386,15 @@ def test_a_request_the_decode_nodes_can_never_hold_is_400_up_front(tokenizer, ma
     assert _post(s, "/v1/completions", {**CMPL, "max_tokens": 40, "n": 4}).status_code == 200
     backend.kv_blocks = lambda: None  # unknown: not checked
     assert _post(s, "/v1/completions", {**CMPL, "max_tokens": 200}).status_code == 200
+
+
+def test_echoed_prompt_logprobs_past_one_message_are_a_400(server, monkeypatch):
+    import router.server
+    monkeypatch.setattr(router.server, "MAX_PROMPT_LOGPROB_ENTRIES", 40)
+    ids = list(range(3, 23))  # 20 tokens: logprobs 1 fits (40 entries), 2 does not
+    ok = _post(server, "/v1/completions", {**CMPL, "prompt": ids, "echo": True, "logprobs": 1,
+                                           "max_tokens": 1})
+    assert ok.status_code == 200, ok.text
+    r = _post(server, "/v1/completions", {**CMPL, "prompt": ids, "echo": True, "logprobs": 2,
+                                          "max_tokens": 1})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "logprobs"
