@@ -16,6 +16,7 @@ from typing import Protocol, Sequence
 from router.backend import TokenEvent
 from pd.text.detokenizer import IncrementalDetokenizer, token_text
 from router.stop import StopStrings
+from router.tool_calls import ToolCallParser
 
 
 class TextTokenizer(Protocol):
@@ -39,6 +40,8 @@ class Delta:
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None
     error: str | None = None
+    tool_calls: list[dict] = field(default_factory=list)  # chat: calls the reply completed
+    first_tool_call: int = 0  # the index of tool_calls[0] among the choice's calls
 
     @property
     def is_last(self) -> bool:
@@ -49,10 +52,11 @@ class Choice:
     def __init__(self, index: int, tokenizer: TextTokenizer, prompt_ids: Sequence[int],
                  stop: Sequence[str], want_logprobs: bool,
                  stop_token_ids: Sequence[int] = (), echo: str | None = None,
-                 prompt_only: bool = False) -> None:
+                 prompt_only: bool = False, tool_parser: ToolCallParser | None = None) -> None:
         """`echo`: the prompt's text, sent before the completion (with the prompt's logprobs
         when asked); `prompt_only` (max_tokens 0 with echo): the token the nodes sample is
-        neither shown nor counted."""
+        neither shown nor counted; `tool_parser`: tool calls taken out of the reply's text."""
+        self._tool_parser = tool_parser
         self.index = index
         self._prompt_ids = list(prompt_ids)
         self._echo = echo
@@ -99,8 +103,23 @@ class Choice:
         if echoed:
             d.text = echoed + d.text
             d.logprobs = self._echoed_logprobs + d.logprobs
+        if self._tool_parser is not None:
+            self._take_calls(d)
         self.done = d.is_last
         return d
+
+    def _take_calls(self, d: Delta) -> None:
+        """Move the tool calls of the reply's text into `d.tool_calls` (held text is shown
+        once it is known not to be a call); a reply that made calls finishes "tool_calls"."""
+        parser = self._tool_parser
+        d.first_tool_call = parser.num_calls
+        d.text, d.tool_calls = parser.push(d.text)
+        if d.is_last:
+            rest, calls = parser.finish()
+            d.text += rest
+            d.tool_calls += calls
+            if parser.num_calls and d.finish_reason == "stop":
+                d.finish_reason = "tool_calls"
 
     def _echo_prompt(self, ev: TokenEvent) -> str:
         """The prompt's text (and logprob entries, `_echoed_logprobs`) on the first event;

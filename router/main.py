@@ -22,6 +22,7 @@ from pd.wire import security
 from router.backend import Backend
 from router.policy import POLICIES
 from router.server import RouterServer, ServerConfig
+from router.tool_calls import PARSERS
 
 
 def _address(value: str) -> str:
@@ -54,6 +55,11 @@ def add_router_arguments(p, with_nodes: bool = True) -> None:
     p.add_argument("--port", type=int, default=8000, help="port to listen on (default: %(default)s)")
     p.add_argument("--served-model-name", default=None,
                    help="the name clients put in 'model' (default: the model directory's name)")
+    p.add_argument("--tool-call-parser", choices=PARSERS, default=None,
+                   help="how the model writes tool calls: 'hermes' (<tool_call>{...}</tool_call>: "
+                        "Hermes, Qwen 2.5/3) or 'llama3_json' (a JSON object: Llama 3.1+); "
+                        "chat requests with tools then get tool_calls (tool_choice auto). "
+                        "Without it tools need tool_choice none (default: none)")
     if with_nodes:
         p.add_argument("--prefill", nargs="+", type=_address, default=[], metavar="HOST:PORT",
                        help="prefill nodes' control addresses")
@@ -159,7 +165,8 @@ def server_config(args: argparse.Namespace, share: int = 1) -> ServerConfig:
                         body_timeout=args.body_timeout, write_timeout=args.write_timeout,
                         header_timeout=args.header_timeout,
                         keepalive_timeout=args.keepalive_timeout,
-                        max_connections=part(args.max_connections), kv_share=1 / share)
+                        max_connections=part(args.max_connections), kv_share=1 / share,
+                        tool_call_parser=args.tool_call_parser)
 
 
 def run_loop(main):

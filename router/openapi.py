@@ -15,7 +15,7 @@ accepted.
 from __future__ import annotations
 
 from pd.wire.sampling_params import MAX_LOGIT_BIAS, MAX_TOP_LOGPROBS
-from router.protocol import CHAT_ROLES, MAX_CHOICES, MAX_STOP_STRINGS
+from router.protocol import CHAT_ROLES, MAX_CHOICES, MAX_STOP_STRINGS, MAX_TOOLS
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
@@ -129,8 +129,15 @@ def chat_request(model: str, max_model_len: int, vocab_size: int) -> dict:
             "response_format": _nullable({
                 "type": "object", "additionalProperties": False, "required": ["type"],
                 "properties": {"type": {"type": "string", "enum": ["text"]}}}),
-            "tools": _nullable({"type": "array", "maxItems": 0}),
-            "tool_choice": _nullable({"type": "string", "enum": ["none"]}),
+            "tools": _nullable({"type": "array", "maxItems": MAX_TOOLS, "items": {
+                "type": "object", "required": ["type", "function"], "properties": {
+                    "type": {"const": "function"},
+                    "function": {"type": "object", "required": ["name"], "properties": {
+                        "name": {"type": "string", "minLength": 1},
+                        "description": {"type": "string"}, "parameters": {"type": "object"}}}}}}),
+            "tool_choice": _nullable({"type": "string", "enum": ["none", "auto"],
+                                      "description": "auto (the default with tools) needs the "
+                                                     "router's --tool-call-parser"}),
             "parallel_tool_calls": _nullable({"type": "boolean"}),
         },
         "dependentSchemas": {**_only_with("stream_options", "stream"),

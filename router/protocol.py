@@ -55,6 +55,8 @@ class ApiRequest:
     user: str | None = None  # OpenAI's end-user id: the client, for the admission queue's turns
     echo: bool = False  # completions: the prompt comes back before the completion (its
     # logprobs too, when logprobs is asked); max_tokens may then be 0 (the prompt alone)
+    tools: list[dict] | None = None  # chat: function tools for the chat template
+    tool_choice: str = "none"  # chat: "none" or "auto" (calls parsed from the reply)
 
     @property
     def num_choices(self) -> int:
@@ -296,6 +298,68 @@ def _message(i: int, m) -> dict:
     out = {"role": role, "content": content}
     if isinstance(m.get("name"), str):
         out["name"] = m["name"]
+    if role == "assistant" and m.get("tool_calls") is not None:
+        out["tool_calls"] = _history_calls(where, m["tool_calls"])
+    if role == "tool" and m.get("tool_call_id") is not None:
+        if not isinstance(m["tool_call_id"], str):
+            raise bad_param("messages", f"{where}.tool_call_id must be a string")
+        out["tool_call_id"] = m["tool_call_id"]
+    return out
+
+
+MAX_TOOLS = 128
+
+
+def _tools(v) -> list[dict] | None:
+    """OpenAI function tools, as the chat template receives them; None for none."""
+    if v is None or v == []:
+        return None
+    if not isinstance(v, list) or len(v) > MAX_TOOLS:
+        raise bad_param("tools", f"must be a list of at most {MAX_TOOLS} tools")
+    out = []
+    for i, t in enumerate(v):
+        f = t.get("function") if isinstance(t, dict) else None
+        if not (isinstance(t, dict) and t.get("type") == "function" and isinstance(f, dict)
+                and isinstance(f.get("name"), str) and f["name"]
+                and isinstance(f.get("parameters", {}), dict)
+                and isinstance(f.get("description", ""), str)):
+            raise bad_param("tools", f"tools[{i}] must be {{'type': 'function', 'function': "
+                                     f"{{'name': str, 'description': str, 'parameters': object}}}}")
+        out.append({"type": "function", "function": {
+            k: f[k] for k in ("name", "description", "parameters") if k in f}})
+    return out
+
+
+def _tool_choice(v, tools: list[dict] | None) -> str:
+    if v is None:
+        return "auto" if tools else "none"
+    if v == "none" or (v == "auto" and tools):
+        return v
+    if v == "required" or isinstance(v, dict):
+        raise bad_param("tool_choice", "required and named tool choices are not supported "
+                                       "(they need structured output); use auto or none",
+                        "unsupported")
+    raise bad_param("tool_choice", f"must be none or auto (auto with tools), got {v!r:.40}")
+
+
+def _history_calls(where: str, calls) -> list[dict]:
+    """An assistant message's earlier tool calls, arguments as objects for the template."""
+    if not isinstance(calls, list):
+        raise bad_param("messages", f"{where}.tool_calls must be a list")
+    out = []
+    for call in calls:
+        f = call.get("function") if isinstance(call, dict) else None
+        if not (isinstance(f, dict) and isinstance(f.get("name"), str)
+                and isinstance(f.get("arguments", "{}"), str)):
+            raise bad_param("messages", f"{where}.tool_calls entries must be {{'id': str, "
+                                        f"'type': 'function', 'function': {{'name': str, "
+                                        f"'arguments': str}}}}")
+        try:
+            args = json.loads(f.get("arguments", "{}"))
+        except ValueError:
+            args = f["arguments"]
+        out.append({"id": call.get("id"), "type": "function",
+                    "function": {"name": f["name"], "arguments": args}})
     return out
 
 
@@ -316,8 +380,8 @@ def parse_chat(body: dict) -> ApiRequest:
     rf = body.get("response_format")
     if rf is not None and rf != {"type": "text"}:
         raise bad_param("response_format", "only {'type': 'text'} is supported", "unsupported")
-    _neutral(body, "tools", [])
-    _neutral(body, "tool_choice", "none")
+    req.tools = _tools(body.get("tools"))
+    req.tool_choice = _tool_choice(body.get("tool_choice"), req.tools)
     _bool(body, "parallel_tool_calls")
     _check_tokens(req, "max_completion_tokens")
     return req

@@ -106,7 +106,10 @@ class ResponseFormat:
         """The SSE chunk of a delta; `u`: its choice's usage so far (continuous usage)."""
         lp = self._logprobs(d.logprobs) if d.logprobs or not self.chat else None
         if self.chat:
-            delta = {"content": d.text} if d.text or not d.finish_reason else {}
+            delta = {"content": d.text} if d.text or not (d.finish_reason or d.tool_calls) else {}
+            if d.tool_calls:
+                delta["tool_calls"] = [{"index": d.first_tool_call + k, **call}
+                                       for k, call in enumerate(d.tool_calls)]
             choice = {"index": d.index, "delta": delta, "logprobs": lp,
                       "finish_reason": d.finish_reason}
             return self._envelope("chat.completion.chunk", [choice], u)
@@ -116,7 +119,8 @@ class ResponseFormat:
 
     def sse_chunk(self, d: Delta, u: dict | None = None) -> bytes:
         """`chunk(d, u)` as an SSE event."""
-        if d.logprobs or (self.want_logprobs and not self.chat) or self.continuous_usage:
+        if d.logprobs or (self.want_logprobs and not self.chat) or self.continuous_usage \
+                or d.tool_calls:
             return sse(self.chunk(d, u))
         text = dumps(d.text)
         if self.chat:
@@ -142,10 +146,12 @@ class Accumulator:
         self.logprobs: list[list[TokenLogprob]] = [[] for _ in range(num_choices)]
         self.finish: list[str | None] = [None] * num_choices
         self.stop_reason: list[str | int | None] = [None] * num_choices
+        self.tool_calls: list[list[dict]] = [[] for _ in range(num_choices)]
 
     def add(self, d: Delta) -> None:
         self.texts[d.index].append(d.text)
         self.logprobs[d.index].extend(d.logprobs)
+        self.tool_calls[d.index].extend(d.tool_calls)
         if d.finish_reason:
             self.finish[d.index] = d.finish_reason
 
@@ -156,7 +162,11 @@ class Accumulator:
             text = "".join(parts)
             lp = fmt._logprobs(self.logprobs[i])
             if fmt.chat:
-                choices.append({"index": i, "message": {"role": "assistant", "content": text},
+                message = {"role": "assistant", "content": text}
+                if self.tool_calls[i]:  # as OpenAI: no content when the reply is only calls
+                    message = {"role": "assistant", "content": text or None,
+                               "tool_calls": self.tool_calls[i]}
+                choices.append({"index": i, "message": message,
                                 "logprobs": lp, "finish_reason": self.finish[i],
                                 "stop_reason": self.stop_reason[i]})
             else:

@@ -41,6 +41,7 @@ from router.metrics import CONTENT_TYPE_LATEST, RequestTimer, RouterMetrics
 from router.openapi import openapi_document
 from router.protocol import ApiRequest, decode_body, parse_chat, parse_completion
 from router.responses import Accumulator, ResponseFormat, dumps, sse, usage
+from router.tool_calls import ToolCallParser
 
 log = logging.getLogger(__name__)
 MAX_PROMPT_LOGPROB_ENTRIES = 200_000  # echoed prompt tokens x (logprobs + 1) in one request
@@ -88,6 +89,7 @@ class Tokenizer(Protocol):
 @dataclass(frozen=True)
 class ServerConfig:
     served_model_name: str
+    tool_call_parser: str | None = None  # router.tool_calls.PARSERS: chat tool calls parsed
     max_running: int = 512
     max_queue: int = 1024
     max_queue_per_client: int | None = None  # requests one client may have waiting (None: half)
@@ -295,7 +297,8 @@ class RouterServer:
         tok = self.tokenizer
         if req.endpoint == "chat":
             try:
-                prompts = [tok.encode_chat(req.messages, add_generation_prompt=True)]
+                extra = {"tools": req.tools} if req.tools else {}
+                prompts = [tok.encode_chat(req.messages, add_generation_prompt=True, **extra)]
             except Exception as e:  # a template that refuses the conversation
                 raise bad_param("messages", f"the chat template failed: {e}")
         else:
@@ -334,6 +337,9 @@ class RouterServer:
             req.model = self.config.served_model_name
         elif req.model != self.config.served_model_name:
             raise model_not_found(req.model, self.config.served_model_name)
+        if req.tool_choice == "auto" and self.config.tool_call_parser is None:
+            raise bad_param("tool_choice", "tool calls need the router started with "
+                                           "--tool-call-parser (or tool_choice none)", "unsupported")
         headers = {}
         if req.ignored:  # as vLLM: accepted, not acted on, and said so
             log.warning("request fields ignored (not known to this server): %r", req.ignored[:16])
@@ -360,9 +366,13 @@ class RouterServer:
                 if req.echo:  # the prompt as given (token ids: their text)
                     given = req.prompts[p]
                     echo = given if isinstance(given, str) else self.tokenizer.decode(given)
+                parser = None
+                if req.tool_choice == "auto":
+                    parser = ToolCallParser(self.config.tool_call_parser)
                 choices.append(Choice(index, self.tokenizer, ids, req.stop,
                                       req.logprobs is not None, req.stop_token_ids, echo=echo,
-                                      prompt_only=req.echo and req.max_tokens == 0))
+                                      prompt_only=req.echo and req.max_tokens == 0,
+                                      tool_parser=parser))
                 greqs.append(GenerateRequest(uuid.uuid4().hex, ids, params))
         kv_tokens = capacity.kv_tokens([len(g.prompt_ids) for g in greqs], req.max_tokens,
                                        self.backend.kv_blocks())

@@ -67,7 +67,11 @@ def test_chat_bounds():
           "response_format": {"type": "text"}, "tools": [], "tool_choice": "none"}
     validator("ChatRequest").validate(ok)
     parse_chat(ok)
-    for bad in ({"tools": [{}]}, {"tool_choice": "auto"}, {"top_logprobs": 21},
+    with_tools = {**ok, "tools": [{"type": "function", "function": {"name": "f"}}],
+                  "tool_choice": "auto"}
+    validator("ChatRequest").validate(with_tools)
+    parse_chat(with_tools)
+    for bad in ({"tools": [{}]}, {"tool_choice": "required"}, {"top_logprobs": 21},
                 {"messages": []}, {"messages": [{"role": "robot", "content": "x"}]}):
         assert not validator("ChatRequest").is_valid({**ok, **bad})
 

@@ -1,0 +1,152 @@
+"""Chat tool calls: the parsers (`router.tool_calls`) on text split at every character, and the
+router with `--tool-call-parser`: tools and earlier calls reach the chat template, a reply that
+calls a tool comes back as `tool_calls` (streamed or not) through the official openai client,
+and the refusals (no parser, required / named choices). The nodes are a scripted backend
+answering with a fixed text: the tiny test models do not call tools."""
+
+from __future__ import annotations
+
+import json
+
+import openai
+import pytest
+
+from pd.testing.tiny import tiny_tokenizer, write_tokenizer_files
+from pd.text.tokenizer import Tokenizer
+from router.tool_calls import ToolCallParser
+from tests.router.conftest import MODEL, LiveServer, ScriptedBackend, echo_script
+
+# A Hermes-style template: the tools listed in a system turn, earlier calls and tool results
+# rendered in the model's own format.
+TEMPLATE = """\
+{%- if tools %}<|im_start|>system
+Tools:
+{%- for tool in tools %}
+{{ tool | tojson }}
+{%- endfor %}<|im_end|>
+{% endif %}
+{%- for message in messages %}<|im_start|>{{ message['role'] }}
+{{ message['content'] }}
+{%- for call in message.get('tool_calls', []) %}<tool_call>{{ call['function'] | tojson }}</tool_call>
+{%- endfor %}
+{%- if message.get('tool_call_id') %} (for {{ message['tool_call_id'] }}){% endif %}<|im_end|>
+{% endfor %}
+{%- if add_generation_prompt %}<|im_start|>assistant
+{% endif %}"""
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "the weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}
+CALL = '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
+
+
+def parse(kind: str, text: str, step: int = 1) -> tuple[str, list]:
+    p, shown, calls = ToolCallParser(kind), "", []
+    for i in range(0, len(text), step):
+        s, c = p.push(text[i:i + step])
+        shown, calls = shown + s, calls + c
+    s, c = p.finish()
+    return shown + s, [(c["function"]["name"], json.loads(c["function"]["arguments"]))
+                       for c in calls + c]
+
+
+@pytest.mark.parametrize("step", [1, 3, 1000])
+def test_hermes_calls_are_taken_out_of_the_text(step):
+    assert parse("hermes", "Let me look. " + CALL + CALL, step) == (
+        "Let me look. ", [("get_weather", {"city": "Paris"})] * 2)
+    assert parse("hermes", "a < b and <tool_call> never closed", step) == (
+        "a < b and <tool_call> never closed", [])
+    assert parse("hermes", "<tool_call>{no json}</tool_call> ok", step) == (
+        "<tool_call>{no json}</tool_call> ok", [])
+
+
+@pytest.mark.parametrize("step", [1, 1000])
+def test_llama3_json_reply_is_a_call_or_text(step):
+    call = '{"name": "get_weather", "parameters": {"city": "Rome"}}'
+    assert parse("llama3_json", call, step) == ("", [("get_weather", {"city": "Rome"})])
+    assert parse("llama3_json", "<|python_tag|>" + call + "; " + call, step)[1] == [
+        ("get_weather", {"city": "Rome"})] * 2
+    assert parse("llama3_json", "It is sunny.", step) == ("It is sunny.", [])
+    assert parse("llama3_json", "{not json", step) == ("{not json", [])
+
+
+@pytest.fixture(scope="module")
+def tool_tokenizer(tmp_path_factory) -> Tokenizer:
+    path = tmp_path_factory.mktemp("tool-tok")
+    write_tokenizer_files(path, tiny_tokenizer(), model_max_length=512, chat_template=TEMPLATE)
+    return Tokenizer.from_dir(path)
+
+
+@pytest.fixture
+def serve(tool_tokenizer):
+    servers = []
+
+    def make(reply: str, **config) -> tuple[LiveServer, ScriptedBackend]:
+        backend = ScriptedBackend(echo_script(tool_tokenizer, reply), tool_tokenizer.eos_token_id,
+                                  chunk=2, max_len=512)
+        servers.append(LiveServer(backend, tool_tokenizer, **config))
+        return servers[-1], backend
+
+    yield make
+    for s in servers:
+        s.close()
+
+
+def test_a_reply_calling_a_tool_comes_back_as_tool_calls(serve, tool_tokenizer):
+    server, backend = serve("Checking. " + CALL, tool_call_parser="hermes")
+    client = server.client()
+    history = [{"role": "user", "content": "weather in Paris?"}]
+    out = client.chat.completions.create(model=MODEL, messages=history, tools=[WEATHER],
+                                         max_tokens=200)
+    choice = out.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content == "Checking. "
+    (call,) = choice.message.tool_calls
+    assert call.type == "function" and call.function.name == "get_weather"
+    assert json.loads(call.function.arguments) == {"city": "Paris"} and call.id.startswith("call_")
+    # the tools reached the template
+    assert '"name": "get_weather"' in tool_tokenizer.decode(backend.requests[-1].prompt_ids)
+    streamed = client.chat.completions.create(model=MODEL, messages=history, tools=[WEATHER],
+                                              max_tokens=200, stream=True)
+    text, calls, finish = "", {}, None
+    for chunk in streamed:
+        delta = chunk.choices[0].delta
+        text += delta.content or ""
+        for c in delta.tool_calls or []:
+            calls[c.index] = (c.function.name, json.loads(c.function.arguments))
+        finish = chunk.choices[0].finish_reason or finish
+    assert (text, calls, finish) == ("Checking. ", {0: ("get_weather", {"city": "Paris"})},
+                                     "tool_calls")
+    # the second turn: the call and its result go back to the template
+    history += [{"role": "assistant", "content": None, "tool_calls": [
+                    {"id": call.id, "type": "function",
+                     "function": {"name": "get_weather", "arguments": call.function.arguments}}]},
+                {"role": "tool", "tool_call_id": call.id, "content": "sunny, 21 C"}]
+    client.chat.completions.create(model=MODEL, messages=history, tools=[WEATHER], max_tokens=8)
+    prompt = tool_tokenizer.decode(backend.requests[-1].prompt_ids)
+    assert '{"name": "get_weather", "arguments": {"city": "Paris"}}' in prompt
+    assert f"sunny, 21 C (for {call.id})" in prompt
+
+
+def test_tools_without_a_parser_or_with_a_forced_choice_are_refused(serve):
+    server, _ = serve("It is sunny.")
+    client = server.client()
+    messages = [{"role": "user", "content": "hi"}]
+    with pytest.raises(openai.BadRequestError) as e:  # auto by default: needs the parser
+        client.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER])
+    assert e.value.body["param"] == "tool_choice"
+    out = client.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER],
+                                         tool_choice="none", max_tokens=8)
+    assert out.choices[0].message.tool_calls is None and out.choices[0].finish_reason == "length"
+    parsed, _ = serve("It is sunny.", tool_call_parser="hermes")
+    for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
+        with pytest.raises(openai.BadRequestError) as e:
+            parsed.client().chat.completions.create(model=MODEL, messages=messages,
+                                                    tools=[WEATHER], tool_choice=choice)
+        assert e.value.body["param"] == "tool_choice"
+    with pytest.raises(openai.BadRequestError) as e:
+        parsed.client().chat.completions.create(model=MODEL, messages=messages,
+                                                tools=[{"type": "function"}])
+    assert e.value.body["param"] == "tools"
+    plain = parsed.client().chat.completions.create(model=MODEL, messages=messages,
+                                                    tools=[WEATHER], max_tokens=200)
+    assert plain.choices[0].message.content == "It is sunny."
+    assert plain.choices[0].message.tool_calls is None
