@@ -5,12 +5,14 @@ F_SEAL_SEAL): no process, not even one of the same uid, can truncate it under a 
 would kill its users with SIGBUS) or grow it. Its name in /dev/shm is a 0700 directory holding
 one symlink, `seg`, to the creator's descriptor of it (`/proc/<pid>/fd/<n>`): another uid can
 neither read the link (the creator's pid) nor open it, and the link dangles once the creator is
-gone. The creator keeps that descriptor open until `close()`.
+gone; beside it `owner` names the creator (pid and process start time), since a new process
+given the same pid could make the link resolve again. The creator keeps that descriptor open
+until `close()`.
 
 A segment opens with a 64-byte owner header (`SEGMENT_HEADER`, written once by the creator):
 a magic word, the layout kind and version of what follows, the total size, and the creator's
 pid and process start time. Creating refuses a name held by a live process and replaces one
-left by a dead process (a dangling link, or found stale by pid + start time); attaching checks
+left by a dead process (its owner file or header naming a dead process, or a dangling link); attaching checks
 the seals, owner-only permissions, the owner uid, the magic, the layout kind and version, the
 size and that the creator still lives. The creator unlinks the name on `close()`, at exit and on
 SIGTERM/SIGINT (`cleanup.py`); a consumer that finds the creator dead may remove it
@@ -36,6 +38,7 @@ log = logging.getLogger("shm_ipc")
 SHM_DIR = "/dev/shm"
 PREFIX = "pd_shm_"
 LINK = "seg"  # the link to the creator's memfd, inside the segment's 0700 directory
+OWNER = "owner"  # beside it: "<creator pid> <its start time>", written before the link
 MAGIC = 0x31304D4853445000  # b"\0PDSHM01" read as little-endian
 
 # Written by the creator only, once, before the magic (which is written last).
@@ -119,6 +122,10 @@ class Segment:
                     _may_remove_stale(where)
             else:
                 raise SegmentError(f"segment {name!r} keeps reappearing; another creator races us")
+            # NOTE: the link's /proc path alone names a pid, which a new process may reuse (the
+            # link would then resolve to its file): the owner file says which process it was
+            with open(os.path.join(where, OWNER), "x") as f:
+                f.write(f"{os.getpid()} {process_start(os.getpid()) or 0}")
             os.symlink(f"/proc/{os.getpid()}/fd/{fd}", os.path.join(where, LINK))
         except BaseException:
             if made:
@@ -256,7 +263,17 @@ def _creator(where: str) -> tuple[str, int]:
     """("alive", pid) for a segment whose creator lives, ("gone", pid or 0) for one whose link
     dangles or whose header names a dead process, ("unknown", 0) for one without a readable
     header yet (a creator between making the name and writing the magic) or not a segment."""
-    path = os.path.join(where, LINK) if os.path.isdir(where) and not os.path.islink(where) else where
+    in_dir = os.path.isdir(where) and not os.path.islink(where)
+    if in_dir:
+        try:
+            with open(os.path.join(where, OWNER)) as f:
+                pid, start = map(int, f.read().split())
+        except (OSError, ValueError):
+            pass  # not written yet: the link and header below decide
+        else:
+            if not is_alive(pid, start):
+                return "gone", pid
+    path = os.path.join(where, LINK) if in_dir else where
     if os.path.islink(path) and not os.path.exists(path):
         return "gone", 0
     try:

@@ -95,7 +95,7 @@ def shared_launch(tiny_model_dir):
     """One `pd launch` on the embedded-style tiny model for the test modules that only read
     from it (the API tests, `pd bench`): started once, stopped at the end of the session, and
     checked then to have exited cleanly with no node left behind."""
-    launch = Launch(tiny_model_dir, "--num-blocks", "512")
+    launch = Launch(tiny_model_dir, "--num-blocks", "512", "--tool-call-parser", "hermes")
     yield launch
     assert launch.stop() == 0
     for node in launch.nodes.values():

@@ -134,6 +134,22 @@ def test_echo_scores_the_prompt_as_single_process(api, reference, model_name):
             rank == 1 for _, rank, _ in ref.prompt_logprobs]
 
 
+def test_chat_with_tools_through_pd_launch(api, reference, model_name):
+    """`pd launch --tool-call-parser hermes`: a chat request with tools (LangChain's bind_tools
+    shape) is served; the tiny model writes no call, so its reply is the greedy text."""
+    tools = [{"type": "function", "function": {"name": "get_time", "description": "the time",
+                                                "parameters": {"type": "object", "properties": {}}}}]
+    messages = [{"role": "user", "content": "what time is it?"}]
+    out = api.chat.completions.create(model=model_name, messages=messages, tools=tools,
+                                      max_tokens=8, temperature=0)
+    plain = api.chat.completions.create(model=model_name, messages=messages, max_tokens=8,
+                                        temperature=0)
+    choice = out.choices[0]
+    assert choice.message.tool_calls is None and choice.finish_reason in ("stop", "length")
+    # this model's template renders no tools: the same prompt, the same greedy reply
+    assert choice.message.content == plain.choices[0].message.content
+
+
 def test_stop_string(api, reference, model_name):
     prompt = PROMPTS[1]
     free = greedy_text(reference, prompt, 24)

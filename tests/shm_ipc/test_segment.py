@@ -16,7 +16,7 @@ import pytest
 from shm_ipc.errors import SegmentError
 from shm_ipc.ring import RING_KIND, RING_LAYOUT_VERSION, Ring
 from shm_ipc.receiver import KVReceiver
-from shm_ipc.segment import LINK, SHM_DIR, Segment, remove_if_stale, segment_name
+from shm_ipc.segment import LINK, OWNER, SHM_DIR, Segment, remove_if_stale, segment_name
 
 from shm_peer import spawn_peer
 
@@ -25,7 +25,8 @@ def test_created_owner_only_and_removed_on_close(seg_name):
     seg = Segment.create(seg_name, 8192, kind=9, layout_version=1)
     where = os.path.join(SHM_DIR, seg_name)
     assert stat.S_IMODE(os.stat(where).st_mode) == 0o700  # no other uid reads the link in it
-    assert os.listdir(where) == [LINK] and seg.path == os.path.join(where, LINK)
+    assert sorted(os.listdir(where)) == sorted([LINK, OWNER])
+    assert seg.path == os.path.join(where, LINK)
     assert stat.S_IMODE(os.stat(seg.path).st_mode) == 0o600
     seg.close()
     assert not os.path.lexists(where)
@@ -105,6 +106,22 @@ def test_stale_segment_from_dead_process_is_replaced(seg_name):
         Ring.attach(seg_name)
     with Ring.create(seg_name, 1 << 12) as ring:
         assert int(ring.seg.header["creator_pid"]) == os.getpid()
+
+
+def test_a_dead_creators_segment_is_stale_even_if_its_pid_was_reused(seg_name, tmp_path):
+    # a new process with the dead creator's pid would make the /proc link resolve again (seen
+    # in a long test session: pids wrap at 32768); the owner file still names the dead one
+    proc = spawn_peer("hold", seg_name)
+    assert proc.stdout.readline().strip() == "READY"
+    proc.kill()
+    proc.wait()
+    link = os.path.join(SHM_DIR, seg_name, LINK)
+    (tmp_path / "someone_elses").write_bytes(b"\0" * 4096)
+    os.unlink(link)
+    os.symlink(tmp_path / "someone_elses", link)
+    assert os.path.exists(link)
+    assert remove_if_stale(seg_name)
+    assert not os.path.lexists(os.path.join(SHM_DIR, seg_name))
 
 
 def test_consumer_removes_only_a_dead_creators_segment(seg_name):
