@@ -13,8 +13,8 @@ A segment opens with a 64-byte owner header (`SEGMENT_HEADER`, written once by t
 a magic word, the layout kind and version of what follows, the total size, and the creator's
 pid and process start time. Creating refuses a name held by a live process and replaces one
 left by a dead process (its owner file or header naming a dead process, or a dangling link);
-attaching checks the seals, owner-only permissions, the owner uid, the magic, the layout kind and version, the
-size and that the creator still lives. The creator unlinks the name on `close()`, at exit and on
+attaching checks the seals, owner-only permissions, the owner uid, the magic, the layout kind
+and version, the size and that the creator still lives. The creator unlinks the name on `close()`, at exit and on
 SIGTERM/SIGINT (`cleanup.py`); a consumer that finds the creator dead may remove it
 (`remove_if_stale`). What lives after the header is the caller's (see `ring.py`).
 """
