@@ -150,6 +150,24 @@ def test_chat_with_tools_through_pd_launch(api, reference, model_name):
     assert choice.message.content == plain.choices[0].message.content
 
 
+def test_langchain_bind_tools(server, model_name):
+    """LangChain's ChatOpenAI with bind_tools (it sends its tools and tool_choice unset) against
+    `pd launch`: served; the tiny model calls nothing, so the message has no tool calls and the
+    same text as without tools."""
+    from langchain_core.tools import tool
+    from langchain_openai import ChatOpenAI
+
+    @tool
+    def get_time(city: str) -> str:
+        """The time in a city."""
+        return "noon"
+
+    llm = ChatOpenAI(model=model_name, base_url=server.url + "/v1", api_key="unused",
+                     temperature=0, max_tokens=8, max_retries=0, timeout=60)
+    msg = llm.bind_tools([get_time]).invoke("what time is it in Paris?")
+    assert msg.tool_calls == [] and msg.content == llm.invoke("what time is it in Paris?").content
+
+
 def test_stop_string(api, reference, model_name):
     prompt = PROMPTS[1]
     free = greedy_text(reference, prompt, 24)
