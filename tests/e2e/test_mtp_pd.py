@@ -109,12 +109,17 @@ def test_mtp_on_one_side_only_is_refused(cluster, client):
 def test_openai_api_through_pd_launch_with_mtp():
     """`pd launch --num-speculative-tokens 3` with the shipped model (trained MTP layer): the
     completions API returns the single-process greedy text, with exactly the asked top
-    logprobs, streamed or not."""
+    logprobs, streamed or not; an echoed prompt's logprobs (the prefill node's MTP prefill)
+    equal single-process ones."""
     from pd.config import default_model_dir
     from pd.service.procs import Launch
 
     prompts = ["def fibonacci(n):", "import os\nimport sys\n\n\ndef main(argv):"]
-    want = LLM().generate(prompts, SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))
+    llm = LLM()
+    want = llm.generate(prompts, SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))
+    ids = llm.encode(prompts[1])
+    scored = llm.generate([ids], SamplingParams(max_tokens=1, temperature=0.0,
+                                                prompt_logprobs=1))[0].prompt_logprobs
     lg = Launch(str(default_model_dir()), "--num-speculative-tokens", "3", "--transport", "zmq",
                 "--num-blocks", "256")
     try:
@@ -133,6 +138,13 @@ def test_openai_api_through_pd_launch_with_mtp():
                     if line.startswith("data: ") and line != "data: [DONE]":
                         chunks.append(json.loads(line[6:])["choices"][0]["text"])
             assert "".join(chunks) == ref.text
+        for max_tokens in (0, 6):  # the prompt alone (prefill node), and through the decode node
+            r = httpx.post(f"{lg.url}/v1/completions", timeout=60, json={
+                "model": lg.served_model_name, "prompt": prompts[1], "max_tokens": max_tokens,
+                "echo": True, "logprobs": 1, "temperature": 0, "ignore_eos": True})
+            lp = r.json()["choices"][0]["logprobs"]["token_logprobs"]
+            assert lp[0] is None and len(lp) == len(ids) + max_tokens
+            assert lp[1:len(ids)] == pytest.approx([v for v, _, _ in scored], abs=1e-4)
     finally:
         lg.stop()
 
