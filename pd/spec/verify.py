@@ -407,10 +407,11 @@ class SpecDecoder:
         g.inputs[tail:].copy_(host[tail:], non_blocking=True)
         g.advance()
         g.verify()
-        g.draft()
+        packed = g.draft(lp0=self._top_asked(reqs) == 0)
         batch = ScheduledBatch(list(reqs), [0] * len(reqs))  # counts: set from the drafts on update
         return self._finish_launch(batch, prev.key, g, start_event,
-                                   [b if i >= 0 else -1 for b, i in enumerate(prev.rows)], True)
+                                   [b if i >= 0 else -1 for b, i in enumerate(prev.rows)], True,
+                                   packed)
 
     def _event(self):
         if self.device.type != "cuda":
