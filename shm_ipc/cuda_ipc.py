@@ -26,11 +26,10 @@ import torch
 from kernels.block_copy import launch_copy
 
 from .errors import TransportError
-from .kv import copy_stream, dtype_name
+from .kv import ids_on_device, copy_stream, dtype_name
 
 log = logging.getLogger(__name__)
 _LAZY_PEER_ACCESS = 1  # cudaIpcMemLazyEnablePeerAccess
-IDS_BUFFERS = 8  # writes in flight before one waits to reuse its block-id buffer
 
 
 @functools.cache
@@ -78,10 +77,6 @@ class PeerCache:
         self.shape = tuple(desc["shape"])
         self.num_blocks = self.shape[2]
         self.same_gpu = desc["gpu"] == str(torch.cuda.get_device_properties(device).uuid)
-        # page-locked block-id buffers used in turn, each with the event of its last copy
-        self._ids: list[list] = [[torch.empty(0, dtype=torch.long), None]
-                                 for _ in range(IDS_BUFFERS)]
-        self._turn = 0
 
     @classmethod
     def open(cls, desc: dict, kv: torch.Tensor) -> "PeerCache":
@@ -131,31 +126,12 @@ class PeerCache:
         stream.wait_stream(torch.cuda.current_stream(kv.device))
         with torch.cuda.stream(stream):
             if n:
-                ids = self._on_device(np.concatenate([src, dst]), kv.device)
+                ids = ids_on_device(torch.from_numpy(np.concatenate([src, dst])), kv.device)
                 launch_copy(kv.data_ptr(), self.ptr, kv.shape[0] * 2, unit, kv.shape[2] * unit,
                             self.num_blocks * unit, n, kv.device, ids[:n], ids[n:])
             done = torch.cuda.Event()
             done.record(stream)
         return done
-
-    def _on_device(self, ids: np.ndarray, device: torch.device) -> torch.Tensor:
-        """`ids` on the device, copied on the current stream from the next of a few page-locked
-        buffers kept for this (no page-locked allocation per write); a buffer is refilled once
-        its last copy is done, `IDS_BUFFERS` writes later."""
-        slot = self._ids[self._turn]
-        self._turn = (self._turn + 1) % len(self._ids)
-        buf, copied = slot
-        if copied is not None:
-            copied.synchronize()
-        if buf.numel() < ids.size:
-            buf = slot[0] = torch.empty(max(ids.size, 2 * buf.numel()), dtype=torch.long,
-                                        pin_memory=True)
-        host = buf[:ids.size]
-        host.numpy()[:] = ids
-        out = host.to(device, non_blocking=True)
-        slot[1] = torch.cuda.Event()
-        slot[1].record()
-        return out
 
     def close(self) -> None:
         """Wait for the copies queued, then unmap the peer's cache."""

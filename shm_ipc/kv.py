@@ -119,7 +119,7 @@ def staging(kv: torch.Tensor, shape, slot: int = 0) -> torch.Tensor:
     return buf[:nbytes].view(kv.dtype).view(shape)
 
 
-def _on_device(ids: torch.Tensor, device: torch.device) -> torch.Tensor:
+def ids_on_device(ids: torch.Tensor, device: torch.device) -> torch.Tensor:
     """Block ids copied to the device without waiting: through page-locked memory, since a copy
     from pageable memory would wait for every copy queued on the stream before it."""
     return ids.pin_memory().to(device, non_blocking=True)
@@ -146,7 +146,7 @@ def gather_pipelined(kv: torch.Tensor, block_ids: torch.Tensor, chunks, reserve,
             kstream = kernel_stream(kv.device)
             kstream.wait_stream(torch.cuda.current_stream(kv.device))  # the KV's writes
             with torch.cuda.stream(kstream):
-                ids = _on_device(block_ids, kv.device)
+                ids = ids_on_device(block_ids, kv.device)
         for i, (l0, l1, b0, b1) in enumerate(chunks):
             full = fits is not None and not fits((l0, l1, b0, b1))
             while len(in_flight) == depth or (full and in_flight):
@@ -244,7 +244,7 @@ def install_kv(rec: KVRecord, kv: torch.Tensor, dst_block_ids, wait: bool = True
         landed.record(stream)
     with torch.cuda.stream(kstream):
         kstream.wait_event(landed)
-        copy_blocks(staged.flatten(0, 1), dst.flatten(0, 1), dst_ids=_on_device(idx, kv.device))
+        copy_blocks(staged.flatten(0, 1), dst.flatten(0, 1), dst_ids=ids_on_device(idx, kv.device))
         free = _SLOT_FREE[(kv.device, slot)] = torch.cuda.Event()
         free.record(kstream)
     if wait:
