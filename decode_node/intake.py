@@ -36,7 +36,7 @@ from pd.wire.geometry import mismatch
 from pd.wire.sampling_params import SamplingParams
 from shm_ipc.cuda_ipc import export as export_kv
 from shm_ipc.header import Flag
-from shm_ipc.kv import install_kv, installed, prepare as prepare_kv_copies
+from shm_ipc.kv import block_bytes, install_kv, installed, prepare as prepare_kv_copies
 from shm_ipc.receiver import KVReceiver, PeerGone
 from shm_ipc.records import AbortRecord, FirstTokenRecord, KVRecord, TokensRecord
 
@@ -183,7 +183,8 @@ class Intake:
             if msg.direct and peer not in self.ipc_peers:
                 raise ValueError("direct KV (CUDA IPC) was not offered to this prefill node")
             if len(self.incoming) >= self.max_queue:
-                raise ValueError(f"decode node {self.owner.node_id} is full ({self.max_queue} incoming)")
+                raise ValueError(f"decode node {self.owner.node_id} is full ({self.max_queue} "
+                                 f"incoming)")
             params = SamplingParams.from_dict(msg.params)
             self.engine.validate_prompt(msg.prompt_ids)
         except (ValueError, TypeError) as e:
@@ -268,8 +269,7 @@ class Intake:
         tier = "ipc" if inc.direct else self.receiver.tier(peer)
         if inc.direct:
             kv = self.engine.runner.kv_cache.kv
-            per_block = kv[:, :, :1].numel() * kv.element_size()
-            inc.kv_bytes = (inc.num_blocks - inc.num_cached) * per_block
+            inc.kv_bytes = (inc.num_blocks - inc.num_cached) * block_bytes(kv)
             self.metrics.kv_received_bytes(tier).inc(inc.kv_bytes)
         self.metrics.kv_transfer_seconds(tier).observe(time.perf_counter() - inc.accepted_at)
         self.metrics.kv_transfer_bytes(tier).observe(inc.kv_bytes)

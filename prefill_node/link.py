@@ -38,6 +38,7 @@ from pd.wire import messages as m
 from shm_ipc.cuda_ipc import PeerCache
 from shm_ipc.errors import TransportError
 from shm_ipc.header import Flag
+from shm_ipc.kv import block_bytes
 from shm_ipc.records import AbortRecord, FirstTokenRecord, TokensRecord
 from shm_ipc.transport import make_transport
 
@@ -181,7 +182,7 @@ class DecodeLink:
         except (TransportError, ValueError, TypeError) as e:  # TypeError: block ids not ints
             self._broken(f"KV transfer to decode node {self.addr} failed: {e}", job)
             return 0
-        return kv[:, :, :1].numel() * kv.element_size() * len(blocks)
+        return block_bytes(kv) * len(blocks)
 
     def finish_writes(self) -> None:
         """KVDone for each direct write whose copy has completed, in order (also for a request

@@ -39,6 +39,11 @@ def unit_bytes(kv: torch.Tensor) -> int:
     return 2 * kv[0, 0, 0].numel() * kv.element_size()
 
 
+def block_bytes(kv: torch.Tensor) -> int:
+    """Bytes of one block across every layer: what moving a block of a request's KV moves."""
+    return kv.shape[0] * unit_bytes(kv)
+
+
 def plan_chunks(num_layers: int, num_blocks: int, unit: int, max_bytes: int
                 ) -> list[tuple[int, int, int, int]]:
     """(layer_start, layer_end, block_start, block_end) chunks of at most `max_bytes` each."""
