@@ -356,16 +356,16 @@ class RouterServer:
                 raise bad_param("logprobs", f"echo with logprobs {req.logprobs} on a prompt of "
                                             f"{len(ids)} tokens: more than prompt tokens x "
                                             f"(logprobs + 1) = {MAX_PROMPT_LOGPROB_ENTRIES}")
+            echo = None
+            if req.echo:  # the prompt as given (token ids: their text), once for its n choices
+                given = req.prompts[p]
+                echo = given if isinstance(given, str) else self.tokenizer.decode(given)
             for s in range(req.n):
                 index = p * req.n + s
                 try:
                     params = req.sampling_params(max_tokens, s, self.config.sampling_defaults)
                 except ValueError as e:
                     raise bad_param("", str(e))
-                echo = None
-                if req.echo:  # the prompt as given (token ids: their text)
-                    given = req.prompts[p]
-                    echo = given if isinstance(given, str) else self.tokenizer.decode(given)
                 parser = None
                 if req.tool_choice == "auto":
                     parser = ToolCallParser(self.config.tool_call_parser)
