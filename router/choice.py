@@ -83,7 +83,7 @@ class Choice:
             if shown[-1] in self._stop_token_ids:
                 self.stop_reason = shown[-1]
             shown = shown[:-1]
-        echoed = self._echo_prompt(ev) if self._echo is not None else ""
+        echoed = self._echo_prompt(ev) if self._echo is not None else None
         if self._want_logprobs and ev.logprobs is not None:
             d.logprobs += self._entries(shown, ev)
         text = self._detok.push(shown) if shown else ""
@@ -100,9 +100,9 @@ class Choice:
             if self._prompt_only and d.finish_reason is not None:
                 d.finish_reason = "length"  # max_tokens 0: nothing was generated
             d.error = ev.error
-        if echoed:
-            d.text = echoed + d.text
-            d.logprobs = self._echoed_logprobs + d.logprobs
+        if echoed is not None:
+            d.text = echoed[0] + d.text
+            d.logprobs = echoed[1] + d.logprobs
         if self._tool_parser is not None:
             self._take_calls(d)
         self.done = d.is_last
@@ -121,11 +121,11 @@ class Choice:
             if parser.num_calls and d.finish_reason == "stop":
                 d.finish_reason = "tool_calls"
 
-    def _echo_prompt(self, ev: TokenEvent) -> str:
-        """The prompt's text (and logprob entries, `_echoed_logprobs`) on the first event;
-        "" after. Stop strings are not looked for in it, as OpenAI's echo."""
+    def _echo_prompt(self, ev: TokenEvent) -> tuple[str, list[TokenLogprob]]:
+        """The prompt's text and, when logprobs are asked, its tokens' entries; called on the
+        first event only. Stop strings are not looked for in it, as OpenAI's echo."""
         text, self._echo = self._echo, None
-        self._echoed_logprobs = []
+        entries = []
         if self._want_logprobs:
             given = ev.prompt_logprobs or []
             offset = 0
@@ -134,11 +134,11 @@ class Choice:
                 lp = given[i - 1] if 0 < i <= len(given) else None
                 top = None if lp is None else [(token_text(self._tok, t), t, float(v))
                                                for t, v in lp[2]]
-                self._echoed_logprobs.append(TokenLogprob(
-                    token, tid, None if lp is None else float(lp[0]), top, offset))
+                entries.append(TokenLogprob(token, tid, None if lp is None else float(lp[0]),
+                                            top, offset))
                 offset += len(token)
         self._offset = len(text)  # the completion's offsets follow the echoed prompt
-        return text
+        return text, entries
 
     def _entries(self, ids: Sequence[int], ev: TokenEvent) -> list[TokenLogprob]:
         # NOTE: a prompt-only choice shows no token, so `ids` is empty and so are its entries
