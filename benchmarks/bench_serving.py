@@ -237,15 +237,24 @@ def snapshot(lau) -> dict[tuple[str, str], float]:
     out: dict[tuple[str, str], float] = {}
     for node_name, n in lau.nodes.items():
         role = node_name.split("-")[0]
-        for line in urllib.request.urlopen(f"http://{n['metrics']}/metrics", timeout=10).read().decode().splitlines():
-            name, _, rest = line.partition("{")
-            if line.startswith("pd_decode_host_seconds_total{"):
-                key = 'phase="' + line.split('phase="', 1)[1].split('"', 1)[0] + '"'
-            elif name.endswith(("_sum", "_count")) and rest:
-                key = name
-            else:
-                continue
-            out[(role, key)] = out.get((role, key), 0.0) + float(line.rsplit(" ", 1)[1])
+        for key, value in node_sums(n["metrics"]).items():
+            out[(role, key)] = out.get((role, key), 0.0) + value
+    return out
+
+
+def node_sums(address: str) -> dict[str, float]:
+    """One node's histogram sums and counts and host time by phase, from its /metrics at
+    `address` (host:port): {name: value}, a phase keyed 'phase="NAME"'."""
+    out: dict[str, float] = {}
+    for line in urllib.request.urlopen(f"http://{address}/metrics", timeout=10).read().decode().splitlines():
+        name, _, rest = line.partition("{")
+        if line.startswith("pd_decode_host_seconds_total{"):
+            key = 'phase="' + line.split('phase="', 1)[1].split('"', 1)[0] + '"'
+        elif name.endswith(("_sum", "_count")) and rest:
+            key = name
+        else:
+            continue
+        out[key] = out.get(key, 0.0) + float(line.rsplit(" ", 1)[1])
     return out
 
 

@@ -32,12 +32,13 @@ import random
 import sys
 import tempfile
 import time
-import urllib.request
 
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench_decode import LLAMA_1B  # noqa: E402
+from bench_serving import node_sums  # noqa: E402
 
 from pd.service.client import NodeClient  # noqa: E402
 from pd.config import EngineConfig, ModelConfig  # noqa: E402
@@ -119,15 +120,8 @@ def run_pd(client: NodeClient, prefill, decode, load: Load) -> tuple[np.ndarray,
 
 def exposed(decode) -> tuple[float, float]:
     """The decode node's pd_kv_exposed_seconds (sum, count) from its /metrics."""
-    url = f"http://127.0.0.1:{decode.info['metrics_port']}/metrics"
-    with urllib.request.urlopen(url, timeout=10) as r:
-        text = r.read().decode()
-    got = {}
-    for line in text.splitlines():
-        for part in ("_sum", "_count"):
-            if line.startswith(f"pd_kv_exposed_seconds{part}{{"):
-                got[part] = got.get(part, 0.0) + float(line.rsplit(" ", 1)[1])
-    return got.get("_sum", 0.0), got.get("_count", 0.0)
+    got = node_sums(f"127.0.0.1:{decode.info['metrics_port']}")
+    return got.get("pd_kv_exposed_seconds_sum", 0.0), got.get("pd_kv_exposed_seconds_count", 0.0)
 
 
 def row(name: str, alone: np.ndarray, mixed: np.ndarray, sent: int) -> str:
