@@ -26,7 +26,7 @@ import torch
 from kernels.block_copy import launch_copy
 
 from .errors import TransportError
-from .kv import ids_on_device, copy_stream, dtype_name
+from .kv import copy_stream, dtype_name, ids_on_device
 
 log = logging.getLogger(__name__)
 _LAZY_PEER_ACCESS = 1  # cudaIpcMemLazyEnablePeerAccess
