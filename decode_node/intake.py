@@ -187,12 +187,15 @@ class Intake:
                                  f"incoming)")
             params = SamplingParams.from_dict(msg.params)
             self.engine.validate_prompt(msg.prompt_ids)
+            req = Req(msg.req_id, list(msg.prompt_ids), params,
+                      eos_token_ids=self.engine.eos_token_ids)
+            # NOTE: the grammar's matcher walks the first token when it arrives (append_token)
+            self.engine.bind_grammar(req)
         except (ValueError, TypeError) as e:
             self.metrics.refused("draining" if self.owner.draining else "bad_request").inc()
             self.receiver.send_control(peer, m.to_dict(m.KVRefuse(msg.req_id, str(e))))
             self.owner.events.send(msg.reply_to, m.TokenStream(msg.req_id, [], error=str(e)))
             return
-        req = Req(msg.req_id, list(msg.prompt_ids), params, eos_token_ids=self.engine.eos_token_ids)
         if params.prompt_logprobs is not None:
             req.prompt_logprobs = msg.prompt_logprobs or []  # sent on with the first token
         deadline = time.monotonic() + min(msg.deadline_s, self.kv_timeout)

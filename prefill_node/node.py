@@ -25,6 +25,7 @@ import time
 from dataclasses import dataclass, field
 
 from pd.engine.engine import Engine
+from pd.engine.grammar import GrammarError
 from pd.engine.request import Req
 from pd.service import metrics as node_metrics
 from pd.service.flags import default
@@ -114,6 +115,10 @@ class PrefillNode(NodeService):
             self.engine.validate_prompt(msg.prompt_ids)
             req = Req(msg.req_id, list(msg.prompt_ids), params,
                       eos_token_ids=self.engine.eos_token_ids, hold_blocks_on_finish=True)
+            try:
+                self.engine.bind_grammar(req)
+            except GrammarError as e:  # the client's spec: the router answers 400
+                raise ValueError(f"{m.INVALID_PREFIX}: structured output: {e}") from None
             self.scheduler.add(req)
         except (ValueError, TypeError) as e:
             self.metrics.refused("bad_request").inc()

@@ -17,7 +17,7 @@ import logging
 import uuid
 from typing import Callable
 
-from pd.wire.messages import is_timeout
+from pd.wire.messages import is_invalid, is_timeout
 from router.backend import Backend, BackendOverloaded, BackendUnavailable, GenerateRequest
 from router.choice import Choice, Delta
 
@@ -87,10 +87,11 @@ class Generation:
                 try:
                     async for ev in stream:
                         # a node that died is retried once elsewhere; one that timed out is
-                        # alive and loaded, and a second wait would double the client's
+                        # alive and loaded, and a second wait would double the client's; a
+                        # request refused for its own content would be refused again
                         if (ev.error is not None and not ev.first_token_sent and attempt == 0
                                 and choice.num_generated == 0 and not ev.token_ids
-                                and not is_timeout(ev.error)):
+                                and not is_timeout(ev.error) and not is_invalid(ev.error)):
                             log.warning("request %s failed before its first token (%s); "
                                         "retrying once", req.req_id, ev.error)
                             retry = True

@@ -14,7 +14,7 @@ accepted.
 
 from __future__ import annotations
 
-from pd.wire.sampling_params import MAX_LOGIT_BIAS, MAX_TOP_LOGPROBS
+from pd.wire.sampling_params import MAX_LOGIT_BIAS, MAX_STRUCTURED_SPEC, MAX_TOP_LOGPROBS
 from router.protocol import CHAT_ROLES, MAX_CHOICES, MAX_STOP_STRINGS, MAX_TOOLS
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
@@ -62,6 +62,34 @@ def _sampling_properties(max_model_len: int, vocab_size: int) -> dict:
             "propertyNames": {"pattern": "^[0-9]{1,10}$"},
             "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100},
             "description": "token id (a string) -> bias added to its logit"}),
+        **_structured_properties(),
+    }
+
+
+def _structured_properties() -> dict:
+    """Structured output (at most one per request; a spec that does not compile is a 400)."""
+    spec = {"type": "string", "minLength": 1, "maxLength": MAX_STRUCTURED_SPEC}
+    schema = {"anyOf": [{"type": "object"}, {"type": "boolean"}, spec],
+              "description": "a JSON schema (or its JSON text)"}
+    choices = {"type": "array", "minItems": 1, "items": {"type": "string", "minLength": 1}}
+    return {
+        "response_format": _nullable({"anyOf": [
+            {"type": "object", "required": ["type"],
+             "properties": {"type": {"type": "string", "enum": ["text", "json_object"]}}},
+            {"type": "object", "required": ["type", "json_schema"], "properties": {
+                "type": {"const": "json_schema"},
+                "json_schema": {"type": "object", "properties": {
+                    "name": {"type": "string"}, "description": {"type": "string"},
+                    "schema": {"type": "object"}, "strict": _nullable({"type": "boolean"})}}}}]}),
+        "guided_json": _nullable(schema),
+        "guided_regex": _nullable({**spec, "description": "a regular expression"}),
+        "guided_choice": _nullable(choices),
+        "guided_grammar": _nullable({**spec, "description": "an EBNF grammar"}),
+        "structured_outputs": _nullable({
+            "type": "object", "minProperties": 1, "maxProperties": 1,
+            "additionalProperties": False, "properties": {
+                "json": schema, "regex": spec, "choice": choices, "grammar": spec,
+                "json_object": {"const": True}}}),
     }
 
 
@@ -126,9 +154,6 @@ def chat_request(model: str, max_model_len: int, vocab_size: int) -> dict:
             "logprobs": _nullable({"type": "boolean"}),
             "top_logprobs": _nullable({"type": "integer", "minimum": 0,
                                        "maximum": MAX_TOP_LOGPROBS}),
-            "response_format": _nullable({
-                "type": "object", "additionalProperties": False, "required": ["type"],
-                "properties": {"type": {"type": "string", "enum": ["text"]}}}),
             "tools": _nullable({"type": "array", "maxItems": MAX_TOOLS, "items": {
                 "type": "object", "required": ["type", "function"], "properties": {
                     "type": {"const": "function"},

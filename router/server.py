@@ -29,7 +29,7 @@ from typing import Callable, Protocol, Sequence
 
 from aiohttp import web
 
-from pd.wire.messages import is_timeout
+from pd.wire.messages import is_invalid, is_timeout
 from router import capacity
 from router.admission import Admission, QueueFull, TooLarge
 from router.backend import Backend, BackendOverloaded, BackendUnavailable, GenerateRequest
@@ -424,6 +424,8 @@ class RouterServer:
                 raise unavailable(str(e) or "no healthy prefill or decode node")
             except BackendOverloaded as e:
                 raise overloaded(str(e) or "the nodes are overloaded")
+            if first.error and is_invalid(first.error):  # before any output: a plain 400
+                raise _generation_failed(first)
             m.prompt_tokens.inc(num_prompt_tokens)
             timer = RequestTimer(self.metrics, t_arrival)
             if req.stream:
@@ -496,6 +498,8 @@ class RouterServer:
 
 
 def _generation_failed(d: Delta) -> APIError:
+    if is_invalid(d.error):  # the request's own content (a grammar that does not compile)
+        return APIError(400, d.error, type="invalid_request_error", code="invalid_request")
     if is_timeout(d.error):  # the nodes are up but did not get to it in time
         return APIError(504, f"choice {d.index} failed: {d.error}", type="timeout",
                         code="node_timeout")

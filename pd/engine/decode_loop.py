@@ -14,9 +14,9 @@ invalid slot (-1) in that step: its result is discarded, and its blocks are free
 that step has completed, since the step still reads and writes them.
 
 The loop falls back to waiting for step N before scheduling N+1 when the host needs N's tokens
-first: a running request with penalties (the sampler builds their token sets on the host), or a
-batch that might preempt (preemption frees blocks that step N still writes). Without overlap,
-each step is launched and waited for at once. Both produce the same tokens. With MTP (a
+first: a running request with penalties (the sampler builds their token sets on the host) or a
+grammar (its matcher walks each token before the next mask), or a batch that might preempt
+(preemption frees blocks that step N still writes). Without overlap, each step is launched and waited for at once. Both produce the same tokens. With MTP (a
 `pd.spec.verify.SpecDecoder` given as `spec`), each step verifies the requests' drafts and
 proposes the next ones. A graphed MTP step (`pd.spec.graphs`) whose requests all continue
 greedily is followed, with overlap, by the next one before the host reads it: how many tokens a
@@ -332,7 +332,7 @@ class DecodeLoop:
         for req in self.scheduler.running:
             row = last.members.get(req, -1)
             pending = row >= 0 and last.rows[row] >= 0
-            if pending and req.params.has_penalties:
+            if pending and req.params.needs_host_tokens:
                 return False
             need += max(0, self.scheduler.blocks_needed(req, req.num_tokens + pending))
         return need <= self.scheduler.allocator.num_free

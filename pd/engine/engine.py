@@ -19,6 +19,7 @@ import numpy as np
 
 from pd.engine.allocator import BlockAllocator
 from pd.engine.decode_loop import DecodeLoop
+from pd.engine.grammar import Grammars
 from pd.engine.prefix import PrefixCache
 from pd.config import EngineConfig
 from pd.wire.geometry import geometry
@@ -75,6 +76,17 @@ class Engine:
         its parts and run their own loop (or none), never make it."""
         return DecodeLoop(self.runner, self.scheduler, spec=self.spec, **self._loop_options)
 
+    @functools.cached_property
+    def grammars(self) -> Grammars:
+        """Structured output's compiler, made on first use (`pd.engine.grammar`)."""
+        return Grammars(self.config.model, self.model_config.vocab_size, self.eos_token_ids)
+
+    def bind_grammar(self, req: Req) -> None:
+        """Give a request with structured output its grammar's matcher (before any output token
+        is appended); `GrammarError` (a ValueError) for a spec that does not compile."""
+        if req.params.structured_output is not None:
+            req.grammar = self.grammars.matcher(req.params.structured_output)
+
     @property
     def max_model_len(self) -> int:
         return self.runner.max_model_len
@@ -116,6 +128,7 @@ class Engine:
         if req_id in self.requests:
             raise ValueError(f"duplicate request id {req_id!r}")
         req = Req(req_id, list(prompt_token_ids), params, eos_token_ids=self.eos_token_ids)
+        self.bind_grammar(req)
         self.scheduler.add(req)
         self.requests[req_id] = req
         return req
@@ -127,6 +140,9 @@ class Engine:
             raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling parameter sets")
         for ids in prompts:
             self.validate_prompt(ids)
+        for sp in params:  # a spec that does not compile refuses the call before any request
+            if sp.structured_output is not None:
+                self.grammars.compile(sp.structured_output)
         reqs = [self.add_request(ids, sp) for ids, sp in zip(prompts, params)]
         while self.has_unfinished():
             self.step()

@@ -4,6 +4,8 @@ a step verifies are `spec_token_ids`).
 `num_computed_tokens` (KV already in the cache) catches up with `num_tokens` (prompt + output).
 A step computes `num_tokens - num_computed_tokens` tokens (or a chunk of them); when it catches
 up, the step samples the next token. Nodes and the scheduler share this type; it holds no tensors.
+A request with structured output carries its grammar's matcher (`pd.engine.grammar`), which
+walks every appended token.
 """
 
 from __future__ import annotations
@@ -11,8 +13,13 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from pd.wire.sampling_params import SamplingParams
+
+
+if TYPE_CHECKING:
+    from pd.engine.grammar import GrammarState
 
 
 class ReqStatus(enum.Enum):
@@ -54,6 +61,9 @@ class Req:
     # many of `block_ids` are registered in the cache.
     block_hashes: list[int] = field(default_factory=list)
     num_registered_blocks: int = 0
+    # structured output: the matcher of params.structured_output, given by the engine
+    # (`Engine.bind_grammar`) before any output token is appended
+    grammar: "GrammarState | None" = None
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
@@ -85,6 +95,8 @@ class Req:
     def append_token(self, token_id: int, logprob: float | None = None, rank: int | None = None,
                      top: list[tuple[int, float]] | None = None) -> None:
         self.token_ids.append(token_id)
+        if self.grammar is not None:
+            self.grammar.accept(token_id)
         if self.params.logprobs is not None:
             self.output_logprobs.append(logprob)
             self.output_ranks.append(rank)
@@ -98,6 +110,8 @@ class Req:
                 return FinishReason.STOP
             if last in params.stop_token_ids:
                 return FinishReason.STOP
+        if self.grammar is not None and self.grammar.terminated:
+            return FinishReason.STOP  # the grammar took its stop token (even with ignore_eos)
         if num_out >= params.max_tokens or self.num_tokens >= max_model_len:
             return FinishReason.LENGTH
         return None

@@ -236,6 +236,7 @@ class ModelRunner:
             prompt_token_ids=req.prompt_token_ids if req.params.has_penalties else [],
             step=req.num_output_tokens,
             eos_token_ids=req.eos_token_ids,
+            allowed=req.grammar.mask() if req.grammar is not None else None,
         )
 
     @torch.inference_mode()

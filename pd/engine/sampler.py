@@ -5,8 +5,10 @@ Order of work for each row (vLLM semantics):
 1. logprobs/ranks/top-k of the RAW distribution, `log_softmax(logits)` in float32, before
    anything below (see `pd.engine.logprobs`); only when some row asked;
 2. penalties: repetition (prompt + output tokens), then frequency and presence (output tokens);
+   logit_bias;
 3. min_tokens: EOS ids (unless ignore_eos) and stop_token_ids get -inf while fewer than
-   min_tokens tokens were generated;
+   min_tokens tokens were generated; a grammar's mask (structured output) gives -inf to every
+   token it does not allow;
 4. greedy rows (temperature < 1e-5, as vLLM) take the argmax, lowest id on ties;
 5. sampled rows: temperature, top-k, top-p, min-p, then one draw from the result.
 
@@ -52,6 +54,9 @@ class SamplingRow:
     prompt_token_ids: list[int]  # repetition penalty covers prompt + output (HF/vLLM)
     step: int  # tokens this request generated before this one (min_tokens; seeded draws)
     eos_token_ids: tuple[int, ...] = field(default=())  # the model's EOS ids
+    # structured output: the tokens its grammar allows here, int32 bitmask words on the host
+    # (`pd.engine.grammar.GrammarState.mask`); None: no grammar
+    allowed: torch.Tensor | None = None
 
     @property
     def is_greedy(self) -> bool:
@@ -165,15 +170,43 @@ def apply_logit_bias(x: torch.Tensor, rows: list[SamplingRow]) -> None:
         x.view(-1).index_add_(0, _index(keys, x.device), _host_to(vals, torch.float32, x.device))
 
 
+_TOKEN_BITS: dict[tuple[torch.device, int], tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def apply_grammar(x: torch.Tensor, rows: list[SamplingRow]) -> None:
+    """-inf on every token a row's grammar does not allow (`SamplingRow.allowed`), in place on
+    logits [B, V]; tokens past the mask's words are not allowed. One copy of the masks to the
+    device and a few kernels over the masked rows, no wait."""
+    masked = [i for i, r in enumerate(rows) if r.allowed is not None]
+    if not masked:
+        return
+    dev, vocab = x.device, x.shape[1]
+    bits = torch.stack([rows[i].allowed for i in masked])  # [M, W] int32
+    bits = bits.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else bits
+    key = (dev, vocab)
+    if key not in _TOKEN_BITS:
+        t = torch.arange(vocab, device=dev)
+        _TOKEN_BITS[key] = (t >> 5, (t & 31).to(torch.int32))
+    word, bit = _TOKEN_BITS[key]
+    width = bits.shape[1]
+    allowed = (bits[:, word.clamp(max=width - 1)] >> bit) & 1  # [M, V]
+    if 32 * width < vocab:
+        allowed[:, 32 * width:] = 0
+    idx = _index(masked, dev)
+    x[idx] = x[idx].masked_fill(allowed == 0, -math.inf)
+
+
 def process_logits(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-    """Float32 logits after penalties, logit_bias and min_tokens. `logits` is never written: a
-    copy is made when a row needs any; otherwise the result may share memory with `logits`."""
+    """Float32 logits after penalties, logit_bias, min_tokens and grammars. `logits` is never
+    written: a copy is made when a row needs any; otherwise the result may share memory with
+    `logits`."""
     if not any(r.params.processes_logits or r.step < r.params.min_tokens for r in rows):
         return logits.float()
     x = logits.to(torch.float32, copy=True, memory_format=torch.contiguous_format)
     apply_penalties(x, rows)
     apply_logit_bias(x, rows)
     apply_min_tokens(x, rows)
+    apply_grammar(x, rows)
     return x
 
 

@@ -207,13 +207,16 @@ class SpecDecoder:
         )
 
     def sampling_rows(self, req: Req) -> list[SamplingRow]:
-        """The k + 1 sampler rows of a slot: position j sees the drafts before it as output."""
+        """The k + 1 sampler rows of a slot: position j sees the drafts before it as output (a
+        grammar's mask there takes them as accepted)."""
         base, nd = self.runner.sampling_row(req), len(req.spec_token_ids)
+        masks = (req.grammar.masks_along(req.spec_token_ids, self.k + 1)
+                 if req.grammar is not None else [None] * (self.k + 1))
         rows = []
         for j in range(self.k + 1):
             jj = min(j, nd)
             out = base.output_token_ids + req.spec_token_ids[:jj] if req.params.has_penalties else []
-            rows.append(replace(base, output_token_ids=out, step=base.step + jj))
+            rows.append(replace(base, output_token_ids=out, step=base.step + jj, allowed=masks[j]))
         return rows
 
     # -- device: verify, accept, stop, draft -----------------------------------------------------

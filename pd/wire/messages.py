@@ -116,6 +116,15 @@ def is_timeout(error: str | None) -> bool:
     return bool(error) and error.startswith(TIMEOUT_PREFIX)
 
 
+# NOTE: a node's error for a request whose own content is wrong (a structured-output spec that
+# does not compile) starts with this: the router answers 400 and does not retry it elsewhere
+INVALID_PREFIX = "invalid request"
+
+
+def is_invalid(error: str | None) -> bool:
+    return bool(error) and error.startswith(INVALID_PREFIX)
+
+
 @message
 class TokenStream:
     TYPE: ClassVar[str] = "tokens"

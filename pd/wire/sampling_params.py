@@ -16,6 +16,11 @@ from pd.config import ModelConfigError
 
 MAX_TOP_LOGPROBS = 20
 MAX_LOGIT_BIAS = 300  # entries of logit_bias (OpenAI's limit)
+# structured output: (kind, spec) with spec a JSON schema text ("json"), empty ("json_object":
+# any JSON object), a regex ("regex"), a JSON list of strings ("choice") or an EBNF grammar
+# ("grammar"); compiled and matched by `pd.engine.grammar`
+STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+MAX_STRUCTURED_SPEC = 256 * 1024  # characters of a schema, regex or grammar
 # generation_config.json fields a request inherits when it omits them (vLLM's set)
 GENERATION_DEFAULT_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 GENERATION_CONFIG_MODES = ("auto", "vllm")
@@ -42,6 +47,8 @@ class SamplingParams:
     min_tokens: int = 0
     # (token id, bias) pairs added to the logits before sampling (OpenAI's logit_bias)
     logit_bias: tuple[tuple[int, float], ...] = ()
+    # (kind, spec): every token is sampled from those the grammar allows (STRUCTURED_KINDS)
+    structured_output: tuple[str, str] | None = None
     extra_eos_token_ids: tuple[int, ...] = field(default=(), repr=False)
 
     def __post_init__(self) -> None:
@@ -87,6 +94,14 @@ class SamplingParams:
                 for t, b in bias) or len({t for t, _ in bias}) != len(bias):
             bad("logit_bias", f"must be at most {MAX_LOGIT_BIAS} distinct (token id >= 0, bias "
                               f"in [-100, 100]) pairs")
+        so = self.structured_output
+        if so is not None:
+            if (not isinstance(so, (list, tuple)) or len(so) != 2 or so[0] not in STRUCTURED_KINDS
+                    or not isinstance(so[1], str) or len(so[1]) > MAX_STRUCTURED_SPEC):
+                bad("structured_output", f"must be (kind, spec) with kind one of "
+                                         f"{', '.join(STRUCTURED_KINDS)} and a spec of at most "
+                                         f"{MAX_STRUCTURED_SPEC} characters")
+            object.__setattr__(self, "structured_output", (so[0], so[1]))
         # Normalise sequences given as lists so the dataclass stays hashable.
         object.__setattr__(self, "logit_bias", bias)
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
@@ -112,14 +127,22 @@ class SamplingParams:
     @property
     def processes_logits(self) -> bool:
         """Whether anything but temperature and truncation changes the logits (penalties,
-        logit_bias) at every position."""
-        return self.has_penalties or bool(self.logit_bias)
+        logit_bias, a grammar's mask) at every position."""
+        return self.has_penalties or bool(self.logit_bias) or self.structured_output is not None
+
+    @property
+    def needs_host_tokens(self) -> bool:
+        """Whether a position's logits processing needs the tokens before it on the host
+        (penalties count them, a grammar's matcher walks them)."""
+        return self.has_penalties or self.structured_output is not None
 
     def to_dict(self) -> dict:
         d = asdict(self)
         d["stop_token_ids"] = list(self.stop_token_ids)
         d["extra_eos_token_ids"] = list(self.extra_eos_token_ids)
         d["logit_bias"] = [list(pair) for pair in self.logit_bias]
+        if self.structured_output is not None:
+            d["structured_output"] = list(self.structured_output)
         return d
 
     @classmethod

@@ -91,6 +91,29 @@ def test_chained_mtp_steps_through_pd_equal_single_process(cluster, client, refe
     assert metric(text, "pd_decode_steps_ahead_total") > 0, "no MTP step was chained"
 
 
+def test_structured_output_through_pd_with_mtp_equals_single_process(cluster, client, reference):
+    """Grammars through P and D with MTP (k=2, overlap on): the prefill node samples the first
+    token and proposes drafts unconstrained, the decode node verifies them under the masks
+    along the drafts; greedy output equals the single process without MTP."""
+    spec = ("--num-speculative-tokens", "2")
+    decode, prefill = cluster.ready(cluster.decode(*spec, "--metrics-port", "0", wait=False),
+                                    cluster.prefill(*spec, "--transport", "zmq", wait=False))
+    specs = [("json", json.dumps({"type": "object", "properties": {"a": {"type": "integer"}}})),
+             ("regex", "[a-f]{2,6}[0-9]+"), ("choice", json.dumps(["left", "right"])),
+             ("grammar", 'root ::= ("x" | "yz")+ "!"'), None]
+    batch = prompts(15, seed=21)
+    params = [SamplingParams(max_tokens=14, temperature=0.0, structured_output=specs[i % len(specs)],
+                             logprobs=[None, 2][i % 2])
+              for i in range(len(batch))]
+    ids = [client.submit(prefill.addr, decode.kv_addr, p, sp) for p, sp in zip(batch, params)]
+    results, expected = client.wait(ids, timeout=90), reference.generate(batch, params)
+    for res, ref in zip(results, expected, strict=True):
+        assert res.error is None and res.token_ids == ref.token_ids
+        assert res.finish_reason == ref.finish_reason
+    text = httpx.get(f"http://127.0.0.1:{decode.info['metrics_port']}/metrics", timeout=10).text
+    assert metric(text, "pd_spec_decode_num_draft_tokens_total") > 0
+
+
 def metric(text: str, name: str) -> float:
     """The sum of a metric's samples in a Prometheus text page."""
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()

@@ -4,6 +4,7 @@ driven by the official `openai` client; outputs compared with single-process gen
 from __future__ import annotations
 
 import concurrent.futures as cf
+import json
 import os
 import time
 
@@ -291,3 +292,55 @@ def test_logit_bias_reaches_both_nodes(api, reference, model_name):
     assert out.choices[0].text == reference.tokenizer.decode(ref.token_ids)
     with pytest.raises(openai.BadRequestError, match="logit_bias"):
         api.completions.create(model=model_name, prompt=prompt, logit_bias={"10000000": 1})
+
+
+def test_structured_output_equals_single_process(api, reference, model_name):
+    """response_format and vLLM's guided_* / structured_outputs through P and D: the prefill
+    node samples the first token under the grammar, the decode node's matcher takes it from
+    there; the tokens equal single-process generation under the same grammar."""
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
+    cases = [
+        (dict(response_format={"type": "json_schema",
+                               "json_schema": {"name": "r", "schema": schema}}),
+         ("json", json.dumps(schema))),
+        (dict(response_format={"type": "json_object"}), ("json_object", "")),
+        (dict(extra_body={"guided_regex": "[a-d]{3}-[0-9]{2,4}"}), ("regex", "[a-d]{3}-[0-9]{2,4}")),
+        (dict(extra_body={"guided_choice": ["yes", "no"]}), ("choice", '["yes", "no"]')),
+        (dict(extra_body={"structured_outputs": {"grammar": 'root ::= "a" "b"+'}}),
+         ("grammar", 'root ::= "a" "b"+')),
+    ]
+    messages = [{"role": "user", "content": "answer in JSON"}]
+    chat_ids = reference.tokenizer.encode_chat(messages)
+    for kwargs, spec in cases:
+        chat = "response_format" in kwargs  # the OpenAI field (chat); vLLM's on completions
+        want = reference.generate([chat_ids] if chat else PROMPTS[0], SamplingParams(
+            max_tokens=12, temperature=0.0, structured_output=spec))[0]
+        if chat:
+            got = api.chat.completions.create(model=model_name, messages=messages, max_tokens=12,
+                                              temperature=0, **kwargs).choices[0]
+            text = got.message.content
+        else:
+            got = api.completions.create(model=model_name, prompt=PROMPTS[0], max_tokens=12,
+                                         temperature=0, **kwargs).choices[0]
+            text = got.text
+        assert text == want.text, spec
+        assert got.finish_reason == ("stop" if want.finish_reason == "stop" else "length")
+    choice = api.chat.completions.create(
+        model=model_name, messages=[{"role": "user", "content": "agree?"}], max_tokens=8,
+        temperature=0, stream=True, extra_body={"guided_choice": ["yes", "no"]})
+    assert "".join(c.choices[0].delta.content or "" for c in choice if c.choices) in ("yes", "no")
+
+
+@pytest.mark.parametrize("extra", [{"guided_regex": "(ab"}, {"guided_grammar": "root ::= nothing"},
+                                   {"guided_json": {"type": 12}}])
+def test_a_grammar_that_does_not_compile_is_400(api, model_name, extra):
+    for stream in (False, True):
+        with pytest.raises(openai.BadRequestError) as e:
+            api.completions.create(model=model_name, prompt="x", max_tokens=4, stream=stream,
+                                   extra_body=extra)
+        assert "structured output" in e.value.message
+    with pytest.raises(openai.BadRequestError) as e:  # checked by the router itself
+        api.completions.create(model=model_name, prompt="x", max_tokens=4,
+                               extra_body={"guided_regex": "a", "guided_choice": ["b"]})
+    assert "only one" in e.value.message
+    assert api.completions.create(model=model_name, prompt="ok", max_tokens=2).choices

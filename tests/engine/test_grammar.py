@@ -1,0 +1,180 @@
+"""Structured output (`pd.engine.grammar`, the sampler's mask): specs that do not compile are
+refused by name, a choice's strings are matched exactly, an MTP step's masks along its drafts
+are the masks of walking them, the sampler masks exactly the tokens a grammar refuses, and
+greedy decoding under a grammar equals the greedy argmax of transformers' logits masked by a
+matcher of its own, with MTP and with the overlap loop too."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from pd.engine.grammar import GrammarError, Grammars
+from pd.engine.sampler import SamplingRow, apply_grammar
+from pd.wire.sampling_params import SamplingParams as SP
+
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 6},
+                                           "n": {"type": "integer"}},
+          "required": ["name", "n"], "additionalProperties": False}
+SPECS = [("json", json.dumps(SCHEMA)), ("json_object", ""), ("regex", r"[a-c]{2,5}-[0-9]+"),
+         ("choice", json.dumps(["red", "green", "blue"])),
+         ("grammar", 'root ::= "x" ("ab" | "c")* "."')]
+
+
+@pytest.fixture(scope="module")
+def grammars(tiny_model_dir):
+    from pd.text.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_dir(tiny_model_dir)
+    config = json.loads((tiny_model_dir / "config.json").read_text())
+    return Grammars(tiny_model_dir, config["vocab_size"], tuple(tok.eos_token_ids))
+
+
+def allowed_ids(bits: torch.Tensor, vocab: int) -> set[int]:
+    return {t for t in range(vocab) if (int(bits[t >> 5]) >> (t & 31)) & 1}
+
+
+@pytest.mark.parametrize("spec,words", [
+    (("json", '{"type": 12}'), "json"), (("regex", "(ab"), "regex"),
+    (("grammar", "root ::= undefined_rule"), "grammar"), (("choice", "[]"), "choice"),
+    (("choice", '"red"'), "choice")])
+def test_specs_that_do_not_compile_are_refused_by_kind(grammars, spec, words):
+    with pytest.raises(GrammarError, match=words):
+        grammars.matcher(spec)
+    assert isinstance(GrammarError("x"), ValueError)  # the nodes refuse ValueErrors
+
+
+def test_a_choice_matches_exactly_its_strings(grammars, tiny_model_dir):
+    from pd.text.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_dir(tiny_model_dir)
+    choices = ['say "hi"', "back\\slash", "two\nlines", "ünï"]
+    for c in choices:
+        state = grammars.matcher(("choice", json.dumps(choices)))
+        assert all(state.accept(t) for t in tok.encode(c, add_special_tokens=False)), c
+        assert state.accept(tok.eos_token_ids[0]) and state.terminated
+    state = grammars.matcher(("choice", json.dumps(choices)))
+    assert all(state.accept(t) for t in tok.encode("say", add_special_tokens=False))
+    assert not state.terminated
+    assert not state.accept(tok.eos_token_ids[0])  # "say" is not one of them
+    assert state.terminated  # a refused token ends the request
+
+
+def test_masks_along_drafts_equal_walking_them(grammars, tiny_model_dir):
+    from pd.text.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_dir(tiny_model_dir)
+    spec = ("json", json.dumps(SCHEMA))
+    text = '{"name": "ab", "n": 12}'
+    ids = tok.encode(text, add_special_tokens=False)
+    state = grammars.matcher(spec)
+    assert state.accept(ids[0])
+    before = state.mask()
+    drafts = ids[1:4] + [tok.encode("]", add_special_tokens=False)[0]]  # the last one refused
+    masks = state.masks_along(drafts, 6)
+    assert len(masks) == 6 and torch.equal(state.mask(), before)  # rolled back
+    walker = grammars.matcher(spec)
+    walker.accept(ids[0])
+    for j in range(4):
+        assert torch.equal(masks[j], walker.mask()), j
+        if j < 3:
+            assert walker.accept(drafts[j])
+    assert torch.equal(masks[4], masks[3]) and torch.equal(masks[5], masks[3])
+
+
+def test_sampler_masks_exactly_the_refused_tokens():
+    vocab = 70  # not a multiple of 32: the last word is partial
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, vocab, generator=gen)
+    bits = torch.randint(-2**31, 2**31 - 1, (2, 3), generator=gen, dtype=torch.int64).to(torch.int32)
+    for width in (3, 2):  # 2 words: tokens 64.. are past the mask, not allowed
+        rows = [SamplingRow(SP(), [], [], 0, allowed=bits[0, :width]),
+                SamplingRow(SP(), [], [], 0),
+                SamplingRow(SP(), [], [], 0, allowed=bits[1, :width])]
+        x = logits.clone()
+        apply_grammar(x, rows)
+        for i, b in ((0, 0), (2, 1)):
+            ok = allowed_ids(bits[b, :width], min(vocab, 32 * width))
+            for t in range(vocab):
+                assert x[i, t] == (logits[i, t] if t in ok else -torch.inf), (width, i, t)
+        assert torch.equal(x[1], logits[1])
+
+
+def masked_greedy_reference(model_dir, grammars, prompt, spec, max_tokens, eos) -> list[int]:
+    """transformers' logits of the whole sequence, masked by a fresh matcher, argmax."""
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    state = grammars.matcher(spec)
+    vocab = model.config.vocab_size
+    ids, out = list(prompt), []
+    with torch.no_grad():
+        for _ in range(max_tokens):
+            logits = model(torch.tensor([ids])).logits[0, -1]
+            ok = torch.zeros(vocab, dtype=torch.bool)
+            ok[sorted(allowed_ids(state.mask(), vocab))] = True
+            t = int(logits.masked_fill(~ok, -torch.inf).argmax())
+            out.append(t)
+            ids.append(t)
+            state.accept(t)
+            if t in eos or state.terminated:
+                break
+    return out
+
+
+@pytest.mark.parametrize("mtp", [0, 2])
+def test_greedy_under_a_grammar_equals_masked_reference(tiny_model_dir, grammars, mtp):
+    from pd.engine.llm import LLM
+
+    llm = LLM(tiny_model_dir, num_blocks=256, num_speculative_tokens=mtp)
+    prompts = [[3 + (11 * i + j) % 300 for i in range(9)] for j in range(len(SPECS))]
+    params = [SP(max_tokens=24, temperature=0.0, structured_output=s) for s in SPECS]
+    outs = llm.generate(prompts, params)
+    for out, prompt, spec in zip(outs, prompts, SPECS):
+        want = masked_greedy_reference(tiny_model_dir, grammars, prompt, spec, 24,
+                                       set(llm.engine.eos_token_ids))
+        assert out.token_ids == want, spec
+    choice = outs[3].text
+    assert choice in ("red", "green", "blue") and outs[3].finish_reason == "stop"
+
+
+def test_seeded_sampling_under_a_grammar_is_valid_and_equal_with_overlap(tiny_model_dir, grammars):
+    from pd.engine.llm import LLM
+
+    params = [SP(max_tokens=20, temperature=1.0, seed=s, structured_output=spec)
+              for s, spec in enumerate(SPECS)]
+    prompts = [[5, 6, 7, 8 + j] for j in range(len(SPECS))]
+    runs = [LLM(tiny_model_dir, num_blocks=256, overlap=o).generate(prompts, params)
+            for o in (False, True)]
+    assert [o.token_ids for o in runs[0]] == [o.token_ids for o in runs[1]]
+    for out, spec in zip(runs[0], SPECS):
+        state = grammars.matcher(spec)
+        assert all(state.accept(t) for t in out.token_ids), spec
+
+
+def test_embedded_model_writes_json_of_the_schema_with_and_without_mtp():
+    """The embedded model's MTP layer is trained: its drafts are accepted under the grammar."""
+    from pd.engine.llm import LLM
+
+    texts = {}
+    for k in (0, 2):
+        llm = LLM(num_speculative_tokens=k)
+        texts[k] = []
+        for prompt in ("# a JSON object:\n", "def fibonacci(n):"):
+            out = llm.generate(prompt, SP(max_tokens=80, temperature=0.0,
+                                          structured_output=("json", json.dumps(SCHEMA))))[0]
+            value = json.loads(out.text)
+            assert out.finish_reason == "stop" and set(value) == {"name", "n"}
+            assert isinstance(value["name"], str) and len(value["name"]) <= 6
+            assert isinstance(value["n"], int)
+            texts[k].append(out.token_ids)
+        out = llm.generate("x = ", SP(max_tokens=20, temperature=0.0,
+                                      structured_output=("json_object", "")))[0]
+        assert out.text.startswith("{")  # an object (this small model does not close it)
+    assert texts[0] == texts[2]
+    assert llm.engine.spec.stats.num_accepted_tokens > 0
+    with pytest.raises(GrammarError):
+        llm.generate("x", SP(structured_output=("regex", "(")))
+    assert not llm.engine.has_unfinished()
