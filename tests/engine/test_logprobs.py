@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 
 import pytest
 import torch
@@ -107,7 +108,8 @@ def test_num_top_out_of_range_raises():
 def test_prompt_logprobs_equal_transformers_over_chunks_and_the_prefix_cache(tiny_model_dir, mtp):
     """Prompt logprobs (each prompt token after the first, scored by the positions before it)
     equal transformers' log_softmax, prefilled in 16-token chunks, with MTP's prefill too, and
-    a prompt whose blocks are cached is computed whole again."""
+    a prompt whose blocks are cached is computed whole again. `PD_TEST_DEVICE=cuda` runs the
+    engine on the GPU (float32, CUDA graphs)."""
     import transformers
 
     from pd.engine.llm import LLM
@@ -116,7 +118,8 @@ def test_prompt_logprobs_equal_transformers_over_chunks_and_the_prefix_cache(tin
     model = transformers.AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
     with torch.no_grad():
         exact = torch.log_softmax(model(torch.tensor([prompt])).logits[0].double(), dim=-1)
-    llm = LLM(tiny_model_dir, num_blocks=256, max_num_batched_tokens=16, num_speculative_tokens=mtp)
+    llm = LLM(tiny_model_dir, num_blocks=256, max_num_batched_tokens=16, num_speculative_tokens=mtp,
+              device=os.environ.get("PD_TEST_DEVICE", "cpu"), dtype="float32")
     params = SP(max_tokens=2, temperature=0.0, prompt_logprobs=3)
     for _ in range(2):  # the second prompt's full blocks are in the prefix cache
         out = llm.generate([prompt], params)[0]
