@@ -160,9 +160,15 @@ def chat_request(model: str, max_model_len: int, vocab_size: int) -> dict:
                     "function": {"type": "object", "required": ["name"], "properties": {
                         "name": {"type": "string", "minLength": 1},
                         "description": {"type": "string"}, "parameters": {"type": "object"}}}}}}),
-            "tool_choice": _nullable({"type": "string", "enum": ["none", "auto"],
-                                      "description": "auto (the default with tools) needs the "
-                                                     "router's --tool-call-parser"}),
+            "tool_choice": _nullable({"anyOf": [
+                {"type": "string", "enum": ["none", "auto", "required"]},
+                {"type": "object", "required": ["type", "function"], "properties": {
+                    "type": {"const": "function"},
+                    "function": {"type": "object", "required": ["name"],
+                                 "properties": {"name": {"type": "string"}}}}}],
+                "description": "auto (the default with tools) needs the router's "
+                               "--tool-call-parser; required and a named function need tools "
+                               "and constrain the reply (no other structured output)"}),
             "parallel_tool_calls": _nullable({"type": "boolean"}),
         },
         "dependentSchemas": {**_only_with("stream_options", "stream"),

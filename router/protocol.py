@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from pd.wire.sampling_params import (MAX_LOGIT_BIAS, MAX_STRUCTURED_SPEC, MAX_TOP_LOGPROBS,
                                      SamplingParams)
 from router.errors import bad_param
+from router.tool_calls import tool_choice_schema
 
 MAX_CHOICES = 128  # prompts x n in one request
 MAX_STOP_STRINGS = 16
@@ -63,7 +64,8 @@ class ApiRequest:
     echo: bool = False  # completions: the prompt comes back before the completion (its
     # logprobs too, when logprobs is asked); max_tokens may then be 0 (the prompt alone)
     tools: list[dict] | None = None  # chat: function tools for the chat template
-    tool_choice: str = "none"  # chat: "none" or "auto" (calls parsed from the reply)
+    tool_choice: str = "none"  # chat: "none", "auto" (calls parsed from the reply),
+    # "required" or "function:<name>" (the reply constrained to calls, `tool_choice_schema`)
 
     @property
     def num_choices(self) -> int:
@@ -419,15 +421,21 @@ def _tools(v) -> list[dict] | None:
 
 
 def _tool_choice(v, tools: list[dict] | None) -> str:
+    """none, auto, required, or "function:<name>" for the function a {"type": "function",
+    "function": {"name": ...}} choice forces (one of the tools)."""
     if v is None:
         return "auto" if tools else "none"
-    if v == "none" or (v == "auto" and tools):
+    if v == "none" or (v in ("auto", "required") and tools):
         return v
-    if v == "required" or isinstance(v, dict):
-        raise bad_param("tool_choice", "required and named tool choices are not supported "
-                                       "(they need structured output); use auto or none",
-                        "unsupported")
-    raise bad_param("tool_choice", f"must be none or auto (auto with tools), got {v!r:.40}")
+    if isinstance(v, dict) and tools:
+        f = v.get("function")
+        name = f.get("name") if v.get("type") == "function" and isinstance(f, dict) else None
+        if name not in {t["function"]["name"] for t in tools}:
+            raise bad_param("tool_choice", "a named choice must be {'type': 'function', "
+                                           "'function': {'name': <one of the tools>}}")
+        return f"function:{name}"
+    raise bad_param("tool_choice", f"must be none, auto, required or a named function (the "
+                                   f"last three with tools), got {v!r:.40}")
 
 
 def _history_calls(where: str, calls) -> list[dict]:
@@ -467,6 +475,12 @@ def parse_chat(body: dict) -> ApiRequest:
     req.logprobs = (top or 0) if want else None
     req.tools = _tools(body.get("tools"))
     req.tool_choice = _tool_choice(body.get("tool_choice"), req.tools)
-    _bool(body, "parallel_tool_calls")
+    parallel = _bool(body, "parallel_tool_calls")
+    if req.tool_choice not in ("none", "auto"):
+        if "structured_output" in req.sampling:
+            raise bad_param("tool_choice", "a forced tool choice constrains the reply itself: it "
+                                           "cannot be combined with another structured output")
+        schema = tool_choice_schema(req.tools, req.tool_choice, parallel is not False)
+        req.sampling["structured_output"] = ("json", json.dumps(schema, ensure_ascii=False))
     _check_tokens(req, "max_completion_tokens")
     return req

@@ -369,6 +369,10 @@ class RouterServer:
                 parser = None
                 if req.tool_choice == "auto":
                     parser = ToolCallParser(self.config.tool_call_parser)
+                elif req.tool_choice == "required":
+                    parser = ToolCallParser("required")
+                elif req.tool_choice.startswith("function:"):
+                    parser = ToolCallParser("named", req.tool_choice.removeprefix("function:"))
                 choices.append(Choice(index, self.tokenizer, ids, req.stop,
                                       req.logprobs is not None, req.stop_token_ids, echo=echo,
                                       prompt_only=req.echo and req.max_tokens == 0,

@@ -344,3 +344,26 @@ def test_a_grammar_that_does_not_compile_is_400(api, model_name, extra):
                                extra_body={"guided_regex": "a", "guided_choice": ["b"]})
     assert "only one" in e.value.message
     assert api.completions.create(model=model_name, prompt="ok", max_tokens=2).choices
+
+
+def test_forced_tool_choice_through_pd_launch(api, reference, model_name):
+    """A named tool choice reaches the nodes as its function's parameter schema: the reply is
+    single-process generation under that schema, returned as the call's arguments (or, cut
+    short by max_tokens before the JSON closes, as text)."""
+    from router.tool_calls import tool_choice_schema
+
+    tool = {"type": "function", "function": {"name": "pick", "parameters": {
+        "type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}}}
+    messages = [{"role": "user", "content": "pick a number"}]
+    ids = reference.tokenizer.encode_chat(messages, tools=[tool])
+    schema = tool_choice_schema([tool], "function:pick")
+    want = reference.generate([ids], SamplingParams(max_tokens=16, temperature=0.0,
+                                                    structured_output=("json", json.dumps(schema))))[0]
+    out = api.chat.completions.create(model=model_name, messages=messages, tools=[tool],
+                                      tool_choice={"type": "function", "function": {"name": "pick"}},
+                                      max_tokens=16, temperature=0).choices[0]
+    if out.message.tool_calls:
+        assert [c.function.name for c in out.message.tool_calls] == ["pick"]
+        assert out.message.tool_calls[0].function.arguments == want.text.strip()
+    else:
+        assert out.message.content == want.text and want.finish_reason == "length"

@@ -1,7 +1,8 @@
 """Chat tool calls: the parsers (`router.tool_calls`) on text split at every character, and the
 router with `--tool-call-parser`: tools and earlier calls reach the chat template, a reply that
 calls a tool comes back as `tool_calls` (streamed or not) through the official openai client,
-and the refusals (no parser, required / named choices). The nodes are a scripted backend
+the forced choices (required, a named function: the reply constrained by structured output
+and read back as calls), and the refusals. The nodes are a scripted backend
 answering with a fixed text: the tiny test models do not call tools."""
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import pytest
 
 from pd.testing.tiny import tiny_tokenizer, write_tokenizer_files
 from pd.text.tokenizer import Tokenizer
-from router.tool_calls import ToolCallParser
+from router.tool_calls import ToolCallParser, tool_choice_schema
 from tests.router.conftest import MODEL, LiveServer, ScriptedBackend, echo_script
 
 # A Hermes-style template: the tools listed in a system turn, earlier calls and tool results
@@ -126,7 +127,7 @@ def test_a_reply_calling_a_tool_comes_back_as_tool_calls(serve, tool_tokenizer):
     assert f"sunny, 21 C (for {call.id})" in prompt
 
 
-def test_tools_without_a_parser_or_with_a_forced_choice_are_refused(serve):
+def test_tools_without_a_parser_are_refused(serve):
     server, _ = serve("It is sunny.")
     client = server.client()
     messages = [{"role": "user", "content": "hi"}]
@@ -137,11 +138,6 @@ def test_tools_without_a_parser_or_with_a_forced_choice_are_refused(serve):
                                          tool_choice="none", max_tokens=8)
     assert out.choices[0].message.tool_calls is None and out.choices[0].finish_reason == "length"
     parsed, _ = serve("It is sunny.", tool_call_parser="hermes")
-    for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
-        with pytest.raises(openai.BadRequestError) as e:
-            parsed.client().chat.completions.create(model=MODEL, messages=messages,
-                                                    tools=[WEATHER], tool_choice=choice)
-        assert e.value.body["param"] == "tool_choice"
     with pytest.raises(openai.BadRequestError) as e:
         parsed.client().chat.completions.create(model=MODEL, messages=messages,
                                                 tools=[{"type": "function"}])
@@ -150,3 +146,69 @@ def test_tools_without_a_parser_or_with_a_forced_choice_are_refused(serve):
                                                     tools=[WEATHER], max_tokens=200)
     assert plain.choices[0].message.content == "It is sunny."
     assert plain.choices[0].message.tool_calls is None
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_forced_tool_choices_constrain_the_reply_and_come_back_as_calls(serve, stream):
+    """required: the reply is constrained to a JSON array of calls; a named function: to its
+    arguments. No parser flag is needed; the constraint reaches the nodes as structured output."""
+    messages = [{"role": "user", "content": "weather?"}]
+    cases = [("required", '[{"name": "get_weather", "parameters": {"city": "Paris"}}]',
+              {"city": "Paris"}),
+             ({"type": "function", "function": {"name": "get_weather"}}, '{"city": "Rome"}',
+              {"city": "Rome"})]
+    for choice, reply, args in cases:
+        server, backend = serve(reply)
+        out = server.client().chat.completions.create(
+            model=MODEL, messages=messages, tools=[WEATHER], tool_choice=choice, max_tokens=200,
+            stream=stream)
+        if stream:
+            chunks = list(out)
+            calls = [c for ch in chunks if ch.choices for c in (ch.choices[0].delta.tool_calls or [])]
+            content = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+            assert content == "" and chunks[-1].choices[0].finish_reason == "tool_calls"
+        else:
+            msg = out.choices[0].message
+            calls, content = msg.tool_calls, msg.content
+            assert content is None and out.choices[0].finish_reason == "tool_calls"
+        assert [(c.function.name, json.loads(c.function.arguments)) for c in calls] == [
+            ("get_weather", args)]
+        kind, schema = backend.requests[-1].params.structured_output
+        name = "required" if choice == "required" else "function:get_weather"
+        assert kind == "json" and json.loads(schema) == tool_choice_schema([WEATHER], name)
+    assert json.loads(schema) == WEATHER["function"]["parameters"]
+
+
+def test_forced_tool_choices_that_cannot_hold_are_refused(serve):
+    server, _ = serve("x")
+    client = server.client()
+    messages = [{"role": "user", "content": "hi"}]
+    for kwargs in (dict(tool_choice="required"),  # no tools
+                   dict(tools=[WEATHER], tool_choice={"type": "function",
+                                                      "function": {"name": "nope"}}),
+                   dict(tools=[WEATHER], tool_choice="required",
+                        response_format={"type": "json_object"})):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, **kwargs)
+        assert e.value.body["param"] == "tool_choice", kwargs
+
+
+@pytest.mark.parametrize("method", ["function_calling", "json_schema"])
+def test_langchain_with_structured_output(serve, method):
+    """LangChain's with_structured_output: "function_calling" forces its schema's tool by name,
+    "json_schema" sends response_format; either way the constraint reaches the nodes and the
+    (scripted) reply comes back as the pydantic object."""
+    from langchain_openai import ChatOpenAI
+    from pydantic import BaseModel
+
+    class Weather(BaseModel):
+        city: str
+        degrees: int
+
+    server, backend = serve('{"city": "Oslo", "degrees": 4}')
+    llm = ChatOpenAI(model=MODEL, base_url=server.url + "/v1", api_key="unused",
+                     max_tokens=200, max_retries=0, timeout=30)
+    got = llm.with_structured_output(Weather, method=method).invoke("weather in Oslo?")
+    assert got == Weather(city="Oslo", degrees=4)
+    kind, schema = backend.requests[-1].params.structured_output
+    assert kind == "json" and set(json.loads(schema)["properties"]) == {"city", "degrees"}
