@@ -2,11 +2,13 @@
 refused by name, a choice's strings are matched exactly, an MTP step's masks along its drafts
 are the masks of walking them, the sampler masks exactly the tokens a grammar refuses, and
 greedy decoding under a grammar equals the greedy argmax of transformers' logits masked by a
-matcher of its own, with MTP and with the overlap loop too."""
+matcher of its own, with MTP and with the overlap loop too. `PD_TEST_DEVICE=cuda` runs the
+engines on the GPU."""
 
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
@@ -21,6 +23,7 @@ SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength
 SPECS = [("json", json.dumps(SCHEMA)), ("json_object", ""), ("regex", r"[a-c]{2,5}-[0-9]+"),
          ("choice", json.dumps(["red", "green", "blue"])),
          ("grammar", 'root ::= "x" ("ab" | "c")* "."')]
+DEVICE = os.environ.get("PD_TEST_DEVICE", "cpu")  # cuda: the engine on the GPU, float32
 
 
 @pytest.fixture(scope="module")
@@ -128,7 +131,8 @@ def masked_greedy_reference(model_dir, grammars, prompt, spec, max_tokens, eos) 
 def test_greedy_under_a_grammar_equals_masked_reference(tiny_model_dir, grammars, mtp):
     from pd.engine.llm import LLM
 
-    llm = LLM(tiny_model_dir, num_blocks=256, num_speculative_tokens=mtp)
+    llm = LLM(tiny_model_dir, num_blocks=256, num_speculative_tokens=mtp, device=DEVICE,
+              dtype="float32")
     prompts = [[3 + (11 * i + j) % 300 for i in range(9)] for j in range(len(SPECS))]
     params = [SP(max_tokens=24, temperature=0.0, structured_output=s) for s in SPECS]
     outs = llm.generate(prompts, params)
@@ -146,7 +150,7 @@ def test_seeded_sampling_under_a_grammar_is_valid_and_equal_with_overlap(tiny_mo
     params = [SP(max_tokens=20, temperature=1.0, seed=s, structured_output=spec)
               for s, spec in enumerate(SPECS)]
     prompts = [[5, 6, 7, 8 + j] for j in range(len(SPECS))]
-    runs = [LLM(tiny_model_dir, num_blocks=256, overlap=o).generate(prompts, params)
+    runs = [LLM(tiny_model_dir, num_blocks=256, overlap=o, device=DEVICE).generate(prompts, params)
             for o in (False, True)]
     assert [o.token_ids for o in runs[0]] == [o.token_ids for o in runs[1]]
     for out, spec in zip(runs[0], SPECS):
