@@ -28,6 +28,7 @@ import torch
 from pd.config import EngineConfig, dtype_name
 from pd.model.context import ForwardContext, forward_context, host_context
 from pd.engine.host_ring import HostRing
+from pd.engine.grammar import fill_masks
 from pd.engine.kv_cache import KVCache, num_blocks_for
 from pd.engine.logprobs import prompt_spans, record_prompt_logprobs
 from pd.model.loader import load_model
@@ -150,7 +151,6 @@ class ModelRunner:
         context_lens: list[int] = []
         logits_index: list[int] = []
         sample_reqs: list[int] = []
-        rows: list[SamplingRow] = []
         num_tokens = 0
         for i, (req, n) in enumerate(zip(batch.reqs, batch.num_new_tokens)):
             start = req.num_computed_tokens
@@ -168,7 +168,7 @@ class ModelRunner:
             if batch.samples(i):
                 logits_index.append(num_tokens - 1)
                 sample_reqs.append(i)
-                rows.append(self.sampling_row(req))
+        rows = self.sampling_rows([batch.reqs[i] for i in sample_reqs])
         flat = _concat if any(n > LONG_RUN for n in batch.num_new_tokens) else _chain
         ids, positions, slots = flat(id_parts), flat(pos_parts), flat(slot_parts)
         ctx = host_context(batch.num_new_tokens, context_lens,
@@ -201,7 +201,7 @@ class ModelRunner:
     def prepare_graphed(self, batch: ScheduledBatch, key: tuple[int, int]) -> ForwardInput:
         """A decode step for a CUDA graph: its inputs built on the host in the graph's layout,
         copied and replayed by `sample` (nothing else per step touches the device)."""
-        rows = [self.sampling_row(req) for req in batch.reqs]
+        rows = self.sampling_rows(batch.reqs)
         asked = [r.params.logprobs for r in rows if r.params.logprobs is not None]
         return ForwardInput(None, None, None, None, list(range(len(rows))), rows,
                             num_top=min(max(asked, default=0), self.model_config.vocab_size),
@@ -229,15 +229,27 @@ class ModelRunner:
         return out
 
     @staticmethod
-    def sampling_row(req: Req) -> SamplingRow:
+    def sampling_row(req: Req, allowed: torch.Tensor | None = None) -> SamplingRow:
+        """The sampler's row of a request's next token; `allowed`: its grammar's mask when the
+        caller filled it (`sampling_rows`), else filled here."""
+        if allowed is None and req.grammar is not None:
+            allowed = req.grammar.mask()
         return SamplingRow(
             params=req.params,
             output_token_ids=req.output_token_ids if req.params.has_penalties else [],
             prompt_token_ids=req.prompt_token_ids if req.params.has_penalties else [],
             step=req.num_output_tokens,
             eos_token_ids=req.eos_token_ids,
-            allowed=req.grammar.mask() if req.grammar is not None else None,
+            allowed=allowed,
         )
+
+    @classmethod
+    def sampling_rows(cls, reqs: list[Req]) -> list[SamplingRow]:
+        """`sampling_row` of each request, the grammars' masks filled together."""
+        if not any(r.grammar is not None for r in reqs):
+            return [cls.sampling_row(r) for r in reqs]
+        masks = fill_masks([r.grammar for r in reqs])
+        return [cls.sampling_row(r, m) for r, m in zip(reqs, masks)]
 
     @torch.inference_mode()
     def forward(self, inp: ForwardInput) -> torch.Tensor:

@@ -13,7 +13,7 @@ import os
 import pytest
 import torch
 
-from pd.engine.grammar import GrammarError, Grammars
+from pd.engine.grammar import GrammarError, Grammars, fill_masks
 from pd.engine.sampler import SamplingRow, apply_grammar
 from pd.wire.sampling_params import SamplingParams as SP
 
@@ -85,6 +85,22 @@ def test_masks_along_drafts_equal_walking_them(grammars, tiny_model_dir):
         if j < 3:
             assert walker.accept(drafts[j])
     assert torch.equal(masks[4], masks[3]) and torch.equal(masks[5], masks[3])
+
+
+def test_a_steps_masks_filled_together_equal_each_alone(grammars, tiny_model_dir):
+    from pd.text.tokenizer import Tokenizer
+
+    eos = Tokenizer.from_dir(tiny_model_dir).eos_token_ids[0]
+    states = [grammars.matcher(spec) for spec in SPECS] + [None, grammars.matcher(SPECS[3])]
+    done = grammars.matcher(("grammar", 'root ::= ""'))
+    assert done.accept(eos) and done.terminated
+    states.append(done)
+    filled = fill_masks(states)
+    assert filled[5] is None
+    for got, st in zip(filled, states):
+        if st is not None:
+            assert torch.equal(got, st.mask())
+    assert (filled[-1] == -1).all()  # terminated: everything (the request ends on its own)
 
 
 def test_sampler_masks_exactly_the_refused_tokens():
