@@ -5,11 +5,13 @@ Per sequence b with `context_lens[b]` = n cached tokens whose blocks are `block_
 out[b, h] = softmax(q[b, h] . K[b, :n, h // G]^T * scale) V[b, :n, h // G], G query heads per KV
 head. The kernel runs one program per (sequence, KV head, split of the block table); each
 program loads its split's keys and values as one tile (their block ids first, then every row at
-once), takes the softmax of the G query heads of its KV head over them and writes an
-unnormalized partial (accumulator, max, sum); a second small kernel merges the partials with a
-log-sum-exp. Splitting the sequence keeps the
-GPU busy for long contexts at small batch; the split is a fixed SPLIT_TOKENS keys, so a
-sequence's output does not depend on the batch it is in (batch-invariant). Everything is on the current stream and capturable
+once) and takes the softmax of the G query heads of its KV head over them. A sequence held
+by one split is written out by its program; otherwise each program writes an unnormalized
+partial (accumulator, max, sum) and counts itself done on a per-(sequence, KV head) counter,
+and the last one merges the partials with a log-sum-exp (one launch per call, no merge
+kernel). Splitting the sequence keeps the GPU busy for long contexts at small batch; the split
+is a fixed SPLIT_TOKENS keys, so a sequence's output does not depend on the batch it is in
+(batch-invariant). Everything is on the current stream and capturable
 in a CUDA graph (shapes depend only on the batch and the block-table width). Writing the step's
 own K/V into the cache before the call is `kernels.rope_cache`'s job.
 
@@ -24,6 +26,7 @@ import os
 import torch
 
 SPLIT_TOKENS = 128  # keys per program: fixed, so a sequence's result is the same in any batch
+MERGE_CHUNK = 8  # splits the merge loads at once (fixed: the sums' order must not vary)
 
 
 @functools.cache
@@ -34,25 +37,22 @@ def _kernel():
     # NOTE: the block-table stride varies with an eager step's context; unspecialized, so a
     # new length never waits for a compile
     @triton.jit(do_not_specialize=["stride_bt"])
-    def decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, acc_ptr, m_ptr, l_ptr, scale,
+    def decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, acc_ptr, m_ptr, l_ptr, count_ptr,
+                      out_ptr, scale,
                       stride_qb, stride_qh, stride_kn, stride_kt, stride_kh, stride_bt,
-                      stride_ab, stride_ah, stride_as, stride_mb, stride_mh,
+                      stride_ab, stride_ah, stride_as, stride_mb, stride_mh, stride_ob, stride_oh,
                       G: tl.constexpr, GP: tl.constexpr, BLOCK: tl.constexpr, D: tl.constexpr,
                       TILE: tl.constexpr, SUB: tl.constexpr, STAGES: tl.constexpr,
-                      IEEE: tl.constexpr):
+                      IEEE: tl.constexpr, GM: tl.constexpr, CH: tl.constexpr):
         b, h, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         n = tl.load(lens_ptr + b)
+        first = s * TILE
+        if first >= n:  # a split past the sequence's end: no work, not counted
+            return
         rows = tl.arange(0, GP)
         cols = tl.arange(0, D)
         row_ok = rows < G
         heads = h * G + rows
-        first = s * TILE
-        if first >= n:  # a split past the sequence's end: weight 0 in the merge
-            tl.store(acc_ptr + b * stride_ab + heads[:, None] * stride_ah + s * stride_as
-                     + cols[None, :], tl.zeros([GP, D], tl.float32), mask=row_ok[:, None])
-            tl.store(m_ptr + b * stride_mb + heads * stride_mh + s, float("-inf"), mask=row_ok)
-            tl.store(l_ptr + b * stride_mb + heads * stride_mh + s, 0.0, mask=row_ok)
-            return
         q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + cols[None, :],
                     mask=row_ok[:, None], other=0.0)
         m_i = tl.full([GP], float("-inf"), tl.float32)
@@ -84,45 +84,68 @@ def _kernel():
             else:
                 acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
             m_i = m_new
+        out = out_ptr + b * stride_ob + heads[:, None] * stride_oh + cols[None, :]
+        splits = tl.cdiv(n, TILE)
+        if splits == 1:  # the whole sequence in this program
+            tl.store(out, (acc / l_i[:, None]).to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+            return
+        part = b * stride_mb + heads * stride_mh
         tl.store(acc_ptr + b * stride_ab + heads[:, None] * stride_ah + s * stride_as + cols[None, :],
                  acc, mask=row_ok[:, None])
-        tl.store(m_ptr + b * stride_mb + heads * stride_mh + s, m_i, mask=row_ok)
-        tl.store(l_ptr + b * stride_mb + heads * stride_mh + s, l_i, mask=row_ok)
+        tl.store(m_ptr + part + s, m_i, mask=row_ok)
+        tl.store(l_ptr + part + s, l_i, mask=row_ok)
+        # NOTE: the last of the sequence's splits to finish merges them all. Every thread's
+        # stores above are done (barrier) before the release of the count; the last one's
+        # acquire makes the other programs' partials visible to its loads (which bypass L1).
+        # It resets the count for the next launch. Whichever program is last, the merge is the
+        # same arithmetic over the same partials in split order: batch-invariant
+        tl.debug_barrier()
+        counter = count_ptr + b * tl.num_programs(1) + h
+        if tl.atomic_add(counter, 1, sem="acq_rel") == splits - 1:
+            tl.atomic_xchg(counter, 0)
+            # NOTE: CH splits at a time, each chunk's loads at once; GM rows (G rounded up to a
+            # power of two, no dot here)
+            mrows = tl.arange(0, GM)
+            mok = mrows < G
+            mparts = b * stride_mb + (h * G + mrows) * stride_mh
+            chunk = tl.arange(0, CH)
+            top = tl.full([GM], float("-inf"), tl.float32)
+            for c in range(0, splits, CH):
+                ok = mok[:, None] & (c + chunk < splits)[None, :]
+                mm = tl.load(m_ptr + mparts[:, None] + c + chunk[None, :], mask=ok,
+                             other=float("-inf"), cache_modifier=".cg")
+                top = tl.maximum(top, tl.max(mm, 1))
+            top = tl.where(mok, top, 0.0)  # padding rows: finite, never stored
+            total = tl.zeros([GM], tl.float32)
+            merged = tl.zeros([GM, D], tl.float32)
+            for c in range(0, splits, CH):
+                ok = mok[:, None] & (c + chunk < splits)[None, :]
+                idx = mparts[:, None] + c + chunk[None, :]
+                w = tl.exp(tl.load(m_ptr + idx, mask=ok, other=float("-inf"),
+                                   cache_modifier=".cg") - top[:, None])  # [GM, CH], 0 off the end
+                total += tl.sum(tl.load(l_ptr + idx, mask=ok, other=0.0, cache_modifier=".cg") * w, 1)
+                parts = tl.load(acc_ptr + b * stride_ab + (h * G + mrows)[:, None, None] * stride_ah
+                                + (c + chunk)[None, :, None] * stride_as + cols[None, None, :],
+                                mask=ok[:, :, None], other=0.0, cache_modifier=".cg")  # [GM, CH, D]
+                merged += tl.sum(parts * w[:, :, None], 1)
+            total = tl.where(mok, total, 1.0)
+            tl.store(out_ptr + b * stride_ob + (h * G + mrows)[:, None] * stride_oh + cols[None, :],
+                     (merged / total[:, None]).to(out_ptr.dtype.element_ty), mask=mok[:, None])
 
     return decode_kernel
 
 
-@functools.cache
-def _merge_kernel():
-    import triton  # noqa: PLC0415
-    import triton.language as tl
+_COUNTS: dict[torch.device, torch.Tensor] = {}
 
-    @triton.jit(do_not_specialize=["num_splits"])
-    def merge_kernel(acc_ptr, m_ptr, l_ptr, out_ptr, stride_ab, stride_ah, stride_as,
-                     stride_mb, stride_mh, stride_ob, stride_oh, num_splits,
-                     CH: tl.constexpr, D: tl.constexpr):
-        b, h = tl.program_id(0), tl.program_id(1)
-        chunk = tl.arange(0, CH)
-        cols = tl.arange(0, D)
-        m_base = m_ptr + b * stride_mb + h * stride_mh
-        top = tl.max(tl.full([CH], float("-inf"), tl.float32), 0)
-        for c in range(0, num_splits, CH):
-            top = tl.maximum(top, tl.max(tl.load(m_base + c + chunk, mask=c + chunk < num_splits,
-                                                 other=float("-inf")), 0))
-        acc = tl.zeros([D], tl.float32)
-        total = tl.sum(tl.zeros([CH], tl.float32), 0)
-        for c in range(0, num_splits, CH):
-            ok = c + chunk < num_splits
-            # splits past a sequence's end hold m = -inf and l = 0: weight 0
-            w = tl.where(ok, tl.exp(tl.load(m_base + c + chunk, mask=ok, other=float("-inf")) - top), 0.0)
-            part = tl.load(l_ptr + b * stride_mb + h * stride_mh + c + chunk, mask=ok, other=0.0)
-            total += tl.sum(part * w, 0)
-            a = tl.load(acc_ptr + b * stride_ab + h * stride_ah + (c + chunk)[:, None] * stride_as
-                        + cols[None, :], mask=ok[:, None], other=0.0)
-            acc += tl.sum(a * w[:, None], 0)
-        tl.store(out_ptr + b * stride_ob + h * stride_oh + cols, (acc / total).to(out_ptr.dtype.element_ty))
 
-    return merge_kernel
+def _counts(device: torch.device, size: int) -> torch.Tensor:
+    """The split counters of `device` (int32 zeros; every launch leaves them zero again),
+    made on first use, before a graph captures the kernel (its warm-up run). One decode
+    attention runs at a time per device: the counters are shared by its launches."""
+    counts = _COUNTS.get(device)
+    if counts is None or counts.numel() < size:
+        counts = _COUNTS[device] = torch.zeros(max(size, 1 << 16), dtype=torch.int32, device=device)
+    return counts
 
 
 def can_use_kernel(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
@@ -191,25 +214,21 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     # NOTE: the split is a fixed number of blocks, never a function of the batch or of the
     # table's width: a sequence's keys are then reduced in the same order in every batch (a
     # plain step of B sequences and an MTP verify step of B * (k + 1) rows give bit-equal
-    # rows), and splits past its end add exact zeros in the merge
+    # rows); splits past its end do nothing
     per_split = max(1, SPLIT_TOKENS // block)
     splits = -(-width // per_split)
     acc = torch.empty(num_seqs, num_heads, splits, head_dim, dtype=torch.float32, device=q.device)
     m = torch.empty(num_seqs, num_heads, splits, dtype=torch.float32, device=q.device)
     s = torch.empty_like(m)
+    out = torch.empty_like(q)
     _kernel()[(num_seqs, kv_heads, splits)](
-        q, k_cache, v_cache, block_tables, context_lens, acc, m, s, scale,
+        q, k_cache, v_cache, block_tables, context_lens, acc, m, s,
+        _counts(q.device, num_seqs * kv_heads), out, scale,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0), acc.stride(0), acc.stride(1), acc.stride(2), m.stride(0), m.stride(1),
+        out.stride(0), out.stride(1),
         G=group, GP=max(16, 1 << (group - 1).bit_length()), BLOCK=block, D=head_dim,
         TILE=per_split * block, SUB=sub_tokens or per_split * block, STAGES=stages,
-        IEEE=q.dtype == torch.float32,
+        IEEE=q.dtype == torch.float32, GM=1 << (group - 1).bit_length(), CH=MERGE_CHUNK,
         num_warps=num_warps or (4 if per_split * block * head_dim <= 8192 else 8))
-    # merge the splits (log-sum-exp): splits past a sequence's end hold m = -inf and l = 0
-    # NOTE: CH is fixed: a chunk sized to the table's width would sum in another order
-    # (float32 outputs would then differ with the width)
-    out = torch.empty_like(q)
-    _merge_kernel()[(num_seqs, num_heads)](
-        acc, m, s, out, acc.stride(0), acc.stride(1), acc.stride(2), m.stride(0), m.stride(1),
-        out.stride(0), out.stride(1), splits, CH=32, D=head_dim)
     return out

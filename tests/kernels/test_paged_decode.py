@@ -105,3 +105,39 @@ def test_sub_tiles_equal_twin_and_stay_batch_invariant(sub_tokens, stages, warps
         alone = paged_decode(q[b:b + 1], k_cache, v_cache, bt[b:b + 1], lens_t[b:b + 1],
                              64 ** -0.5, **kw)
         assert torch.equal(alone[0], got[b])
+
+
+INTERPRETED = """
+import torch
+from tests.kernels.test_paged_decode import case, padded
+from kernels import paged_decode as pd_
+for seed, (ns, kvh, g, d, ml) in enumerate([(5, 2, 4, 32, 400), (3, 2, 3, 32, 2600), (2, 1, 1, 16, 1500)]):
+    q, kc, vc, tables, lens = case(seed, ns, kvh, g, d, 16, ml, torch.float32, "cpu")
+    bt = padded(tables, "cpu", width=max(map(len, tables)) + 9)
+    lt = torch.tensor(lens)
+    got = pd_.paged_decode(q, kc, vc, bt, lt, d ** -0.5, use_kernel=True)
+    want = pd_.paged_decode_ref(q, kc, vc, bt, lt, d ** -0.5)
+    assert (got - want).norm() / want.norm() < 1e-5, (seed, lens)
+    for b in range(ns):
+        alone = pd_.paged_decode(q[b:b + 1], kc, vc, padded([tables[b]], "cpu", 200), lt[b:b + 1],
+                                 d ** -0.5, use_kernel=True)
+        assert torch.equal(alone[0], got[b]), (seed, b)
+assert all(int(c.abs().sum()) == 0 for c in pd_._COUNTS.values())
+print("ok")
+"""
+
+
+def test_kernel_logic_in_the_triton_interpreter():
+    """On any machine with triton: the kernel run by triton's interpreter (float32, CPU
+    tensors) equals the twin for sequences of one split, of a few and of more than one merge
+    chunk, alone and in a batch bit for bit, and leaves its split counters at zero."""
+    import os
+    import subprocess
+    import sys
+
+    pytest.importorskip("triton")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": root}
+    run = subprocess.run([sys.executable, "-c", INTERPRETED], env=env, cwd=root,
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0 and run.stdout.strip() == "ok", run.stderr[-2000:]
