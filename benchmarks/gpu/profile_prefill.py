@@ -1,5 +1,8 @@
 """On a CUDA machine: where one prefill of the Llama-3.2-1B shape (random bf16 weights) spends its
-time, from torch.profiler: wall time, kernel time and count, and the kernels by device time.
+time, from torch.profiler: wall time, kernel time and count, the span from the first kernel to
+the last, how long after the call the first one starts and the largest idle gaps between
+kernels, and the kernels by device time.
+Prefix caching is off (the same prompt is run several times).
 
     python benchmarks/gpu/profile_prefill.py [--prompt 1024 8192] [--top 12]
 """
@@ -33,7 +36,8 @@ def main() -> None:
     model = str(write_tiny_checkpoint(tempfile.mkdtemp(prefix="pd-llama1b-"), "llama", mtp=False,
                                       dtype="bfloat16", **LLAMA_1B))
     engine = Engine(EngineConfig(model=model, device="cuda", dtype="bfloat16", max_model_len=16384,
-                                 num_blocks=8192 // 16 + 64, max_num_batched_tokens=max(args.prompt)))
+                                 num_blocks=8192 // 16 + 64, max_num_batched_tokens=max(args.prompt),
+                                 enable_prefix_caching=False))
     params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
     gen = torch.Generator().manual_seed(0)
     for n in args.prompt:
@@ -54,8 +58,18 @@ def main() -> None:
                 counts[e.name] += 1
                 times[e.name] += e.device_time_total
         total = sum(times.values())
+        kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+        start = min(e.time_range.start for e in prof.events())
+        first = min(e.time_range.start for e in kernels)
+        span = max(e.time_range.end for e in kernels) - first
         print(f"prompt {n}: wall {wall * 1e3:.2f} ms, kernels {sum(counts.values())} taking "
-              f"{total / 1e3:.2f} ms of device time")
+              f"{total / 1e3:.2f} ms of device time over a span of {span / 1e3:.2f} ms, the first "
+              f"{(first - start) / 1e3:.2f} ms after the call (profiled)")
+        ordered = sorted(kernels, key=lambda e: e.time_range.start)
+        gaps = sorted(((b.time_range.start - a.time_range.end, a.name, b.name)
+                       for a, b in zip(ordered, ordered[1:])), reverse=True)[:4]
+        print("  largest idle gaps: " + "; ".join(
+            f"{g / 1e3:.2f} ms after {a[:40]} before {b[:40]}" for g, a, b in gaps))
         for name, t in sorted(times.items(), key=lambda kv: -kv[1])[:args.top]:
             print(f"  {t / 1e3:8.3f} ms {counts[name]:5d}x  {name[:110]}")
         cpu = sorted(prof.key_averages(), key=lambda a: -a.self_cpu_time_total)[:args.top]
