@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import os
 import pstats
+import shlex
 import shutil
 import subprocess
 import sys
@@ -47,6 +48,9 @@ def main() -> None:
     p.add_argument("--synthetic-1b", action="store_true",
                    help="a random bf16 Llama-3.2-1B-shaped checkpoint with the tiny tokenizer's "
                         "512-token vocabulary")
+    p.add_argument("--launch-args", default="",
+                   help="more pd launch flags, one string (e.g. '--prefill-max-num-batched-tokens "
+                        "256')")
     p.add_argument("--input-len", type=int, default=16)
     p.add_argument("--output-len", type=int, default=256)
     p.add_argument("--num-prompts", type=int, default=256)
@@ -77,7 +81,7 @@ def main() -> None:
                                                **{**LLAMA_1B, "vocab_size": 512}))
     profile = tempfile.mktemp(suffix=".prof") if args.profile_router else ""
     os.environ["PD_ROUTER_PROFILE"] = profile
-    lau = launch(args, "--router-workers", str(args.router_workers))
+    lau = launch(args, "--router-workers", str(args.router_workers), *shlex.split(args.launch_args))
     pids = {"router": lau.proc.pid, **{f"router-{i}": pid for i, pid in enumerate(lau.router_pids)},
             **{name: n["pid"] for name, n in lau.nodes.items()}}
     try:

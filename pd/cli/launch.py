@@ -52,6 +52,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="KV blocks of each prefill node, when they should differ from the decode "
                         "nodes' --num-blocks (a prefill node holds only prompts in flight and its "
                         "prefix cache) (default: --num-blocks)")
+    g.add_argument("--prefill-max-num-batched-tokens", type=int, default=None,
+                   help="tokens one step of each prefill node may compute, when it should differ "
+                        "from the decode nodes' --max-num-batched-tokens: where prefill and decode "
+                        "share a GPU, a smaller budget keeps each prefill step short, and with it "
+                        "the decode steps it holds up (default: --max-num-batched-tokens)")
     add_launch_arguments(p.add_argument_group("nodes"))
     g.add_argument("--heartbeat-timeout", type=float, default=None,
                    help="router: seconds a node may leave a heartbeat unanswered before it is "
@@ -119,8 +124,10 @@ def _main(args: argparse.Namespace) -> int:
     if keys is not None:
         common += ["--curve-keys", keys.directory]
     nodes = []
-    # the last --num-blocks given wins
+    # the last --num-blocks (--max-num-batched-tokens) given wins
     prefill_blocks = ["--num-blocks", str(args.prefill_num_blocks)] if args.prefill_num_blocks else []
+    if args.prefill_max_num_batched_tokens:
+        prefill_blocks += ["--max-num-batched-tokens", str(args.prefill_max_num_batched_tokens)]
 
     def stop_all() -> None:
         for node in nodes:  # NOTE: every node drains at once, then each is waited for
