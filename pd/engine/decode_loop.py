@@ -13,9 +13,11 @@ A request found finished (stop, length, abort) while a launched step still holds
 invalid slot (-1) in that step: its result is discarded, and its blocks are freed only after
 that step has completed, since the step still reads and writes them.
 
-The loop falls back to waiting for step N before scheduling N+1 when the host needs N's tokens
-first: a running request with penalties (the sampler builds their token sets on the host) or a
-grammar (its matcher walks each token before the next mask), or a batch that might preempt
+When the host needs N's tokens before N+1's sampler (a running request with penalties, whose
+token sets the sampler builds on the host, or with a grammar, whose matcher walks each token
+before the next mask), step N+1's forward is launched ahead all the same and its sampler
+after step N is processed (`CudaExecutor.sample_deferred`; elsewhere the loop waits for step N
+first). It also waits for step N before scheduling N+1 when the batch might preempt
 (preemption frees blocks that step N still writes). Without overlap, each step is launched and waited for at once. Both produce the same tokens. With MTP (a
 `pd.spec.verify.SpecDecoder` given as `spec`), each step verifies the requests' drafts and
 proposes the next ones. A graphed MTP step (`pd.spec.graphs`) whose requests all continue
@@ -183,6 +185,7 @@ class DecodeLoop:
         self.on_gap = on_gap
         self.num_syncs = 0  # overlap steps that had to wait for the previous one first
         self.num_ahead = 0  # steps launched while the previous one was still unprocessed
+        self.num_deferred = 0  # of those, steps whose sampler waited for the previous one's tokens
         self.batch_size = 0  # requests in the step launched last (0: none)
         self.times = HostTimes()
 
@@ -207,15 +210,27 @@ class DecodeLoop:
         if not self.overlap:
             cur = self.launch(None)
             return emitted + (self.process(cur, None) if cur is not None else self.idle())
-        last = self.last
-        if last is not None and not self.can_predict(last):
-            self.num_syncs += 1
-            emitted, last = emitted + self.process(last, None), None
-        cur = self.launch(last)
+        last, defer = self.last, False
+        if last is not None:
+            blocks, host_tokens = self.can_predict(last)
+            if not blocks or (host_tokens and not self.executor.can_defer):
+                self.num_syncs += 1
+                emitted, last = emitted + self.process(last, None), None
+            else:
+                defer = host_tokens
+        cur = self.launch(last, defer)
         if last is not None:
             # NOTE: step N+1 is already queued behind step N; only now does the host wait for N.
             self.num_ahead += cur is not None
             emitted += self.process(last, cur)
+        if defer and cur is not None:
+            # NOTE: step N's tokens are on the host now (and in the requests' grammars): step
+            # N+1's sampler follows its forward, which ran meanwhile
+            self.num_deferred += 1
+            t = time.perf_counter()
+            reqs = [cur.batch.reqs[i] for i in cur.inp.sample_reqs]
+            self.executor.sample_deferred(self.runner, cur.out, self.runner.sampling_rows(reqs))
+            self.times.add("launch", t)
         self.last = cur
         if cur is None:
             self.idle()
@@ -326,18 +341,19 @@ class DecodeLoop:
         self.prev_done = None  # the device idles for want of work: that is not a step gap
         return []
 
-    def can_predict(self, last: InFlight) -> bool:
-        """Whether step N+1 can be scheduled before step N's tokens are on the host."""
-        need = 0
+    def can_predict(self, last: InFlight) -> tuple[bool, bool]:
+        """Whether step N+1 can be scheduled before step N's tokens are on the host (its
+        blocks are there without preempting), and whether its sampler needs them there first
+        (a request's penalties or grammar): then only its forward can go ahead."""
+        need, host_tokens = 0, False
         for req in self.scheduler.running:
             row = last.members.get(req, -1)
             pending = row >= 0 and last.rows[row] >= 0
-            if pending and req.params.needs_host_tokens:
-                return False
+            host_tokens = host_tokens or (pending and req.params.needs_host_tokens)
             need += max(0, self.scheduler.blocks_needed(req, req.num_tokens + pending))
-        return need <= self.scheduler.allocator.num_free
+        return need <= self.scheduler.allocator.num_free, host_tokens
 
-    def launch(self, last: InFlight | None) -> InFlight | None:
+    def launch(self, last: InFlight | None, defer: bool = False) -> InFlight | None:
         pending = []  # (request, row of `last`) whose newest token is still on the device
         if last is not None:
             for row, i in enumerate(last.rows):
@@ -358,7 +374,9 @@ class DecodeLoop:
                 return None
             if last is not None and self.scheduler.num_preemptions != preemptions:
                 raise RuntimeError("a step preempted while another was in flight")
-            inp, out = self.executor.launch(self.runner, batch, last.out if last else None)
+            prev = last.out if last else None
+            inp, out = (self.executor.launch(self.runner, batch, prev, defer=True) if defer
+                        else self.executor.launch(self.runner, batch, prev))
             self.times.add("launch", t)
         finally:
             for req in pending:

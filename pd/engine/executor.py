@@ -2,7 +2,11 @@
 
 - `CudaExecutor`: a dedicated compute stream; each step records a start event, enqueues the
   forward, the sampler and the non-blocking copies into pinned host buffers, then an end event
-  (the step's `copy_done`). Launching never waits for the device.
+  (the step's `copy_done`). Launching never waits for the device. A step whose sampler needs
+  the host to know the previous step's tokens first (grammars, penalties) can be launched in
+  two parts (`can_defer`): the forward now, the sampler (`sample_deferred`) once the loop has
+  read the previous step, while the forward runs. `ThreadExecutor` splits such steps the same
+  way on its worker.
 - `ThreadExecutor` (CPU, overlap on): the device part runs on one worker thread, in launch
   order, like a stream; torch releases the GIL inside its ops, so the host schedules and
   streams while the worker computes. `copy_done` is the worker's future.
@@ -31,9 +35,15 @@ class HostCompletion:
     def __init__(self) -> None:
         self.future: Future = Future()
         self.started = self.ended = 0.0
+        self.logits: Future | None = None  # a deferred sampling's forward (`ThreadExecutor`)
+
+    def run_part(self, fn, *args):
+        """The first part of a step run in two (its start is the step's): fn's result."""
+        self.started = time.perf_counter()
+        return fn(*args)
 
     def run(self, fn, *args) -> None:
-        self.started = time.perf_counter()
+        self.started = self.started or time.perf_counter()
         try:
             fn(*args)
         except BaseException as e:  # surfaced by wait() on the loop's thread
@@ -51,8 +61,9 @@ class HostCompletion:
 
 
 class CudaCompletion:
-    def __init__(self, start: torch.cuda.Event, end: torch.cuda.Event) -> None:
+    def __init__(self, start: torch.cuda.Event, end: torch.cuda.Event, logits=None) -> None:
         self.start, self.end = start, end
+        self.logits = logits  # a deferred sampling's input (`CudaExecutor.launch(defer=True)`)
 
     def wait(self) -> None:
         self.end.synchronize()
@@ -65,6 +76,7 @@ class InlineExecutor:
     """Runs the step on the caller's thread: the plain loop on CPU."""
 
     name = "inline"
+    can_defer = False  # the sampler runs with the forward (`CudaExecutor.sample_deferred`)
 
     def launch(self, runner: ModelRunner, batch: ScheduledBatch,
                prev: ForwardOutput | None) -> tuple[ForwardInput, ForwardOutput]:
@@ -94,15 +106,32 @@ class ThreadExecutor(InlineExecutor):
     def __init__(self) -> None:
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pd-device")
 
-    def launch(self, runner: ModelRunner, batch: ScheduledBatch,
-               prev: ForwardOutput | None) -> tuple[ForwardInput, ForwardOutput]:
-        inp = runner.prepare(batch)
+    can_defer = True
+
+    def launch(self, runner: ModelRunner, batch: ScheduledBatch, prev: ForwardOutput | None,
+               defer: bool = False) -> tuple[ForwardInput, ForwardOutput]:
+        inp = runner.prepare(batch, masks=not defer)
         bufs = runner.alloc_output(inp)
         done = HostCompletion()
+        prev_tokens = prev.next_tokens_gpu if prev else None
         # NOTE: the worker runs steps in submission order, so step N+1 reads step N's
         # next_tokens (its future ids) only after step N wrote them.
-        self.pool.submit(done.run, runner.execute, inp, prev.next_tokens_gpu if prev else None, *bufs)
+        if defer:  # the forward now; `sample_deferred` queues the rest
+            done.logits = self.pool.submit(done.run_part, runner.forward_rows, inp, prev_tokens)
+        else:
+            self.pool.submit(done.run, runner.execute, inp, prev_tokens, *bufs)
         return inp, ForwardOutput(*bufs, done)
+
+    def sample_deferred(self, runner: ModelRunner, out: ForwardOutput, rows: list) -> None:
+        done = out.copy_done
+        part, done.logits = done.logits, None
+
+        def finish() -> None:
+            logits = part.result()
+            sampled = runner.sampler(logits, rows) if isinstance(logits, torch.Tensor) else logits
+            runner.emit(sampled, out.next_tokens_gpu, out.next_tokens_cpu, out.logprobs_cpu)
+
+        self.pool.submit(done.run, finish)
 
     def close(self) -> None:
         self.pool.shutdown(wait=True)
@@ -117,8 +146,12 @@ class CudaExecutor:
         self.device = device
         self.stream = torch.cuda.Stream(device=device)
 
-    def launch(self, runner: ModelRunner, batch: ScheduledBatch,
-               prev: ForwardOutput | None) -> tuple[ForwardInput, ForwardOutput]:
+    can_defer = True
+
+    def launch(self, runner: ModelRunner, batch: ScheduledBatch, prev: ForwardOutput | None,
+               defer: bool = False) -> tuple[ForwardInput, ForwardOutput]:
+        """Enqueue the step; with `defer` only up to its rows' logits, and its rows without
+        their grammars' masks: `sample_deferred` enqueues the rest."""
         start = torch.cuda.Event(enable_timing=True)
         end = torch.cuda.Event(enable_timing=True)
         # NOTE: KV installed by the node (on the current stream) must land before a step that
@@ -126,11 +159,24 @@ class CudaExecutor:
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.stream):
             start.record()
-            inp = runner.prepare(batch)  # pinned, non-blocking copies on the compute stream
+            inp = runner.prepare(batch, masks=not defer)  # pinned, non-blocking copies
             bufs = runner.alloc_output(inp)
-            runner.execute(inp, prev.next_tokens_gpu if prev else None, *bufs)
+            prev_tokens = prev.next_tokens_gpu if prev else None
+            if defer:
+                logits = runner.forward_rows(inp, prev_tokens)
+                return inp, ForwardOutput(*bufs, CudaCompletion(start, end, logits))
+            runner.execute(inp, prev_tokens, *bufs)
             end.record()  # after the host copies: waiting on it means the results are there
         return inp, ForwardOutput(*bufs, CudaCompletion(start, end))
+
+    def sample_deferred(self, runner: ModelRunner, out: ForwardOutput, rows: list) -> None:
+        """The sampler of a step launched with `defer`, over `rows` built now, then its end."""
+        done = out.copy_done
+        with torch.cuda.stream(self.stream), torch.inference_mode():
+            logits, done.logits = done.logits, None
+            sampled = runner.sampler(logits, rows) if isinstance(logits, torch.Tensor) else logits
+            runner.emit(sampled, out.next_tokens_gpu, out.next_tokens_cpu, out.logprobs_cpu)
+            done.end.record()
 
     @staticmethod
     def gap_seconds(prev: ForwardOutput, cur: ForwardOutput) -> float:

@@ -138,12 +138,14 @@ class ModelRunner:
     def block_size(self) -> int:
         return self.kv_cache.block_size
 
-    def prepare(self, batch: ScheduledBatch) -> ForwardInput:
+    def prepare(self, batch: ScheduledBatch, masks: bool = True) -> ForwardInput:
+        """The step's inputs on the device and its sampler rows; `masks` False leaves the
+        grammars' masks out of the rows (a deferred sampling rebuilds them, `sampling_rows`)."""
         if self.graphs is not None and all(n == 1 for n in batch.num_new_tokens) and all(
                 batch.samples(i) for i in range(len(batch.reqs))):
             key = self.graphs.key(len(batch.reqs), max(len(r.block_ids) for r in batch.reqs))
             if key is not None:
-                return self.prepare_graphed(batch, key)
+                return self.prepare_graphed(batch, key, masks)
         bs = self.block_size
         id_parts: list = []  # per request: a list (short runs) or an array (long ones)
         pos_parts: list = []
@@ -168,7 +170,7 @@ class ModelRunner:
             if batch.samples(i):
                 logits_index.append(num_tokens - 1)
                 sample_reqs.append(i)
-        rows = self.sampling_rows([batch.reqs[i] for i in sample_reqs])
+        rows = self.sampling_rows([batch.reqs[i] for i in sample_reqs], masks)
         flat = _concat if any(n > LONG_RUN for n in batch.num_new_tokens) else _chain
         ids, positions, slots = flat(id_parts), flat(pos_parts), flat(slot_parts)
         ctx = host_context(batch.num_new_tokens, context_lens,
@@ -198,10 +200,11 @@ class ModelRunner:
             prompt_spans=tuple(prompt_spans(batch.reqs, batch.num_new_tokens)),
         )
 
-    def prepare_graphed(self, batch: ScheduledBatch, key: tuple[int, int]) -> ForwardInput:
+    def prepare_graphed(self, batch: ScheduledBatch, key: tuple[int, int],
+                        masks: bool = True) -> ForwardInput:
         """A decode step for a CUDA graph: its inputs built on the host in the graph's layout,
         copied and replayed by `sample` (nothing else per step touches the device)."""
-        rows = self.sampling_rows(batch.reqs)
+        rows = self.sampling_rows(batch.reqs, masks)
         asked = [r.params.logprobs for r in rows if r.params.logprobs is not None]
         return ForwardInput(None, None, None, None, list(range(len(rows))), rows,
                             num_top=min(max(asked, default=0), self.model_config.vocab_size),
@@ -238,10 +241,10 @@ class ModelRunner:
         return out
 
     @staticmethod
-    def sampling_row(req: Req, allowed: torch.Tensor | None = None) -> SamplingRow:
+    def sampling_row(req: Req, allowed: torch.Tensor | None = None, mask: bool = True) -> SamplingRow:
         """The sampler's row of a request's next token; `allowed`: its grammar's mask when the
-        caller filled it (`sampling_rows`), else filled here."""
-        if allowed is None and req.grammar is not None:
+        caller filled it (`sampling_rows`), else filled here unless `mask` is False."""
+        if allowed is None and mask and req.grammar is not None:
             allowed = req.grammar.mask()
         return SamplingRow(
             params=req.params,
@@ -253,8 +256,10 @@ class ModelRunner:
         )
 
     @classmethod
-    def sampling_rows(cls, reqs: list[Req]) -> list[SamplingRow]:
-        """`sampling_row` of each request, the grammars' masks filled together."""
+    def sampling_rows(cls, reqs: list[Req], masks: bool = True) -> list[SamplingRow]:
+        """`sampling_row` of each request, the grammars' masks filled together (or left out)."""
+        if not masks:
+            return [cls.sampling_row(r, mask=False) for r in reqs]
         if not any(r.grammar is not None for r in reqs):
             return [cls.sampling_row(r) for r in reqs]
         masks = fill_masks([r.grammar for r in reqs])
@@ -275,9 +280,12 @@ class ModelRunner:
             return self.model(inp.input_ids, inp.positions)
 
     @torch.inference_mode()
-    def sample(self, inp: ForwardInput, prev_tokens: torch.Tensor | None = None) -> SamplerOutput | None:
-        """Forward + sampler on the device; `prev_tokens` fills the future ids (a graphed
-        decode step reads them from `DecodeGraphs.tokens` instead). None when no row samples."""
+    def forward_rows(self, inp: ForwardInput, prev_tokens: torch.Tensor | None = None
+                     ) -> torch.Tensor | SamplerOutput | None:
+        """The step's device work up to the logits [S, V] of its sampled rows (`prev_tokens`
+        fills the future ids; a graphed decode step reads them from `DecodeGraphs.tokens`);
+        for a graphed step whose rows are all plain greedy, its tokens (the graph took the
+        argmax); None when no row samples."""
         graphs = self.graphs
         if inp.decode_graph is not None:
             graphs.launch(inp.decode_graph[1], inp.decode_graph[0])
@@ -286,7 +294,7 @@ class ModelRunner:
             # greedy argmax of them already
             if all(r.is_plain_greedy for r in inp.rows):
                 return SamplerOutput(graphs.tokens[:n], None, None, None, None)
-            return self.sampler(graphs.logits[:n].float(), inp.rows)
+            return graphs.logits[:n].float()
         if inp.future_index is not None:
             if prev_tokens is None:
                 raise ValueError("the batch has future token ids but no previous step's tokens")
@@ -297,7 +305,14 @@ class ModelRunner:
             record_prompt_logprobs(self.model.compute_logits, hidden, inp.prompt_spans)
         if not inp.rows:
             return None
-        return self.sampler(self.model.compute_logits(hidden[inp.logits_index]), inp.rows)
+        return self.model.compute_logits(hidden[inp.logits_index])
+
+    @torch.inference_mode()
+    def sample(self, inp: ForwardInput, prev_tokens: torch.Tensor | None = None,
+               rows: list[SamplingRow] | None = None) -> SamplerOutput | None:
+        """Forward + sampler on the device (`rows`: the sampler's rows, default the step's)."""
+        out = self.forward_rows(inp, prev_tokens)
+        return self.sampler(out, rows or inp.rows) if isinstance(out, torch.Tensor) else out
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> dict[int, SampledToken]:
@@ -327,7 +342,12 @@ class ModelRunner:
                 logprobs_cpu: SamplerOutput | None) -> None:
         """The device part of a step: forward, sample, write `next_tokens` (read by the next
         step in stream order) and start the copies to the host buffers. Never waits."""
-        out = self.sample(inp, prev_tokens)
+        self.emit(self.sample(inp, prev_tokens), next_tokens, tokens_cpu, logprobs_cpu)
+
+    @torch.inference_mode()
+    def emit(self, out: SamplerOutput | None, next_tokens: torch.Tensor, tokens_cpu: torch.Tensor,
+             logprobs_cpu: SamplerOutput | None) -> None:
+        """A step's sampled tokens into `next_tokens`, and the copies to the host buffers."""
         if out is None:
             return
         if out.token_ids.data_ptr() != next_tokens.data_ptr():  # else the graph wrote them

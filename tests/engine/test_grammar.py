@@ -161,14 +161,18 @@ def test_greedy_under_a_grammar_equals_masked_reference(tiny_model_dir, grammars
 
 
 def test_seeded_sampling_under_a_grammar_is_valid_and_equal_with_overlap(tiny_model_dir, grammars):
+    """Overlap on: a step's forward is launched before the previous step's tokens reach the
+    matchers, its sampler after (a deferred sampling)."""
     from pd.engine.llm import LLM
 
     params = [SP(max_tokens=20, temperature=1.0, seed=s, structured_output=spec)
               for s, spec in enumerate(SPECS)]
     prompts = [[5, 6, 7, 8 + j] for j in range(len(SPECS))]
-    runs = [LLM(tiny_model_dir, num_blocks=256, overlap=o, device=DEVICE).generate(prompts, params)
-            for o in (False, True)]
+    llms = [LLM(tiny_model_dir, num_blocks=256, overlap=o, device=DEVICE) for o in (False, True)]
+    runs = [llm.generate(prompts, params) for llm in llms]
     assert [o.token_ids for o in runs[0]] == [o.token_ids for o in runs[1]]
+    # with overlap each step's forward went ahead, its sampler after the previous step's tokens
+    assert llms[1].engine.loop.num_deferred > 0
     for out, spec in zip(runs[0], SPECS):
         state = grammars.matcher(spec)
         assert all(state.accept(t) for t in out.token_ids), spec
