@@ -21,6 +21,7 @@ from collections import deque
 import torch
 
 from kernels.block_copy import compile_kernel, copy_blocks
+from pd.engine.host_ring import to_device
 
 from .records import DTYPE_CODES, KVRecord
 
@@ -125,9 +126,10 @@ def staging(kv: torch.Tensor, shape, slot: int = 0) -> torch.Tensor:
 
 
 def ids_on_device(ids: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """Block ids copied to the device without waiting: through page-locked memory, since a copy
-    from pageable memory would wait for every copy queued on the stream before it."""
-    return ids.pin_memory().to(device, non_blocking=True)
+    """Block ids copied to the device without waiting: through reused page-locked memory
+    (`pd.engine.host_ring.to_device`), since a copy from pageable memory would wait for every
+    copy queued on the stream before it."""
+    return to_device(ids, device)
 
 
 def gather_pipelined(kv: torch.Tensor, block_ids: torch.Tensor, chunks, reserve, publish,

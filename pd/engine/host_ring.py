@@ -1,5 +1,7 @@
 """Host buffers reused step after step instead of allocated per step (page-locked on CUDA, where
-an allocation per step costs host time and the copies from them must not block)."""
+an allocation per step costs host time and the copies from them must not block): `HostRing`
+for a step's fixed-shape buffers, `to_device` for small host data of any size (the sampler's
+indices and parameters, a grammar's masks)."""
 
 from __future__ import annotations
 
@@ -26,3 +28,43 @@ class HostRing:
                                       for _ in range(self.size)]
         ring.append(ring.pop(0))  # the least recently handed out goes next
         return ring[-1]
+
+
+class _Staging:
+    """Page-locked staging buffers for `to_device`, each reused once the copy that last read
+    it has completed (an event recorded after the copy says so), grown as copies in flight
+    need: a `pin_memory()` per copy cost a step up to a millisecond of host time on the H100
+    host (the allocator's page-locked blocks)."""
+
+    def __init__(self) -> None:
+        self.free: dict[int, list[tuple[torch.Tensor, object]]] = {}
+
+    def to_device(self, t: torch.Tensor, device: torch.device) -> torch.Tensor:
+        nbytes = t.numel() * t.element_size()
+        size = 1 << max(12, (nbytes - 1).bit_length())
+        pool = self.free.setdefault(size, [])
+        buf = None
+        for i, (b, event) in enumerate(pool):
+            if event.query():
+                buf = pool.pop(i)[0]
+                break
+        if buf is None:
+            buf = torch.empty(size, dtype=torch.uint8, pin_memory=True)
+        staged = buf[:nbytes].view(t.dtype).view(t.shape)
+        staged.copy_(t)
+        out = staged.to(device, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        pool.append((buf, event))
+        return out
+
+
+_STAGING = _Staging()
+
+
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on `device` without blocking: on CUDA through a reused page-locked buffer,
+    on the current stream."""
+    if device.type != "cuda":
+        return t
+    return _STAGING.to_device(t.contiguous(), device)

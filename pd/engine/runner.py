@@ -27,7 +27,7 @@ import torch
 
 from pd.config import EngineConfig, dtype_name
 from pd.model.context import ForwardContext, forward_context, host_context
-from pd.engine.host_ring import HostRing
+from pd.engine.host_ring import HostRing, to_device
 from pd.engine.grammar import fill_masks
 from pd.engine.kv_cache import KVCache, num_blocks_for
 from pd.engine.logprobs import prompt_spans, record_prompt_logprobs
@@ -213,9 +213,7 @@ class ModelRunner:
     def to_device(self, t: torch.Tensor) -> torch.Tensor:
         """A host tensor on the runner's device; on CUDA through pinned memory without blocking,
         on the current stream, so building a step never waits for the one in flight."""
-        if self.device.type != "cuda":
-            return t
-        return t.pin_memory().to(self.device, non_blocking=True)
+        return to_device(t, self.device)
 
     def to_device_all(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """`to_device` for a step's host tensors at once: the int64 ones travel packed in one

@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kernels.argmax import argmax
+from pd.engine.host_ring import to_device
 from pd.engine.logprobs import compute_logprobs
 from pd.wire.sampling_params import SamplingParams
 
@@ -104,12 +105,10 @@ def step_seed(seed: int, step: int) -> int:
 
 
 def _host_to(data: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A tensor of `data` on `device`. On CUDA it goes through pinned memory without blocking,
-    so that building it never waits for the work already queued (the overlap loop)."""
-    t = torch.tensor(data, dtype=dtype)
-    if device.type != "cuda":
-        return t
-    return t.pin_memory().to(device, non_blocking=True)
+    """A tensor of `data` on `device`. On CUDA it goes through page-locked memory without
+    blocking (`host_ring.to_device`), so that building it never waits for the work already
+    queued (the overlap loop)."""
+    return to_device(torch.tensor(data, dtype=dtype), device)
 
 
 def _index(rows: list[int], device: torch.device) -> torch.Tensor:
@@ -182,7 +181,7 @@ def apply_grammar(x: torch.Tensor, rows: list[SamplingRow]) -> None:
         return
     dev, vocab = x.device, x.shape[1]
     bits = torch.stack([rows[i].allowed for i in masked])  # [M, W] int32
-    bits = bits.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else bits
+    bits = to_device(bits, dev)
     key = (dev, vocab)
     if key not in _TOKEN_BITS:
         t = torch.arange(vocab, device=dev)
