@@ -10,8 +10,9 @@ module keeps that behind two small types:
   without such requests never pays it), and the compiler, whose cache keeps each compiled
   grammar: a schema is compiled once per process. `matcher(spec)` raises `GrammarError` for a
   spec that does not compile.
-- `GrammarState`, one per request: `accept(token)` after every appended token (`Req.append_token`
-  calls it), `mask()` the tokens allowed next as a bitmask (int32 words, bit t % 32 of word
+- `GrammarState`, one per request: `queue(token)` for every appended token (`Req.append_token`
+  calls it; the decode loop walks a step's tokens of every request in one batch call,
+  `accept_all`), `mask()` the tokens allowed next as a bitmask (int32 words, bit t % 32 of word
   t // 32; `fill_masks` fills a step's masks at once, on several threads), `masks_along(drafts)` the masks at each position of an MTP verify step, each
   taking the drafts before it as accepted (then rolled back), and `terminated` once the grammar
   took its stop token.
@@ -27,6 +28,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import os
 import time
 from pathlib import Path
 
@@ -60,21 +62,40 @@ class GrammarState:
         self.vocab_size = vocab_size
         self.num_words = -(-vocab_size // 32)
         self.failed = False  # a token the grammar refused was appended: the request ends
+        self._queued: list[int] = []  # appended, not walked yet (`queue`)
 
     @property
     def terminated(self) -> bool:
+        self.flush()
         return self.failed or self._m.is_terminated()
 
+    def queue(self, token: int) -> None:
+        """A token appended to the request: walked at the next look at the state, or with a
+        step's others in one batch call (`accept_all`)."""
+        self._queued.append(token)
+
+    def flush(self) -> None:
+        while self._queued:
+            self._walk(self._queued.pop(0))
+
     def accept(self, token: int) -> bool:
-        """Walk one token; False if the grammar refuses it (which only a mask that allows no
-        token at all lets happen): the state then stays as it was and `terminated` is set."""
-        if self.terminated:
+        """Walk one token now (after any queued); False if the grammar refuses it (which only
+        a mask that allows no token at all lets happen): the state then stays as it was and
+        `terminated` is set."""
+        self.flush()
+        return self._walk(token)
+
+    def _walk(self, token: int) -> bool:
+        if self.failed or self._m.is_terminated():
             return False
         ok = self._m.accept_token(token)
         if not ok:
-            self.failed = True
-            log.warning("structured output: the grammar refused token %d; the request ends", token)
+            self.refused(token)
         return ok
+
+    def refused(self, token: int) -> None:
+        self.failed = True
+        log.warning("structured output: the grammar refused token %d; the request ends", token)
 
     def mask(self) -> torch.Tensor:
         """int32 [ceil(V / 32)]: the tokens allowed next (all, once terminated: the request
@@ -104,12 +125,33 @@ class GrammarState:
 def _batch_matcher():
     import xgrammar  # noqa: PLC0415
 
-    return xgrammar.BatchGrammarMatcher()  # threads: one per core
+    # NOTE: xgrammar's "auto" took 4.5 ms for 32 regex masks over 128k tokens on the 16-core
+    # H100 host, 8 threads 1.7 ms, 16 threads 1.4 ms
+    return xgrammar.BatchGrammarMatcher(max_threads=min(8, os.cpu_count() or 1))
+
+
+def accept_all(states: list[GrammarState | None]) -> None:
+    """Walk the tokens queued in each state (None: no grammar): a step's one token per
+    request in one batch call, the rest one by one."""
+    import xgrammar  # noqa: PLC0415
+
+    single = [st for st in states if st is not None and len(st._queued) == 1
+              and not st.failed and not st._m.is_terminated()]
+    if len(single) >= 2:
+        tokens = [st._queued.pop() for st in single]
+        ok = xgrammar.BatchGrammarMatcher.batch_accept_token([st._m for st in single], tokens)
+        for st, good, token in zip(single, ok, tokens):
+            if not good:
+                st.refused(token)
+    for st in states:
+        if st is not None:
+            st.flush()
 
 
 def fill_masks(states: list[GrammarState | None]) -> list[torch.Tensor | None]:
     """`mask()` of each state (None for None), rows of one tensor, filled by xgrammar on
     several threads: a mask over a large vocabulary can take a few hundred microseconds."""
+    accept_all(states)
     live = [i for i, st in enumerate(states) if st is not None and not st.terminated]
     if len(live) < 2:
         return [st.mask() if st is not None else None for st in states]

@@ -43,17 +43,14 @@ class _Staging:
         nbytes = t.numel() * t.element_size()
         size = 1 << max(12, (nbytes - 1).bit_length())
         pool = self.free.setdefault(size, [])
-        buf = None
-        for i, (b, event) in enumerate(pool):
-            if event.query():
-                buf = pool.pop(i)[0]
-                break
-        if buf is None:
-            buf = torch.empty(size, dtype=torch.uint8, pin_memory=True)
+        # NOTE: the oldest first; a buffer keeps its event, recorded again at each use
+        if pool and pool[0][1].query():
+            buf, event = pool.pop(0)
+        else:
+            buf, event = torch.empty(size, dtype=torch.uint8, pin_memory=True), torch.cuda.Event()
         staged = buf[:nbytes].view(t.dtype).view(t.shape)
         staged.copy_(t)
         out = staged.to(device, non_blocking=True)
-        event = torch.cuda.Event()
         event.record()
         pool.append((buf, event))
         return out
