@@ -14,7 +14,8 @@ vLLM's extra sampling fields (`top_k`, `min_p`, `repetition_penalty`, `stop_toke
 (`json_object`, `json_schema`) and vLLM's `guided_json`, `guided_regex`, `guided_choice`,
 `guided_grammar` and `structured_outputs` ({json|regex|choice|grammar|json_object: ...}), one
 per request, become `SamplingParams.structured_output`; its shape is checked here, its
-compilation by the prefill node (a spec that does not compile is a 400 from there). Tokenization, the context-length check and the
+compilation by the prefill node (a spec that does not compile is a 400 from there); a forced
+`tool_choice` becomes one too. Tokenization, the context-length check and the
 model-name check are left to the handlers, which know the tokenizer and the backend.
 """
 
@@ -295,12 +296,17 @@ def _structured(body: dict) -> tuple[str, str] | None:
             raise bad_param(name, "must be an object with one of json, regex, choice, grammar, "
                                   "json_object")
         (key, v), = given.items()
-        if key == "json_object" and v is not True:
-            raise bad_param(name, "json_object must be true")
-        found.append((name, {"json": lambda: _schema(name, v), "regex": lambda: ("regex", _text(name, v)),
-                             "choice": lambda: _choices(name, v),
-                             "grammar": lambda: ("grammar", _text(name, v)),
-                             "json_object": lambda: ("json_object", "")}[key]()))
+        if key == "json_object":
+            if v is not True:
+                raise bad_param(name, "json_object must be true")
+            spec = ("json_object", "")
+        elif key == "json":
+            spec = _schema(name, v)
+        elif key == "choice":
+            spec = _choices(name, v)
+        else:
+            spec = (key, _text(name, v))  # regex, grammar
+        found.append((name, spec))
     if len(found) > 1:
         raise bad_param(found[1][0], f"only one structured-output constraint per request (also "
                                      f"given: {found[0][0]})")

@@ -13,9 +13,10 @@ module keeps that behind two small types:
 - `GrammarState`, one per request: `queue(token)` for every appended token (`Req.append_token`
   calls it; the decode loop walks a step's tokens of every request in one batch call,
   `accept_all`), `mask()` the tokens allowed next as a bitmask (int32 words, bit t % 32 of word
-  t // 32; `fill_masks` fills a step's masks at once, on several threads), `masks_along(drafts)` the masks at each position of an MTP verify step, each
-  taking the drafts before it as accepted (then rolled back), and `terminated` once the grammar
-  took its stop token.
+  t // 32; `fill_masks` fills a step's masks at once, on several threads),
+  `masks_along(drafts)` the masks at each position of an MTP verify step, each taking the drafts
+  before it as accepted (then rolled back), and `terminated` once the grammar took its stop
+  token (or a token it refused was appended).
 
 The sampler applies the masks on the logits' device (`pd.engine.sampler.apply_grammar`).
 Across P and D each node binds its own state: the prefill node samples the first token under

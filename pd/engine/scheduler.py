@@ -210,8 +210,11 @@ class Scheduler:
             req.num_computed_tokens = req.num_tokens - 1
             self.register(req)
             req.spec_token_ids = []
-            if res.finish_reason is not None:
-                finish(req, res.finish_reason)
+            reason = res.finish_reason
+            if reason is None and req.grammar is not None and req.grammar.terminated:
+                reason = FinishReason.STOP  # its stop token taken with ignore_eos, or refused
+            if reason is not None:
+                finish(req, reason)
                 finished.append(req)
                 continue
             room = min(req.num_prompt_tokens + req.params.max_tokens, self.max_model_len) - req.num_tokens

@@ -1,6 +1,7 @@
 """What vLLM clients send and expect: unknown fields accepted, ignored and named in a header;
 `model` optional; `/v1/models/{id}`, `/tokenize`, `/detokenize` and `/version` (the official
-`openai` client where it reaches them)."""
+`openai` client where it reaches them); the structured-output fields (`response_format` and
+vLLM's) read into one spec, malformed ones refused naming the field."""
 
 from __future__ import annotations
 
@@ -107,3 +108,44 @@ def test_completion_top_logprobs_hold_the_sampled_token():
     tops = completion_logprobs([inside, outside])["top_logprobs"]
     assert tops == [{"a": -0.1, "b": -2.0}, {"a": -0.1, "b": -2.0, "c": -5.0}]
     assert [len(e["top_logprobs"]) for e in chat_logprobs([inside, outside])["content"]] == [2, 2]
+
+
+@pytest.mark.parametrize("body,spec", [
+    ({"response_format": {"type": "json_object"}}, ("json_object", "")),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}},
+     ("json", '{"type": "object"}')),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, ("json_object", "")),
+    ({"response_format": {"type": "text"}}, None),
+    ({"guided_json": '{"type": "integer"}'}, ("json", '{"type": "integer"}')),
+    ({"guided_regex": "[0-9]+"}, ("regex", "[0-9]+")),
+    ({"guided_choice": ["a", "ü"]}, ("choice", '["a", "ü"]')),
+    ({"guided_grammar": 'root ::= "a"'}, ("grammar", 'root ::= "a"')),
+    ({"structured_outputs": {"regex": "x+"}}, ("regex", "x+")),
+    ({"structured_outputs": {"json_object": True}}, ("json_object", "")),
+])
+def test_structured_output_fields_become_one_spec(body, spec):
+    from router.protocol import parse_chat, parse_completion
+
+    for req in (parse_completion({"prompt": "x", **body}),
+                parse_chat({"messages": [{"role": "user", "content": "x"}], **body})):
+        assert req.sampling.get("structured_output") == spec
+        assert req.sampling_params(4, 0).structured_output == spec
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"response_format": {"type": "xml"}}, "response_format"),
+    ({"response_format": {"type": "json_schema"}}, "response_format"),
+    ({"guided_json": "not json"}, "guided_json"), ({"guided_json": [1]}, "guided_json"),
+    ({"guided_regex": ""}, "guided_regex"), ({"guided_choice": []}, "guided_choice"),
+    ({"guided_choice": ["a", 3]}, "guided_choice"),
+    ({"structured_outputs": {"regex": "a", "grammar": "b"}}, "structured_outputs"),
+    ({"structured_outputs": {"json_object": False}}, "structured_outputs"),
+    ({"guided_regex": "a", "guided_choice": ["b"]}, "guided_choice"),
+    ({"guided_grammar": "x" * (256 * 1024 + 1)}, "guided_grammar"),
+])
+def test_malformed_structured_output_is_a_400_naming_the_field(body, param):
+    from router.protocol import parse_completion
+
+    with pytest.raises(Exception) as e:
+        parse_completion({"prompt": "x", **body})
+    assert getattr(e.value, "status", None) == 400 and e.value.param == param
