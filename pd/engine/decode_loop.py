@@ -420,7 +420,7 @@ class DecodeLoop:
                 if prefix is not None:
                     prefix.register(req)
             if any(req.grammar is not None for req in emitted):
-                accept_all([req.grammar for req in emitted])  # the step's tokens in one call
+                accept_all([req.grammar for req in emitted])  # the grammars walk the tokens
             for req in emitted:
                 reason = req.check_stop(self.max_model_len)
                 if reason is not None:

@@ -87,7 +87,7 @@ def test_masks_along_drafts_equal_walking_them(grammars, tiny_model_dir):
     assert torch.equal(masks[4], masks[3]) and torch.equal(masks[5], masks[3])
 
 
-def test_queued_tokens_are_walked_in_order_alone_or_in_a_batch(grammars, tiny_model_dir):
+def test_queued_tokens_are_walked_in_order(grammars, tiny_model_dir):
     from pd.text.tokenizer import Tokenizer
 
     ids = Tokenizer.from_dir(tiny_model_dir).encode('{"name": "ab", "n": 12}',
@@ -111,8 +111,15 @@ def test_queued_tokens_are_walked_in_order_alone_or_in_a_batch(grammars, tiny_mo
     assert torch.equal(states[2].mask(), one.mask())
 
 
-def test_a_steps_masks_filled_together_equal_each_alone(grammars, tiny_model_dir):
+@pytest.mark.parametrize("threads", [False, True])
+def test_a_steps_masks_filled_together_equal_each_alone(grammars, tiny_model_dir, threads,
+                                                         monkeypatch):
+    """One by one (cheap masks) or on xgrammar's threads (costly ones), the same masks."""
+    from pd.engine import grammar
     from pd.text.tokenizer import Tokenizer
+
+    monkeypatch.setattr(grammar, "BATCH_FILL_SECONDS", 0.0 if threads else 1.0)
+    monkeypatch.setattr(grammar, "REMEASURE", 10**9)
 
     eos = Tokenizer.from_dir(tiny_model_dir).eos_token_ids[0]
     states = [grammars.matcher(spec) for spec in SPECS] + [None, grammars.matcher(SPECS[3])]
