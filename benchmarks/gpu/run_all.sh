@@ -7,7 +7,8 @@
 #   eager, the decode step's kernels
 #   and host time (profiler), overlap on/off (parity of 64 requests, sync check, throughput and
 #   step gap), MTP on/off (graphed, overlap on/off, logprobs) and the MTP machinery on the 1B
-#   shape. Logs go to $OUT (or ./out) and one table each to stdout.
+#   shape, structured output's cost (grammars on the GPU: the same tokens as transformers'
+#   masked logits). Logs go to $OUT (or ./out) and one table each to stdout.
 #     bash benchmarks/gpu/run_all.sh [1|2|3|4]  (1: checks, KV, attention, decode; 2: graphs,
 #                                                 profile, overlap, MTP; 3: two GPUs: KV between
 #                                                 them, the mixed load;
@@ -37,6 +38,8 @@ TAIL=4 step pytest python3 -m pytest -q -p no:cacheprovider tests/engine/test_cu
     tests/shm_ipc/test_kv.py
 TAIL=4 step pd_path env PD_TEST_DEVICE=cuda python3 -m pytest -q -p no:cacheprovider \
     tests/e2e/test_pd_path.py -k equals_single_process
+TAIL=4 step grammar_logprobs env PD_TEST_DEVICE=cuda python3 -m pytest -q -p no:cacheprovider \
+    tests/engine/test_grammar.py tests/engine/test_logprobs.py
 TAIL=12 step kv timeout 300 python3 benchmarks/gpu/bench_kv.py
 TAIL=8 step attention python3 benchmarks/gpu/bench_attention.py
 TAIL=12 step skinny python3 benchmarks/gpu/bench_skinny.py
@@ -56,6 +59,8 @@ TAIL=36 step mtp_mechanism python3 benchmarks/gpu/bench_mtp_mechanism.py
 TAIL=14 step profile_mtp python3 benchmarks/gpu/profile_mtp.py --k 3 --batch 16 --top 8
 TAIL=40 step mtp_kernels python3 benchmarks/gpu/profile_mtp.py --k 3 --batch 1 --kernels --top 10 \
     --max-tokens 64
+TAIL=7 step structured python3 benchmarks/bench_structured.py --device cuda --synthetic-1b \
+    --batch 1 32 --max-tokens 128 --repeats 2
 fi
 if [[ $PART == all || $PART == 4 ]]; then  # prefix caching through pd launch
 TAIL=24 step prefix_cache python3 benchmarks/bench_prefix_cache.py --device cuda --synthetic-1b \
