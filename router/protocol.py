@@ -486,7 +486,9 @@ def parse_chat(body: dict) -> ApiRequest:
         if "structured_output" in req.sampling:
             raise bad_param("tool_choice", "a forced tool choice constrains the reply itself: it "
                                            "cannot be combined with another structured output")
+        # NOTE: compact JSON (no free whitespace): a model may otherwise pad the calls with
+        # whitespace until max_tokens and never close them
         schema = tool_choice_schema(req.tools, req.tool_choice, parallel is not False)
-        req.sampling["structured_output"] = ("json", json.dumps(schema, ensure_ascii=False))
+        req.sampling["structured_output"] = ("json_compact", json.dumps(schema, ensure_ascii=False))
     _check_tokens(req, "max_completion_tokens")
     return req

@@ -1,7 +1,8 @@
 """Structured output: the grammar a request's tokens must follow, matched token by token.
 
-A request's `SamplingParams.structured_output` is (kind, spec): a JSON schema ("json"), any JSON
-object ("json_object"), a regex ("regex"), one of a JSON list of strings ("choice") or an EBNF
+A request's `SamplingParams.structured_output` is (kind, spec): a JSON schema ("json", or
+"json_compact" without free whitespace: the router's forced tool calls), any JSON object
+("json_object"), a regex ("regex"), one of a JSON list of strings ("choice") or an EBNF
 grammar ("grammar"). xgrammar compiles it against the model's vocabulary and matches it; this
 module keeps that behind two small types:
 
@@ -202,6 +203,8 @@ class Grammars:
         try:
             if kind == "json":
                 return c.compile_json_schema(text)
+            if kind == "json_compact":  # no free whitespace: a small model can loop on it
+                return c.compile_json_schema(text, any_whitespace=False)
             if kind == "json_object":  # an object, as OpenAI's json_object mode promises
                 return c.compile_json_schema('{"type": "object"}')
             if kind == "regex":

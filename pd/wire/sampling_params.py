@@ -16,10 +16,11 @@ from pd.config import ModelConfigError
 
 MAX_TOP_LOGPROBS = 20
 MAX_LOGIT_BIAS = 300  # entries of logit_bias (OpenAI's limit)
-# structured output: (kind, spec) with spec a JSON schema text ("json"), empty ("json_object":
-# any JSON object), a regex ("regex"), a JSON list of strings ("choice") or an EBNF grammar
-# ("grammar"); compiled and matched by `pd.engine.grammar`
-STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+# structured output: (kind, spec) with spec a JSON schema text ("json"; "json_compact": the
+# same without free whitespace, for forced tool calls), empty ("json_object": any JSON object),
+# a regex ("regex"), a JSON list of strings ("choice") or an EBNF grammar ("grammar");
+# compiled and matched by `pd.engine.grammar`
+STRUCTURED_KINDS = ("json", "json_compact", "json_object", "regex", "choice", "grammar")
 MAX_STRUCTURED_SPEC = 256 * 1024  # characters of a schema, regex or grammar
 # generation_config.json fields a request inherits when it omits them (vLLM's set)
 GENERATION_DEFAULT_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")

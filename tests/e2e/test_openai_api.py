@@ -358,7 +358,7 @@ def test_forced_tool_choice_through_pd_launch(api, reference, model_name):
     ids = reference.tokenizer.encode_chat(messages, tools=[tool])
     schema = tool_choice_schema([tool], "function:pick")
     want = reference.generate([ids], SamplingParams(max_tokens=16, temperature=0.0,
-                                                    structured_output=("json", json.dumps(schema))))[0]
+                                                    structured_output=("json_compact", json.dumps(schema))))[0]
     out = api.chat.completions.create(model=model_name, messages=messages, tools=[tool],
                                       tool_choice={"type": "function", "function": {"name": "pick"}},
                                       max_tokens=16, temperature=0).choices[0]

@@ -175,7 +175,7 @@ def test_forced_tool_choices_constrain_the_reply_and_come_back_as_calls(serve, s
             ("get_weather", args)]
         kind, schema = backend.requests[-1].params.structured_output
         name = "required" if choice == "required" else "function:get_weather"
-        assert kind == "json" and json.loads(schema) == tool_choice_schema([WEATHER], name)
+        assert kind == "json_compact" and json.loads(schema) == tool_choice_schema([WEATHER], name)
     assert json.loads(schema) == WEATHER["function"]["parameters"]
 
 
@@ -211,4 +211,5 @@ def test_langchain_with_structured_output(serve, method):
     got = llm.with_structured_output(Weather, method=method).invoke("weather in Oslo?")
     assert got == Weather(city="Oslo", degrees=4)
     kind, schema = backend.requests[-1].params.structured_output
-    assert kind == "json" and set(json.loads(schema)["properties"]) == {"city", "degrees"}
+    assert kind == ("json_compact" if method == "function_calling" else "json")
+    assert set(json.loads(schema)["properties"]) == {"city", "degrees"}
