@@ -102,11 +102,10 @@ class ThreadExecutor(InlineExecutor):
     """Runs each step on one worker thread, in launch order (the CPU's stream)."""
 
     name = "thread"
+    can_defer = True
 
     def __init__(self) -> None:
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pd-device")
-
-    can_defer = True
 
     def launch(self, runner: ModelRunner, batch: ScheduledBatch, prev: ForwardOutput | None,
                defer: bool = False) -> tuple[ForwardInput, ForwardOutput]:
@@ -128,7 +127,8 @@ class ThreadExecutor(InlineExecutor):
 
         def finish() -> None:
             logits = part.result()
-            sampled = runner.sampler(logits, rows) if isinstance(logits, torch.Tensor) else logits
+            with torch.inference_mode():
+                sampled = runner.sampler(logits, rows) if isinstance(logits, torch.Tensor) else logits
             runner.emit(sampled, out.next_tokens_gpu, out.next_tokens_cpu, out.logprobs_cpu)
 
         self.pool.submit(done.run, finish)

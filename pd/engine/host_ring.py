@@ -37,12 +37,14 @@ class _Staging:
     host (the allocator's page-locked blocks)."""
 
     def __init__(self) -> None:
-        self.free: dict[int, list[tuple[torch.Tensor, object]]] = {}
+        # (current device, size) -> buffers with their events: an event belongs to the device
+        # whose stream it was recorded on
+        self.free: dict[tuple[int, int], list[tuple[torch.Tensor, object]]] = {}
 
     def to_device(self, t: torch.Tensor, device: torch.device) -> torch.Tensor:
         nbytes = t.numel() * t.element_size()
         size = 1 << max(12, (nbytes - 1).bit_length())
-        pool = self.free.setdefault(size, [])
+        pool = self.free.setdefault((torch.cuda.current_device(), size), [])
         # NOTE: the oldest first; a buffer keeps its event, recorded again at each use
         if pool and pool[0][1].query():
             buf, event = pool.pop(0)
