@@ -15,10 +15,11 @@ that step has completed, since the step still reads and writes them.
 
 When the host needs N's tokens before N+1's sampler (a running request with penalties, whose
 token sets the sampler builds on the host, or with a grammar, whose matcher walks each token
-before the next mask), step N+1's forward is launched ahead all the same and its sampler
-after step N is processed (`CudaExecutor.sample_deferred`; elsewhere the loop waits for step N
-first). It also waits for step N before scheduling N+1 when the batch might preempt
-(preemption frees blocks that step N still writes). Without overlap, each step is launched and waited for at once. Both produce the same tokens. With MTP (a
+before the next mask), step N+1's forward is launched ahead all the same and its sampler after
+step N is processed (the executors' `sample_deferred`; an executor without it makes the loop
+wait for step N first). The loop waits for step N before scheduling N+1 when the batch might
+preempt (preemption frees blocks that step N still writes). Without overlap, each step is
+launched and waited for at once. Both produce the same tokens. With MTP (a
 `pd.spec.verify.SpecDecoder` given as `spec`), each step verifies the requests' drafts and
 proposes the next ones. A graphed MTP step (`pd.spec.graphs`) whose requests all continue
 greedily is followed, with overlap, by the next one before the host reads it: how many tokens a

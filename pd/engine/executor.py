@@ -141,12 +141,11 @@ class CudaExecutor:
     """A dedicated compute stream; events bracket each step."""
 
     name = "cuda"
+    can_defer = True
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.stream = torch.cuda.Stream(device=device)
-
-    can_defer = True
 
     def launch(self, runner: ModelRunner, batch: ScheduledBatch, prev: ForwardOutput | None,
                defer: bool = False) -> tuple[ForwardInput, ForwardOutput]:

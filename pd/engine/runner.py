@@ -260,8 +260,8 @@ class ModelRunner:
             return [cls.sampling_row(r, mask=False) for r in reqs]
         if not any(r.grammar is not None for r in reqs):
             return [cls.sampling_row(r) for r in reqs]
-        masks = fill_masks([r.grammar for r in reqs])
-        return [cls.sampling_row(r, m) for r, m in zip(reqs, masks)]
+        filled = fill_masks([r.grammar for r in reqs])
+        return [cls.sampling_row(r, m) for r, m in zip(reqs, filled)]
 
     @torch.inference_mode()
     def forward(self, inp: ForwardInput) -> torch.Tensor:
@@ -306,11 +306,10 @@ class ModelRunner:
         return self.model.compute_logits(hidden[inp.logits_index])
 
     @torch.inference_mode()
-    def sample(self, inp: ForwardInput, prev_tokens: torch.Tensor | None = None,
-               rows: list[SamplingRow] | None = None) -> SamplerOutput | None:
-        """Forward + sampler on the device (`rows`: the sampler's rows, default the step's)."""
+    def sample(self, inp: ForwardInput, prev_tokens: torch.Tensor | None = None) -> SamplerOutput | None:
+        """Forward + sampler on the device (`forward_rows`, then the sampler over its logits)."""
         out = self.forward_rows(inp, prev_tokens)
-        return self.sampler(out, rows or inp.rows) if isinstance(out, torch.Tensor) else out
+        return self.sampler(out, inp.rows) if isinstance(out, torch.Tensor) else out
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> dict[int, SampledToken]:
