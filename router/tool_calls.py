@@ -44,7 +44,7 @@ def _call(obj) -> dict | None:
 def tool_choice_schema(tools: list[dict], choice: str, parallel: bool = True) -> dict:
     """The JSON schema a forced tool choice constrains the reply to: for `required`, an array of
     at least one {"name", "parameters"} call of the given tools (at most one unless `parallel`);
-    for a function's name, that function's parameters."""
+    for "function:<name>", that function's parameters."""
     def params(t: dict) -> dict:
         return t["function"].get("parameters") or {"type": "object"}
 
