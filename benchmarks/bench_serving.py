@@ -6,8 +6,9 @@ metrics, so that the serving path can be held against the engine.
     python benchmarks/bench_serving.py --device cuda --synthetic-1b     # random Llama-3.2-1B shape
 
 A warm-up run comes first (--warmup prompts); the nodes' figures (decode step and batch, a
-request's way in, the decode loop's host time per step by phase, the device's step gap) are
-the measured run's alone. --router-workers N serves through N router processes.
+request's way in, the decode loop's host time per step by phase, the device's step gap, the
+share of the decode node's steps and of the client's token gaps over 2.5 and 5 ms: where the
+inter-token tail comes from) are the measured run's alone. --router-workers N serves through N router processes.
 
 Beside the figures: how busy each process was over the run (CPU seconds per second of wall:
 1.0 is one core flat out), the router (inside `pd launch`, or each worker), each node and this
@@ -125,6 +126,16 @@ def main() -> None:
                 for k, v in last.items() if k[0] == "decode" and k[1].startswith("phase=")}
         host["sum"] = sum(host.values())
         gap = mean("decode", "pd_decode_step_gap_seconds")
+
+        def delta(name: str) -> float:
+            return last.get(("decode", name), 0.0) - first.get(("decode", name), 0.0)
+
+        def steps_over(bound: str) -> float:  # share of the decode node's steps longer
+            return 1 - delta(f'step_le="{bound}"') / max(delta("pd_step_duration_seconds_count"), 1.0)
+
+        flat = [g for one in r["itls"] for g in one]
+        tail = {b: (steps_over(b), sum(g > float(b) for g in flat) / max(1, len(flat)))
+                for b in ("0.0025", "0.005")}
     finally:
         lau.stop()
     print(f"{args.device}: {args.num_prompts} prompts of {args.input_len} tokens, "
@@ -142,6 +153,9 @@ def main() -> None:
           flush=True)
     print(f"decode node per step (ms): step gap {gap:.3f} on the device; host " + ", ".join(
         f"{k} {v:.3f}" for k, v in host.items()), flush=True)
+    print("the tail: " + ", ".join(
+        f"over {float(b) * 1e3:g} ms {node:.2%} of the decode node's steps, {client:.2%} of the "
+        f"client's gaps" for b, (node, client) in tail.items()), flush=True)
     print("busy (CPU s per s): " + ", ".join(f"{k} {v:.2f}" for k, v in busy.items()), flush=True)
     for t in spies:
         print(t.summary, flush=True)
@@ -247,13 +261,16 @@ def snapshot(lau) -> dict[tuple[str, str], float]:
 
 
 def node_sums(address: str) -> dict[str, float]:
-    """One node's histogram sums and counts and host time by phase, from its /metrics at
-    `address` (host:port): {name: value}, a phase keyed 'phase="NAME"'."""
+    """One node's histogram sums and counts, host time by phase and step-duration buckets, from
+    its /metrics at `address` (host:port): {name: value}, a phase keyed 'phase="NAME"', a
+    bucket 'step_le="BOUND"' (steps that took at most BOUND seconds)."""
     out: dict[str, float] = {}
     for line in urllib.request.urlopen(f"http://{address}/metrics", timeout=10).read().decode().splitlines():
         name, _, rest = line.partition("{")
         if line.startswith("pd_decode_host_seconds_total{"):
             key = 'phase="' + line.split('phase="', 1)[1].split('"', 1)[0] + '"'
+        elif name == "pd_step_duration_seconds_bucket":
+            key = 'step_le="' + line.split('le="', 1)[1].split('"', 1)[0] + '"'
         elif name.endswith(("_sum", "_count")) and rest:
             key = name
         else:
