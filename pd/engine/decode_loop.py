@@ -40,7 +40,6 @@ from collections import deque
 from typing import Callable, NamedTuple
 
 from pd.engine.executor import make_executor
-from pd.engine.grammar import accept_all
 from pd.engine.request import FinishReason, Req, ReqStatus
 from pd.engine.runner import ForwardInput, ForwardOutput, ModelRunner, SampledToken, unpack_sampled
 from pd.engine.scheduler import ScheduledBatch, Scheduler
@@ -420,9 +419,6 @@ class DecodeLoop:
                 emitted.append(req)
                 if prefix is not None:
                     prefix.register(req)
-            if any(req.grammar is not None for req in emitted):
-                accept_all([req.grammar for req in emitted])  # the grammars walk the tokens
-            for req in emitted:
                 reason = req.check_stop(self.max_model_len)
                 if reason is not None:
                     self.finish(req, reason, nxt)

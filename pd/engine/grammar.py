@@ -11,9 +11,8 @@ module keeps that behind two small types:
   without such requests never pays it), and the compiler, whose cache keeps each compiled
   grammar: a schema is compiled once per process. `matcher(spec)` raises `GrammarError` for a
   spec that does not compile.
-- `GrammarState`, one per request: `queue(token)` for every appended token (`Req.append_token`
-  calls it; the decode loop walks a step's tokens before it checks the stops, `accept_all`),
-  `mask()` the tokens allowed next as a bitmask (int32 words, bit t % 32 of word t // 32;
+- `GrammarState`, one per request: `accept(token)` for every appended token (`Req.append_token`
+  calls it), `mask()` the tokens allowed next as a bitmask (int32 words, bit t % 32 of word t // 32;
   `fill_masks` fills a step's masks, on several threads where they are costly),
   `masks_along(drafts)` the masks at each position of an MTP verify step, each taking the drafts
   before it as accepted (then rolled back), and `terminated` once the grammar took its stop
@@ -28,6 +27,7 @@ matcher's path.
 from __future__ import annotations
 
 import functools
+import itertools
 import json
 import logging
 import os
@@ -61,44 +61,26 @@ class GrammarState:
 
     def __init__(self, matcher, vocab_size: int) -> None:
         self._m = matcher
-        self.vocab_size = vocab_size
         self.num_words = -(-vocab_size // 32)
         self.failed = False  # a token the grammar refused was appended: the request ends
-        self._queued: list[int] = []  # appended, not walked yet (`queue`)
         self.seconds = 0.0  # how long its last mask took alone (`fill_masks`)
 
     @property
     def terminated(self) -> bool:
-        self.flush()
         return self.failed or self._m.is_terminated()
 
-    def queue(self, token: int) -> None:
-        """A token appended to the request: walked at the next look at the state, or with a
-        step's others in one batch call (`accept_all`)."""
-        self._queued.append(token)
-
-    def flush(self) -> None:
-        while self._queued:
-            self._walk(self._queued.pop(0))
-
     def accept(self, token: int) -> bool:
-        """Walk one token now (after any queued); False if the grammar refuses it (which only
-        a mask that allows no token at all lets happen): the state then stays as it was and
-        `terminated` is set."""
-        self.flush()
-        return self._walk(token)
-
-    def _walk(self, token: int) -> bool:
-        if self.failed or self._m.is_terminated():
+        """Walk one token; False if the grammar refuses it (which only a mask that allows no
+        token at all lets happen): the state then stays as it was and `terminated` is set.
+        One at a time: xgrammar's batch call took 2 ms for a step's 32 tokens of a JSON schema
+        on the H100 host, against ~30 us each alone."""
+        if self.terminated:
             return False
         ok = self._m.accept_token(token)
         if not ok:
-            self.refused(token)
+            self.failed = True
+            log.warning("structured output: the grammar refused token %d; the request ends", token)
         return ok
-
-    def refused(self, token: int) -> None:
-        self.failed = True
-        log.warning("structured output: the grammar refused token %d; the request ends", token)
 
     def mask(self) -> torch.Tensor:
         """int32 [ceil(V / 32)]: the tokens allowed next (all, once terminated: the request
@@ -139,21 +121,11 @@ def _batch_matcher():
     return xgrammar.BatchGrammarMatcher(max_threads=min(8, os.cpu_count() or 1))
 
 
-def accept_all(states: list[GrammarState | None]) -> None:
-    """Walk the tokens queued in each state (None: no grammar). One by one: xgrammar's batch
-    call took 2 ms for a step's 32 tokens of a JSON schema on the H100 host, against ~30 us
-    each alone."""
-    for st in states:
-        if st is not None:
-            st.flush()
-
-
 BATCH_FILL_SECONDS = 1e-3  # a step's masks expected to take longer are filled on threads
 REMEASURE = 32  # every this many steps the masks are filled one by one, timing each
 
 
-class _Fill:
-    calls = 0
+_FILLS = itertools.count(1)  # calls of `fill_masks`, for REMEASURE
 
 
 def fill_masks(states: list[GrammarState | None]) -> list[torch.Tensor | None]:
@@ -162,11 +134,9 @@ def fill_masks(states: list[GrammarState | None]) -> list[torch.Tensor | None]:
     128k vocabulary: ~0.2 ms each), xgrammar's batch matcher fills them on several threads,
     rows of one tensor; cheaper ones (a JSON schema's: ~10 us) are filled one by one, where
     the threads' start-up would cost more (3 ms for 32 such masks against 0.3 ms)."""
-    accept_all(states)
     live = [i for i, st in enumerate(states) if st is not None and not st.terminated]
-    _Fill.calls += 1
     expected = sum(states[i].seconds for i in live)
-    if len(live) < 2 or expected < BATCH_FILL_SECONDS or _Fill.calls % REMEASURE == 0:
+    if len(live) < 2 or expected < BATCH_FILL_SECONDS or next(_FILLS) % REMEASURE == 0:
         return [st.timed_mask() if st is not None else None for st in states]
     width = states[live[0]].num_words
     bits = torch.full((len(states), width), -1, dtype=torch.int32)

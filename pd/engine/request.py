@@ -96,7 +96,7 @@ class Req:
                      top: list[tuple[int, float]] | None = None) -> None:
         self.token_ids.append(token_id)
         if self.grammar is not None:
-            self.grammar.queue(token_id)
+            self.grammar.accept(token_id)
         if self.params.logprobs is not None:
             self.output_logprobs.append(logprob)
             self.output_ranks.append(rank)

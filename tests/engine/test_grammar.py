@@ -13,7 +13,7 @@ import os
 import pytest
 import torch
 
-from pd.engine.grammar import GrammarError, Grammars, accept_all, fill_masks
+from pd.engine.grammar import GrammarError, Grammars, fill_masks
 from pd.engine.sampler import SamplingRow, apply_grammar
 from pd.wire.sampling_params import SamplingParams as SP
 
@@ -87,28 +87,21 @@ def test_masks_along_drafts_equal_walking_them(grammars, tiny_model_dir):
     assert torch.equal(masks[4], masks[3]) and torch.equal(masks[5], masks[3])
 
 
-def test_queued_tokens_are_walked_in_order(grammars, tiny_model_dir):
+def test_appended_tokens_walk_the_grammar_in_order(grammars, tiny_model_dir):
+    from pd.engine.request import Req
     from pd.text.tokenizer import Tokenizer
 
     ids = Tokenizer.from_dir(tiny_model_dir).encode('{"name": "ab", "n": 12}',
                                                     add_special_tokens=False)
     spec = ("json", json.dumps(SCHEMA))
     walker = grammars.matcher(spec)
-    queued = grammars.matcher(spec)
+    req = Req("r", [5, 6], SP(structured_output=spec))
+    req.grammar = grammars.matcher(spec)
     for t in ids[:5]:
         assert walker.accept(t)
-        queued.queue(t)
-    assert torch.equal(queued.mask(), walker.mask())  # looking at the state walks the queue
-    states = [grammars.matcher(spec) for _ in range(3)]
-    for st in states:
-        st.queue(ids[0])
-    states[2].queue(ids[1])  # two queued: walked one by one
-    accept_all(states + [None])
-    one = grammars.matcher(spec)
-    one.accept(ids[0])
-    assert torch.equal(states[0].mask(), one.mask()) and torch.equal(states[1].mask(), one.mask())
-    one.accept(ids[1])
-    assert torch.equal(states[2].mask(), one.mask())
+        req.append_token(t)
+    assert torch.equal(req.grammar.mask(), walker.mask())
+    assert not req.grammar.terminated and req.check_stop(1000) is None
 
 
 @pytest.mark.parametrize("threads", [False, True])
