@@ -209,7 +209,8 @@ class SpecDecoder:
     def sampling_rows(self, req: Req) -> list[SamplingRow]:
         """The k + 1 sampler rows of a slot: position j sees the drafts before it as output (a
         grammar's mask there takes them as accepted)."""
-        base, nd = self.runner.sampling_row(req), len(req.spec_token_ids)
+        # NOTE: the base row without a mask: masks_along fills position 0's with the others
+        base, nd = self.runner.sampling_row(req, mask=False), len(req.spec_token_ids)
         masks = (req.grammar.masks_along(req.spec_token_ids, self.k + 1)
                  if req.grammar is not None else [None] * (self.k + 1))
         rows = []
