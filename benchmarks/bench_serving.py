@@ -108,10 +108,11 @@ def main() -> None:
             t.join()
         last = snapshot(lau)
 
-        def mean(role: str, name: str) -> float:  # ms, over the measured run
-            d = {k: last.get((role, name + k), 0.0) - first.get((role, name + k), 0.0)
-                 for k in ("_sum", "_count")}
-            return 1000 * d["_sum"] / max(d["_count"], 1.0)
+        def delta(role: str, name: str) -> float:  # over the measured run
+            return last.get((role, name), 0.0) - first.get((role, name), 0.0)
+
+        def mean(role: str, name: str) -> float:  # ms
+            return 1000 * delta(role, name + "_sum") / max(delta(role, name + "_count"), 1.0)
 
         step = mean("decode", "pd_step_duration_seconds")
         batch = mean("decode", "pd_batch_size") / 1000
@@ -121,17 +122,15 @@ def main() -> None:
             ("KV send -> ack", "prefill", "pd_kv_transfer_seconds"),
             ("KV accept -> last record in (decode)", "decode", "pd_kv_transfer_seconds"),
             ("first token -> joined the batch", "decode", "pd_request_join_seconds"))}
-        steps = last[("decode", "pd_batch_size_count")] - first.get(("decode", "pd_batch_size_count"), 0)
-        host = {k[1].split('"')[1]: 1000 * (v - first.get(k, 0.0)) / max(steps, 1.0)
-                for k, v in last.items() if k[0] == "decode" and k[1].startswith("phase=")}
+        steps = delta("decode", "pd_batch_size_count")
+        host = {k[1].split('"')[1]: 1000 * delta(*k) / max(steps, 1.0)
+                for k in last if k[0] == "decode" and k[1].startswith("phase=")}
         host["sum"] = sum(host.values())
         gap = mean("decode", "pd_decode_step_gap_seconds")
 
-        def delta(name: str) -> float:
-            return last.get(("decode", name), 0.0) - first.get(("decode", name), 0.0)
-
         def steps_over(bound: str) -> float:  # share of the decode node's steps longer
-            return 1 - delta(f'step_le="{bound}"') / max(delta("pd_step_duration_seconds_count"), 1.0)
+            return 1 - (delta("decode", f'step_le="{bound}"')
+                        / max(delta("decode", "pd_step_duration_seconds_count"), 1.0))
 
         flat = [g for one in r["itls"] for g in one]
         tail = {b: (steps_over(b), sum(g > float(b) for g in flat) / max(1, len(flat)))
