@@ -10,12 +10,9 @@ as vLLM does, and listed in `ApiRequest.ignored` (the server logs them and names
 `X-PD-Ignored-Fields` response header); the OpenAI fields it knows but does not implement are
 accepted only at their neutral values. `logit_bias` ({"token id": bias}) is passed on. `model` may be left out: the served model answers.
 vLLM's extra sampling fields (`top_k`, `min_p`, `repetition_penalty`, `stop_token_ids`,
-`ignore_eos`, `min_tokens`) are accepted too. Structured output: `response_format`
-(`json_object`, `json_schema`) and vLLM's `guided_json`, `guided_regex`, `guided_choice`,
-`guided_grammar` and `structured_outputs` ({json|regex|choice|grammar|json_object: ...}), one
-per request, become `SamplingParams.structured_output`; its shape is checked here, its
-compilation by the prefill node (a spec that does not compile is a 400 from there); a forced
-`tool_choice` becomes one too. Tokenization, the context-length check and the
+`ignore_eos`, `min_tokens`) are accepted too. The structured-output fields are read by
+`router.structured` into `SamplingParams.structured_output`; a forced `tool_choice` becomes one
+too. Tokenization, the context-length check and the
 model-name check are left to the handlers, which know the tokenizer and the backend.
 """
 
@@ -25,9 +22,9 @@ import json
 import math
 from dataclasses import dataclass, field
 
-from pd.wire.sampling_params import (MAX_LOGIT_BIAS, MAX_STRUCTURED_SPEC, MAX_TOP_LOGPROBS,
-                                     SamplingParams)
+from pd.wire.sampling_params import MAX_LOGIT_BIAS, MAX_TOP_LOGPROBS, SamplingParams
 from router.errors import bad_param
+from router.structured import STRUCTURED_FIELDS, parse_structured
 from router.tool_calls import tool_choice_schema
 
 MAX_CHOICES = 128  # prompts x n in one request
@@ -35,10 +32,8 @@ MAX_STOP_STRINGS = 16
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 _SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "presence_penalty",
                     "frequency_penalty", "repetition_penalty", "ignore_eos", "min_tokens")
-_STRUCTURED_FIELDS = ("response_format", "guided_json", "guided_regex", "guided_choice",
-                      "guided_grammar", "structured_outputs")
 _COMMON = {"model", "max_tokens", "n", "stream", "stream_options", "stop", "stop_token_ids",
-           "seed", "logprobs", "user", "logit_bias", *_SAMPLING_FIELDS, *_STRUCTURED_FIELDS}
+           "seed", "logprobs", "user", "logit_bias", *_SAMPLING_FIELDS, *STRUCTURED_FIELDS}
 COMPLETION_FIELDS = _COMMON | {"prompt", "echo", "suffix", "best_of"}
 CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "top_logprobs", "tools",
                          "tool_choice", "parallel_tool_calls"}
@@ -226,93 +221,10 @@ def _common(body: dict, allowed: set[str], endpoint: str) -> ApiRequest:
     logit_bias = body.get("logit_bias")
     if logit_bias:
         req.sampling["logit_bias"] = _logit_bias(logit_bias)
-    structured = _structured(body)
+    structured = parse_structured(body)
     if structured is not None:
         req.sampling["structured_output"] = structured
     return req
-
-
-def _schema(name: str, v) -> tuple[str, str]:
-    """A JSON schema given as an object (or as its JSON text)."""
-    if isinstance(v, str):
-        try:
-            v = json.loads(v)
-        except ValueError:
-            raise bad_param(name, "must be a JSON schema (an object, or its JSON text)") from None
-    if not isinstance(v, (dict, bool)):
-        raise bad_param(name, "must be a JSON schema (an object)")
-    return ("json", json.dumps(v, ensure_ascii=False))
-
-
-def _text(name: str, v) -> str:
-    if not isinstance(v, str) or not v:
-        raise bad_param(name, "must be a non-empty string")
-    return v
-
-
-def _choices(name: str, v) -> tuple[str, str]:
-    if not isinstance(v, list) or not v or not all(isinstance(c, str) and c for c in v):
-        raise bad_param(name, "must be a non-empty list of non-empty strings")
-    return ("choice", json.dumps(v, ensure_ascii=False))
-
-
-def _response_format(rf) -> tuple[str, str] | None:
-    kinds = ("text", "json_object", "json_schema")
-    if not isinstance(rf, dict) or rf.get("type") not in kinds:
-        raise bad_param("response_format", "must be {'type': 'text'}, {'type': 'json_object'} or "
-                                           "{'type': 'json_schema', 'json_schema': {'name': str, "
-                                           "'schema': object}}")
-    if rf["type"] == "text":
-        return None
-    if rf["type"] == "json_object":
-        return ("json_object", "")
-    js = rf.get("json_schema")
-    if not isinstance(js, dict):
-        raise bad_param("response_format", "json_schema must be an object with a 'schema'")
-    schema = js.get("schema")
-    return ("json_object", "") if schema is None else _schema("response_format", schema)
-
-
-def _structured(body: dict) -> tuple[str, str] | None:
-    """The one structured-output constraint of a request (see the module docstring)."""
-    found: list[tuple[str, tuple[str, str]]] = []
-    if body.get("response_format") is not None:
-        spec = _response_format(body["response_format"])
-        if spec is not None:
-            found.append(("response_format", spec))
-    vllm = {"guided_json": lambda v: _schema("guided_json", v),
-            "guided_regex": lambda v: ("regex", _text("guided_regex", v)),
-            "guided_choice": lambda v: _choices("guided_choice", v),
-            "guided_grammar": lambda v: ("grammar", _text("guided_grammar", v))}
-    for name, make in vllm.items():
-        if body.get(name) is not None:
-            found.append((name, make(body[name])))
-    so = body.get("structured_outputs")
-    if so is not None:
-        name = "structured_outputs"
-        given = {k: v for k, v in so.items() if v is not None} if isinstance(so, dict) else None
-        if not given or len(given) != 1 or not set(given) <= {"json", "regex", "choice",
-                                                               "grammar", "json_object"}:
-            raise bad_param(name, "must be an object with one of json, regex, choice, grammar, "
-                                  "json_object")
-        (key, v), = given.items()
-        if key == "json_object":
-            if v is not True:
-                raise bad_param(name, "json_object must be true")
-            spec = ("json_object", "")
-        elif key == "json":
-            spec = _schema(name, v)
-        elif key == "choice":
-            spec = _choices(name, v)
-        else:
-            spec = (key, _text(name, v))  # regex, grammar
-        found.append((name, spec))
-    if len(found) > 1:
-        raise bad_param(found[1][0], f"only one structured-output constraint per request (also "
-                                     f"given: {found[0][0]})")
-    if found and len(found[0][1][1]) > MAX_STRUCTURED_SPEC:
-        raise bad_param(found[0][0], f"is longer than {MAX_STRUCTURED_SPEC} characters")
-    return found[0][1] if found else None
 
 
 def _logit_bias(v) -> tuple[tuple[int, float], ...]:
