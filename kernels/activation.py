@@ -13,7 +13,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from kernels.triton_support import triton_usable
+from kernels.triton_support import pdl_options, triton_usable
 
 BLOCK = 1024
 
@@ -22,9 +22,14 @@ BLOCK = 1024
 def _kernel():
     import triton  # noqa: PLC0415 (deferred: CPU machines have no triton)
     import triton.language as tl
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait  # noqa: PLC0415
 
     @triton.jit
-    def silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, n_cols, BLOCK: tl.constexpr):
+    def silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, n_cols, BLOCK: tl.constexpr,
+                            PDL: tl.constexpr):
+        if PDL:  # see kernels.triton_support.pdl_options
+            gdc_wait()
+            gdc_launch_dependents()
         row = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         ok = cols < n_cols
@@ -53,5 +58,5 @@ def silu_and_mul(x: torch.Tensor, use_kernel: bool | None = None) -> torch.Tenso
         raise ValueError(f"x has {cols} columns: gate and up need an even count")
     out = torch.empty(rows, cols // 2, dtype=x.dtype, device=x.device)
     _kernel()[(rows, -(-(cols // 2) // BLOCK))](x, out, x.stride(0), out.stride(0), cols // 2,
-                                                BLOCK=BLOCK, num_warps=4)
+                                                BLOCK=BLOCK, num_warps=4, **pdl_options(x))
     return out

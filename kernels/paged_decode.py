@@ -25,6 +25,8 @@ import os
 
 import torch
 
+from kernels.triton_support import pdl_options
+
 SPLIT_TOKENS = 128  # keys per program: fixed, so a sequence's result is the same in any batch
 MERGE_CHUNK = 8  # splits the merge loads at once (fixed: the sums' order must not vary)
 
@@ -33,6 +35,7 @@ MERGE_CHUNK = 8  # splits the merge loads at once (fixed: the sums' order must n
 def _kernel():
     import triton  # noqa: PLC0415 (deferred: CPU machines have no triton)
     import triton.language as tl
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait  # noqa: PLC0415
 
     # NOTE: the block-table stride varies with an eager step's context; unspecialized, so a
     # new length never waits for a compile
@@ -43,7 +46,11 @@ def _kernel():
                       stride_ab, stride_ah, stride_as, stride_mb, stride_mh, stride_ob, stride_oh,
                       G: tl.constexpr, GP: tl.constexpr, BLOCK: tl.constexpr, D: tl.constexpr,
                       TILE: tl.constexpr, SUB: tl.constexpr, STAGES: tl.constexpr,
-                      IEEE: tl.constexpr, GM: tl.constexpr, CH: tl.constexpr):
+                      IEEE: tl.constexpr, GM: tl.constexpr, CH: tl.constexpr,
+                      PDL: tl.constexpr):
+        if PDL:  # see kernels.triton_support.pdl_options
+            gdc_wait()
+            gdc_launch_dependents()
         b, h, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         n = tl.load(lens_ptr + b)
         first = s * TILE
@@ -182,12 +189,13 @@ def paged_decode_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
                  use_kernel: bool | None = None, num_warps: int | None = None,
-                 sub_tokens: int | None = None, stages: int = 1) -> torch.Tensor:
+                 sub_tokens: int | None = None, stages: int = 1,
+                 split_tokens: int = SPLIT_TOKENS) -> torch.Tensor:
     """Decode attention (see the module docstring); the kernel on CUDA, else the twin.
     Every sequence must have context_lens >= 1 and block_tables wide enough for it.
     For the benchmark's sweep: `num_warps` overrides the warps per program, `sub_tokens` (a
     power of two, 16 up to the split) the keys loaded at once, `stages` the software
-    pipelining of those loads. Each choice is one fixed order of work, so each is
+    pipelining of those loads, `split_tokens` the keys per program. Each choice is one fixed order of work, so each is
     batch-invariant; they differ from each other in rounding."""
     if use_kernel is None:
         use_kernel = can_use_kernel(q, k_cache)
@@ -206,7 +214,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     if q.stride(2) != 1 or k_cache.stride(3) != 1 or v_cache.stride() != k_cache.stride():
         raise ValueError("q and the caches need a contiguous last dimension and equal cache strides")
     if sub_tokens is not None and (sub_tokens < 16 or sub_tokens & (sub_tokens - 1)
-                                   or sub_tokens > max(1, SPLIT_TOKENS // block) * block):
+                                   or sub_tokens > max(1, split_tokens // block) * block):
         raise ValueError(f"sub_tokens={sub_tokens}: a power of two from 16 up to the split")
     block_tables = block_tables.contiguous()
     group = num_heads // kv_heads
@@ -215,7 +223,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     # table's width: a sequence's keys are then reduced in the same order in every batch (a
     # plain step of B sequences and an MTP verify step of B * (k + 1) rows give bit-equal
     # rows); splits past its end do nothing
-    per_split = max(1, SPLIT_TOKENS // block)
+    per_split = max(1, split_tokens // block)
     splits = -(-width // per_split)
     acc = torch.empty(num_seqs, num_heads, splits, head_dim, dtype=torch.float32, device=q.device)
     m = torch.empty(num_seqs, num_heads, splits, dtype=torch.float32, device=q.device)
@@ -230,5 +238,5 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         G=group, GP=max(16, 1 << (group - 1).bit_length()), BLOCK=block, D=head_dim,
         TILE=per_split * block, SUB=sub_tokens or per_split * block, STAGES=stages,
         IEEE=q.dtype == torch.float32, GM=1 << (group - 1).bit_length(), CH=MERGE_CHUNK,
-        num_warps=num_warps or (4 if per_split * block * head_dim <= 8192 else 8))
+        num_warps=num_warps or (4 if per_split * block * head_dim <= 8192 else 8), **pdl_options(q))
     return out

@@ -14,17 +14,22 @@ import functools
 
 import torch
 
-from kernels.triton_support import triton_usable
+from kernels.triton_support import pdl_options, triton_usable
 
 
 @functools.cache
 def _kernel():
     import triton  # noqa: PLC0415 (deferred: CPU machines have no triton)
     import triton.language as tl
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait  # noqa: PLC0415
 
     @triton.jit
     def rms_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, h_ptr, stride_x, stride_r, stride_o,
-                        stride_h, n_cols, eps, HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+                        stride_h, n_cols, eps, HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+                        PDL: tl.constexpr):
+        if PDL:  # see kernels.triton_support.pdl_options
+            gdc_wait()
+            gdc_launch_dependents()
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         ok = cols < n_cols
@@ -72,5 +77,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     r = residual if residual is not None else x
     _kernel()[(rows,)](x, r, weight, out, h, x.stride(0), r.stride(0), out.stride(0), h.stride(0),
                        cols, eps, HAS_RESIDUAL=residual is not None,
-                       BLOCK=max(16, 1 << (cols - 1).bit_length()), num_warps=4 if cols <= 4096 else 8)
+                       BLOCK=max(16, 1 << (cols - 1).bit_length()), num_warps=4 if cols <= 4096 else 8,
+                       **pdl_options(x))
     return out if residual is None else (out, h)

@@ -17,13 +17,14 @@ import functools
 
 import torch
 
-from kernels.triton_support import triton_usable
+from kernels.triton_support import pdl_options, triton_usable
 
 
 @functools.cache
 def _kernel():
     import triton  # noqa: PLC0415 (deferred: CPU machines have no triton)
     import triton.language as tl
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait  # noqa: PLC0415
 
     @triton.jit
     def _rotate(base, stride_h, heads, c1, c2, s1, s2, offs, HALF: tl.constexpr,
@@ -45,7 +46,10 @@ def _kernel():
                           stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
                           stride_ct, stride_ot, stride_oh, stride_cs, stride_ch,
                           HQ: tl.constexpr, HKV: tl.constexpr, HQ_P2: tl.constexpr,
-                          HKV_P2: tl.constexpr, HALF: tl.constexpr):
+                          HKV_P2: tl.constexpr, HALF: tl.constexpr, PDL: tl.constexpr):
+        if PDL:  # see kernels.triton_support.pdl_options
+            gdc_wait()
+            gdc_launch_dependents()
         t = tl.program_id(0).to(tl.int64)
         offs = tl.arange(0, HALF)
         c1 = tl.load(cos_ptr + t * stride_ct + offs).to(tl.float32)[None, :]
@@ -120,5 +124,5 @@ def rope_and_cache(q, k, v, cos, sin, k_cache, v_cache, slot_mapping,
         cos.stride(0), out.stride(0), out.stride(1), k_cache.stride(1), k_cache.stride(2),
         HQ=num_heads, HKV=kv_heads, HQ_P2=p2(num_heads), HKV_P2=p2(kv_heads), HALF=head_dim // 2,
         num_warps=4 if num_heads * head_dim >= 1024 else 1,
-        enable_fp_fusion=False)  # NOTE: no fma, so each product rounds as in the twin
+        enable_fp_fusion=False, **pdl_options(q))  # NOTE: no fma, so each product rounds as in the twin
     return out

@@ -42,7 +42,7 @@ TAIL=4 step grammar_logprobs env PD_TEST_DEVICE=cuda python3 -m pytest -q -p no:
     tests/engine/test_grammar.py tests/engine/test_logprobs.py
 TAIL=12 step kv timeout 300 python3 benchmarks/gpu/bench_kv.py
 TAIL=8 step attention python3 benchmarks/gpu/bench_attention.py
-TAIL=12 step skinny python3 benchmarks/gpu/bench_skinny.py
+TAIL=12 step skinny python3 benchmarks/gpu/bench_skinny.py --quick --rows 1 64
 TAIL=14 step decode python3 benchmarks/gpu/bench_decode.py
 TAIL=6 step decode_no_skinny env PD_SKINNY=0 python3 benchmarks/gpu/bench_decode.py --no-hf --prefill
 TAIL=22 step profile_prefill python3 benchmarks/gpu/profile_prefill.py --top 8

@@ -1,14 +1,16 @@
 """`kernels.skinny_linear`: the twin (with and without `out`, with a bias) against float64 on
-CPU, where the kernel is never chosen; the Triton kernel against float64 on fresh random
-inputs on a CUDA machine, every row count up to `MAX_ROWS`, ragged shapes, a bias, and
-batch invariance (a row's result alone equals it in any batch)."""
+CPU, where the kernel is never chosen; the kernel's logic (K split in slices, the last program
+adding them, the counters left at zero) in triton's interpreter on a machine without a GPU; the
+Triton kernel against float64 on fresh random inputs on a CUDA machine, row counts in every
+bucket up to `MAX_ROWS`, ragged shapes, a bias, one slice and several, and batch invariance (a
+row's result is the same in any batch of its row bucket)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from kernels.skinny_linear import MAX_ROWS, skinny_linear, use_skinny
+from kernels.skinny_linear import MAX_ROWS, row_bucket, skinny_linear, use_skinny
 
 CUDA = torch.cuda.is_available()
 
@@ -38,19 +40,60 @@ def test_twin_on_cpu_with_and_without_out(bias):
 
 
 @pytest.mark.skipif(not CUDA, reason="the Triton kernel needs a CUDA device")
-@pytest.mark.parametrize("m", [1, 2, 3, 8, MAX_ROWS])
-@pytest.mark.parametrize("n,k,bias", [(2048, 2048, False), (3072, 2048, True), (1000, 1500, True),
-                                      (128256, 2048, False), (40, 8192, False)])
-def test_kernel_against_float64(m, n, k, bias):
+@pytest.mark.parametrize("m", [1, 3, 16, 17, 40, MAX_ROWS])
+@pytest.mark.parametrize("n,k,bias,config", [
+    (2048, 2048, False, None), (3072, 2048, True, None), (2048, 8192, False, None),
+    (1000, 1500, True, (16, 128, 1, 3, 4)), (1000, 1500, True, (32, 128, 4, 3, 4)),
+    (128256, 2048, False, None), (40, 8192, False, (16, 256, 8, 3, 4))])
+def test_kernel_against_float64(m, n, k, bias, config):
     x, w, b = inputs(m, n, k, torch.bfloat16, "cuda", m * 31 + n, bias)
+    if config is None and row_bucket(m) == 64:
+        config = (16, 256, 2, 3, 4)  # the table may keep cuBLAS for this bucket
     out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
-    y = skinny_linear(x, w, b, out=out, use_kernel=True)
+    y = skinny_linear(x, w, b, out=out, use_kernel=True, config=config)
     assert y is out and torch.isfinite(y).all()
     assert rel(y, x, w, b) < 1e-2
-    # each row alone gives its bits in the batch
-    for r in range(0, m, max(1, m // 3)):
-        alone = skinny_linear(x[r:r + 1], w, b, use_kernel=True)
-        assert torch.equal(alone[0], y[r])
+    # each row gives the same bits in a smaller batch of its bucket (alone, in the first one)
+    fewer = 1 if row_bucket(m) == 16 else row_bucket(m) // 2 + 1
+    for r in range(0, fewer, max(1, fewer // 3)):
+        part = skinny_linear(x[:fewer], w, b, use_kernel=True, config=config)
+        assert torch.equal(part[r], y[r])
+
+
+INTERPRETED = """
+import torch
+from kernels import skinny_linear as sk
+torch.manual_seed(0)
+for m, n, k, config, bias in [(1, 96, 200, (16, 64, 1, 2, 4), True), (5, 100, 300, (32, 64, 3, 2, 4), False),
+                              (20, 64, 512, (16, 32, 4, 1, 4), True), (40, 48, 130, (16, 32, 2, 1, 4), False)]:
+    x, w = torch.randn(m, k), torch.randn(n, k) / k ** 0.5
+    b = torch.randn(n) if bias else None
+    y = sk.skinny_linear(x, w, b, use_kernel=True, config=config)
+    ref = torch.nn.functional.linear(x.double(), w.double(), None if b is None else b.double())
+    assert (y.double() - ref).norm() / ref.norm() < 1e-5, (m, n, k, config)
+    if sk.row_bucket(m) == 16:
+        alone = sk.skinny_linear(x[m - 1:], w, b, use_kernel=True, config=config)
+        assert torch.equal(alone[0], y[m - 1]), (m, config)
+assert all(int(c.abs().sum()) == 0 for c in sk._COUNTS.values())
+print("ok")
+"""
+
+
+@pytest.mark.skipif(CUDA, reason="on a CUDA machine the compiled kernel's tests above run instead")
+def test_kernel_logic_in_the_triton_interpreter():
+    """On a machine with triton and no GPU (CI): the kernel run by triton's interpreter (float32,
+    CPU tensors) against float64, with K in one slice and in several (the last program adds
+    them), a row alone equal to it in a batch, and the slice counters left at zero."""
+    import os
+    import subprocess
+    import sys
+
+    pytest.importorskip("triton")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": root}
+    run = subprocess.run([sys.executable, "-c", INTERPRETED], env=env, cwd=root,
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0 and run.stdout.strip() == "ok", run.stderr[-2000:]
 
 
 @pytest.mark.skipif(not CUDA, reason="the Triton kernel needs a CUDA device")
