@@ -3,15 +3,20 @@ Triton kernel split along the sequence, with a torch twin.
 
 Per sequence b with `context_lens[b]` = n cached tokens whose blocks are `block_tables[b]`:
 out[b, h] = softmax(q[b, h] . K[b, :n, h // G]^T * scale) V[b, :n, h // G], G query heads per KV
-head. The kernel runs one program per (sequence, KV head, split of the block table); each
-program loads its split's keys and values as one tile (their block ids first, then every row at
-once) and takes the softmax of the G query heads of its KV head over them. A sequence held
-by one split is written out by its program; otherwise each program writes an unnormalized
-partial (accumulator, max, sum) and counts itself done on a per-(sequence, KV head) counter,
-and the last one merges the partials with a log-sum-exp (one launch per call, no merge
-kernel). Splitting the sequence keeps the GPU busy for long contexts at small batch; the split
-is a fixed SPLIT_TOKENS keys, so a sequence's output does not depend on the batch it is in
-(batch-invariant). Everything is on the current stream and capturable
+head. A sequence's keys are cut in splits of a fixed SPLIT_TOKENS keys; each split's keys and
+values are loaded as one tile (their block ids first, then every row at once) and give an
+unnormalized partial softmax (max, sum, accumulator) of the G query heads of its KV head; the
+partials are folded one by one in split order into the output. Two ways to run it, with the
+same arithmetic (so the same bits):
+- one program per (sequence, KV head, split), at small batch, where splitting keeps the GPU
+  busy: a sequence held by one split is written out by its program; otherwise each program
+  writes its partial and counts itself done on a per-(sequence, KV head) counter, and the last
+  one folds the partials (one launch per call, no merge kernel);
+- one program per (sequence, KV head) (`whole`, from `WHOLE_PROGRAMS` programs per
+  multiprocessor), at large batch, where there are programs enough: it walks the splits,
+  the next one's loads in flight while it folds the last, and writes nothing but the output.
+The split never depends on the batch, so a sequence's output does not depend on the batch it is
+in (batch-invariant). Everything is on the current stream and capturable
 in a CUDA graph (shapes depend only on the batch and the block-table width). Writing the step's
 own K/V into the cache before the call is `kernels.rope_cache`'s job.
 
@@ -28,7 +33,6 @@ import torch
 from kernels.triton_support import pdl_options
 
 SPLIT_TOKENS = 128  # keys per program: fixed, so a sequence's result is the same in any batch
-MERGE_CHUNK = 8  # splits the merge loads at once (fixed: the sums' order must not vary)
 
 
 @functools.cache
@@ -36,6 +40,46 @@ def _kernel():
     import triton  # noqa: PLC0415 (deferred: CPU machines have no triton)
     import triton.language as tl
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait  # noqa: PLC0415
+
+    @triton.jit
+    def _tile(q, k_ptr, v_ptr, bt_row, n, toks, h, scale, stride_kn, stride_kt, stride_kh,
+              m_i, l_i, acc, BLOCK: tl.constexpr, D: tl.constexpr, IEEE: tl.constexpr):
+        """The online softmax (m_i, l_i, acc) of the G query rows of q over the keys `toks`
+        (those below n), loaded at once: their block ids, then every key and value row."""
+        cols = tl.arange(0, D)
+        ok = toks < n
+        phys = tl.load(bt_row + toks // BLOCK, mask=ok, other=0).to(tl.int64)
+        offs = (phys * stride_kn + (toks % BLOCK) * stride_kt + h * stride_kh)[:, None] + cols[None, :]
+        k = tl.load(k_ptr + offs, mask=ok[:, None], other=0.0)  # [SUB, D]
+        v = tl.load(v_ptr + offs, mask=ok[:, None], other=0.0)
+        if IEEE:
+            scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
+        else:
+            scores = tl.dot(q, tl.trans(k)) * scale  # [GP, SUB]
+        scores = tl.where(ok[None, :], scores, float("-inf"))
+        # NOTE: a split's first tile holds a key (first < n), so m_new is finite from it on
+        m_new = tl.maximum(m_i, tl.max(scores, 1))
+        p = tl.exp(scores - m_new[:, None])
+        alpha = tl.exp(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if IEEE:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        return m_new, l_i, acc
+
+    @triton.jit
+    def _merge(top, total, merged, m, l, acc):
+        """Fold one split's partial (m, l, acc) into the running (top, total, merged): splits
+        are folded one by one in their order, in memory or in registers alike."""
+        new = tl.maximum(top, m)
+        a = tl.exp(top - new)
+        b = tl.exp(m - new)
+        return new, total * a + l * b, merged * a[:, None] + acc * b[:, None]
+
+    # NOTE: triton's interpreter (CI's machines) runs the kernel with the module's globals
+    # alone, not this function's locals: the helpers go there too
+    globals().update(_tile=_tile, _merge=_merge)
 
     # NOTE: the block-table stride varies with an eager step's context; unspecialized, so a
     # new length never waits for a compile
@@ -46,103 +90,96 @@ def _kernel():
                       stride_ab, stride_ah, stride_as, stride_mb, stride_mh, stride_ob, stride_oh,
                       G: tl.constexpr, GP: tl.constexpr, BLOCK: tl.constexpr, D: tl.constexpr,
                       TILE: tl.constexpr, SUB: tl.constexpr, STAGES: tl.constexpr,
-                      IEEE: tl.constexpr, GM: tl.constexpr, CH: tl.constexpr,
-                      PDL: tl.constexpr):
+                      IEEE: tl.constexpr, WHOLE: tl.constexpr, PDL: tl.constexpr):
         if PDL:  # see kernels.triton_support.pdl_options
             gdc_wait()
             gdc_launch_dependents()
         b, h, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         n = tl.load(lens_ptr + b)
-        first = s * TILE
-        if first >= n:  # a split past the sequence's end: no work, not counted
-            return
         rows = tl.arange(0, GP)
         cols = tl.arange(0, D)
         row_ok = rows < G
         heads = h * G + rows
         q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + cols[None, :],
                     mask=row_ok[:, None], other=0.0)
+        bt_row = bt_ptr + b * stride_bt
+        out = out_ptr + b * stride_ob + heads[:, None] * stride_oh + cols[None, :]
+        splits = tl.cdiv(n, TILE)
+        top = tl.full([GP], float("-inf"), tl.float32)
+        total = tl.zeros([GP], tl.float32)
+        merged = tl.zeros([GP, D], tl.float32)
+        if WHOLE:  # this program takes every split of the sequence, folding each in turn
+            if SUB == TILE:  # one tile per split: the loop over splits is software-pipelined
+                for s2 in tl.range(0, splits, num_stages=STAGES):
+                    m_i, l_i, acc = _tile(
+                        q, k_ptr, v_ptr, bt_row, n, s2 * TILE + tl.arange(0, SUB), h, scale,
+                        stride_kn, stride_kt, stride_kh, tl.full([GP], float("-inf"), tl.float32),
+                        tl.zeros([GP], tl.float32), tl.zeros([GP, D], tl.float32), BLOCK, D, IEEE)
+                    top, total, merged = _merge(top, total, merged, m_i, l_i, acc)
+            else:
+                for s2 in range(0, splits):
+                    m_i = tl.full([GP], float("-inf"), tl.float32)
+                    l_i = tl.zeros([GP], tl.float32)
+                    acc = tl.zeros([GP, D], tl.float32)
+                    for j in tl.range(0, TILE, SUB, num_stages=STAGES):
+                        m_i, l_i, acc = _tile(q, k_ptr, v_ptr, bt_row, n,
+                                              s2 * TILE + j + tl.arange(0, SUB), h, scale,
+                                              stride_kn, stride_kt, stride_kh, m_i, l_i, acc,
+                                              BLOCK, D, IEEE)
+                    top, total, merged = _merge(top, total, merged, m_i, l_i, acc)
+            tl.store(out, (merged / total[:, None]).to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+            return
+        first = s * TILE
+        if first >= n:  # a split past the sequence's end: no work, not counted
+            return
         m_i = tl.full([GP], float("-inf"), tl.float32)
         l_i = tl.zeros([GP], tl.float32)
         acc = tl.zeros([GP, D], tl.float32)
         # NOTE: the split's keys in sub-tiles of SUB (SUB == TILE: the whole split as one tile),
-        # each loaded at once (its block ids, then every key and value row of it): a walk block
-        # by block waits on one dependent load after another
+        # each loaded at once: a walk block by block waits on one dependent load after another
         for j in tl.range(0, TILE, SUB, num_stages=STAGES):
-            toks = first + j + tl.arange(0, SUB)
-            ok = toks < n
-            phys = tl.load(bt_ptr + b * stride_bt + toks // BLOCK, mask=ok, other=0).to(tl.int64)
-            offs = (phys * stride_kn + (toks % BLOCK) * stride_kt + h * stride_kh)[:, None] \
-                + cols[None, :]
-            k = tl.load(k_ptr + offs, mask=ok[:, None], other=0.0)  # [SUB, D]
-            v = tl.load(v_ptr + offs, mask=ok[:, None], other=0.0)
-            if IEEE:
-                scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
-            else:
-                scores = tl.dot(q, tl.trans(k)) * scale  # [GP, SUB]
-            scores = tl.where(ok[None, :], scores, float("-inf"))
-            # NOTE: the first sub-tile holds a key (first < n), so m_new is finite from it on
-            m_new = tl.maximum(m_i, tl.max(scores, 1))
-            p = tl.exp(scores - m_new[:, None])
-            alpha = tl.exp(m_i - m_new)
-            l_i = l_i * alpha + tl.sum(p, 1)
-            if IEEE:
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-            else:
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-            m_i = m_new
-        out = out_ptr + b * stride_ob + heads[:, None] * stride_oh + cols[None, :]
-        splits = tl.cdiv(n, TILE)
+            m_i, l_i, acc = _tile(q, k_ptr, v_ptr, bt_row, n, first + j + tl.arange(0, SUB), h,
+                                  scale, stride_kn, stride_kt, stride_kh, m_i, l_i, acc, BLOCK, D,
+                                  IEEE)
         if splits == 1:  # the whole sequence in this program
-            tl.store(out, (acc / l_i[:, None]).to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+            top, total, merged = _merge(top, total, merged, m_i, l_i, acc)
+            tl.store(out, (merged / total[:, None]).to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
             return
         part = b * stride_mb + heads * stride_mh
-        tl.store(acc_ptr + b * stride_ab + heads[:, None] * stride_ah + s * stride_as + cols[None, :],
-                 acc, mask=row_ok[:, None])
+        parts = acc_ptr + b * stride_ab + heads[:, None] * stride_ah + cols[None, :]
+        tl.store(parts + s * stride_as, acc, mask=row_ok[:, None])
         tl.store(m_ptr + part + s, m_i, mask=row_ok)
         tl.store(l_ptr + part + s, l_i, mask=row_ok)
         # NOTE: the last of the sequence's splits to finish merges them all. Every thread's
         # stores above are done (barrier) before the release of the count; the last one's
         # acquire makes the other programs' partials visible to its loads (which bypass L1).
         # It resets the count for the next launch. Whichever program is last, the merge is the
-        # same arithmetic over the same partials in split order: batch-invariant
+        # same arithmetic over the same partials in split order, the arithmetic of WHOLE:
+        # batch-invariant
         tl.debug_barrier()
         counter = count_ptr + b * tl.num_programs(1) + h
         if tl.atomic_add(counter, 1, sem="acq_rel") == splits - 1:
             tl.atomic_xchg(counter, 0)
-            # NOTE: CH splits at a time, each chunk's loads at once; GM rows (G rounded up to a
-            # power of two, no dot here)
-            mrows = tl.arange(0, GM)
-            mok = mrows < G
-            mparts = b * stride_mb + (h * G + mrows) * stride_mh
-            chunk = tl.arange(0, CH)
-            top = tl.full([GM], float("-inf"), tl.float32)
-            for c in range(0, splits, CH):
-                ok = mok[:, None] & (c + chunk < splits)[None, :]
-                mm = tl.load(m_ptr + mparts[:, None] + c + chunk[None, :], mask=ok,
-                             other=float("-inf"), cache_modifier=".cg")
-                top = tl.maximum(top, tl.max(mm, 1))
-            top = tl.where(mok, top, 0.0)  # padding rows: finite, never stored
-            total = tl.zeros([GM], tl.float32)
-            merged = tl.zeros([GM, D], tl.float32)
-            for c in range(0, splits, CH):
-                ok = mok[:, None] & (c + chunk < splits)[None, :]
-                idx = mparts[:, None] + c + chunk[None, :]
-                w = tl.exp(tl.load(m_ptr + idx, mask=ok, other=float("-inf"),
-                                   cache_modifier=".cg") - top[:, None])  # [GM, CH], 0 off the end
-                total += tl.sum(tl.load(l_ptr + idx, mask=ok, other=0.0, cache_modifier=".cg") * w, 1)
-                parts = tl.load(acc_ptr + b * stride_ab + (h * G + mrows)[:, None, None] * stride_ah
-                                + (c + chunk)[None, :, None] * stride_as + cols[None, None, :],
-                                mask=ok[:, :, None], other=0.0, cache_modifier=".cg")  # [GM, CH, D]
-                merged += tl.sum(parts * w[:, :, None], 1)
-            total = tl.where(mok, total, 1.0)
-            tl.store(out_ptr + b * stride_ob + (h * G + mrows)[:, None] * stride_oh + cols[None, :],
-                     (merged / total[:, None]).to(out_ptr.dtype.element_ty), mask=mok[:, None])
+            for s2 in tl.range(0, splits, num_stages=3):
+                m_s = tl.load(m_ptr + part + s2, mask=row_ok, other=0.0, cache_modifier=".cg")
+                l_s = tl.load(l_ptr + part + s2, mask=row_ok, other=0.0, cache_modifier=".cg")
+                acc_s = tl.load(parts + s2 * stride_as, mask=row_ok[:, None], other=0.0,
+                                cache_modifier=".cg")
+                top, total, merged = _merge(top, total, merged, m_s, l_s, acc_s)
+            tl.store(out, (merged / total[:, None]).to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
 
     return decode_kernel
 
 
+WHOLE_PROGRAMS = 1  # programs per multiprocessor from which `whole` is the default
+WHOLE_STAGES = 2  # splits in flight in a `whole` program
+
 _COUNTS: dict[torch.device, torch.Tensor] = {}
+
+
+@functools.cache
+def _multiprocessors(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
 
 
 def _counts(device: torch.device, size: int) -> torch.Tensor:
@@ -189,14 +226,18 @@ def paged_decode_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
                  use_kernel: bool | None = None, num_warps: int | None = None,
-                 sub_tokens: int | None = None, stages: int = 1,
-                 split_tokens: int = SPLIT_TOKENS) -> torch.Tensor:
+                 sub_tokens: int | None = None, stages: int | None = None,
+                 split_tokens: int = SPLIT_TOKENS, whole: bool | None = None) -> torch.Tensor:
     """Decode attention (see the module docstring); the kernel on CUDA, else the twin.
     Every sequence must have context_lens >= 1 and block_tables wide enough for it.
     For the benchmark's sweep: `num_warps` overrides the warps per program, `sub_tokens` (a
     power of two, 16 up to the split) the keys loaded at once, `stages` the software
-    pipelining of those loads, `split_tokens` the keys per program. Each choice is one fixed order of work, so each is
-    batch-invariant; they differ from each other in rounding."""
+    pipelining of those loads (of the splits, with `whole` and a split loaded at once; 1, or
+    WHOLE_STAGES with `whole`),
+    `split_tokens` the keys per split, `whole` one program per sequence and KV head (the
+    default from `WHOLE_PROGRAMS`). Each choice of the others is one fixed order of work, so
+    each is batch-invariant; they differ from each other in rounding. `whole` does not change
+    the result: a sequence's splits are folded in the same order either way."""
     if use_kernel is None:
         use_kernel = can_use_kernel(q, k_cache)
     if not use_kernel:
@@ -225,11 +266,18 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     # rows); splits past its end do nothing
     per_split = max(1, split_tokens // block)
     splits = -(-width // per_split)
-    acc = torch.empty(num_seqs, num_heads, splits, head_dim, dtype=torch.float32, device=q.device)
-    m = torch.empty(num_seqs, num_heads, splits, dtype=torch.float32, device=q.device)
-    s = torch.empty_like(m)
+    if whole is None:
+        whole = num_seqs * kv_heads >= WHOLE_PROGRAMS * _multiprocessors(q.device)
+    if stages is None:
+        stages = WHOLE_STAGES if whole else 1
+    if whole:  # no partials: nothing is written to them
+        acc = m = s = torch.empty(1, 1, 1, 1, dtype=torch.float32, device=q.device)
+    else:
+        acc = torch.empty(num_seqs, num_heads, splits, head_dim, dtype=torch.float32, device=q.device)
+        m = torch.empty(num_seqs, num_heads, splits, dtype=torch.float32, device=q.device)
+        s = torch.empty_like(m)
     out = torch.empty_like(q)
-    _kernel()[(num_seqs, kv_heads, splits)](
+    _kernel()[(num_seqs, kv_heads, 1 if whole else splits)](
         q, k_cache, v_cache, block_tables, context_lens, acc, m, s,
         _counts(q.device, num_seqs * kv_heads), out, scale,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -237,6 +285,8 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         out.stride(0), out.stride(1),
         G=group, GP=max(16, 1 << (group - 1).bit_length()), BLOCK=block, D=head_dim,
         TILE=per_split * block, SUB=sub_tokens or per_split * block, STAGES=stages,
-        IEEE=q.dtype == torch.float32, GM=1 << (group - 1).bit_length(), CH=MERGE_CHUNK,
-        num_warps=num_warps or (4 if per_split * block * head_dim <= 8192 else 8), **pdl_options(q))
+        IEEE=q.dtype == torch.float32, WHOLE=whole,
+        num_warps=num_warps or (4 if per_split * block * head_dim <= 8192 else 8),
+        enable_fp_fusion=False,  # NOTE: no fma, so the fold rounds alike in memory and registers
+        **pdl_options(q))
     return out

@@ -4,7 +4,7 @@ for one layer of a Llama-3.2-1B shape (32 query heads, 8 KV heads, head dim 64, 
 blocks), with achieved GB/s (KV bytes read / time) beside the device-to-device copy bandwidth.
 Each path is captured in a CUDA graph and its replays are timed, as the engine runs it (the host
 launch cost of either path stays out of the figure); then the kernel alone in each of `VARIANTS`
-(keys per program, keys at once, stages, warps), to choose its default.
+(keys per split, keys at once, stages, warps, whole), to choose its default.
 
     python benchmarks/gpu/bench_attention.py
 """
@@ -24,10 +24,12 @@ from pd.model.attention import paged_attention  # noqa: E402
 from pd.model.context import build_context, forward_context  # noqa: E402
 
 KV_HEADS, GROUP, HEAD_DIM, BLOCK = 8, 4, 64, 16
-# (keys per program, keys loaded at once, pipelining stages, warps) of the kernel, timed alone
-# after the table (the first is the default: 128-key splits, each as one tile, 4 warps)
-VARIANTS = ((128, 128, 1, 4), (128, 64, 2, 4), (128, 32, 3, 4), (256, 128, 2, 4),
-            (256, 64, 3, 4), (512, 128, 2, 4), (512, 128, 3, 8))
+# (keys per split, keys loaded at once, pipelining stages, warps, one program per sequence and
+# KV head) of the kernel, timed alone after the table (the first two are the defaults below and
+# above `WHOLE_PROGRAMS`: 128-key splits, each as one tile, 4 warps)
+VARIANTS = ((128, 128, 1, 4, False), (128, 128, 2, 4, True), (128, 128, 3, 4, True),
+            (128, 64, 2, 4, True), (128, 128, 1, 4, True), (128, 64, 2, 4, False),
+            (256, 128, 2, 4, False))
 
 
 def main() -> None:
@@ -35,7 +37,7 @@ def main() -> None:
     torch.cuda.empty_cache()
     print(f"{torch.cuda.get_device_name()}: copy {copy_bw / 1e9:.0f} GB/s (read + write)")
     print(f"{'batch':>5} {'context':>7} | {'triton us':>9} {'GB/s':>6} | {'torch us':>9} {'GB/s':>6} | "
-          f"speedup | kernel alone, us, (keys at once, stages, warps) = "
+          f"speedup | kernel alone, us, (keys per split, keys at once, stages, warps, whole) = "
           + " ".join(str(v) for v in VARIANTS))
     for batch, ctx_len in ((1, 544), (1, 8192), (8, 1024), (64, 544), (64, 2048), (256, 1024)):
         per_seq = -(-ctx_len // BLOCK)
@@ -58,12 +60,12 @@ def main() -> None:
 
         times = {}
         for variant in VARIANTS:  # the kernel alone in each variant, beside the chosen one
-            split, sub, stages, warps = variant
+            split, sub, stages, warps, whole = variant
             times[variant] = graph_time(
-                lambda split=split, sub=sub, stages=stages, warps=warps: paged_decode(
+                lambda split=split, sub=sub, stages=stages, warps=warps, whole=whole: paged_decode(
                     q, k, v, ctx.block_tables, ctx.context_lens, HEAD_DIM ** -0.5,
                     use_kernel=True, num_warps=warps, sub_tokens=sub, stages=stages,
-                    split_tokens=split), 50)
+                    split_tokens=split, whole=whole), 50)
         for mode in ("triton", "torch"):
             os.environ["PD_ATTENTION"] = mode
             times[mode] = graph_time(run, 50)

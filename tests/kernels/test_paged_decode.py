@@ -57,17 +57,35 @@ def test_twin_equals_engine_reference_on_cpu(seed, group, head_dim):
 @pytest.mark.parametrize("num_seqs,kv_heads,group,head_dim,max_len", [
     (1, 8, 4, 64, 4000), (1, 8, 4, 64, 20000), (3, 2, 1, 32, 50), (64, 8, 4, 64, 700),
     (17, 4, 8, 128, 300), (200, 2, 2, 16, 40)])
-def test_kernel_equals_twin(dtype, tol, num_seqs, kv_heads, group, head_dim, max_len):
+@pytest.mark.parametrize("whole", [False, True])
+def test_kernel_equals_twin(dtype, tol, num_seqs, kv_heads, group, head_dim, max_len, whole):
     q, k_cache, v_cache, tables, lens = case(num_seqs + head_dim, num_seqs, kv_heads, group, head_dim,
                                              16, max_len, dtype, "cuda")
     bt = padded(tables, "cuda", width=max(map(len, tables)) + 5)  # wider than needed, as in graphs
     lens_t = torch.tensor(lens, device="cuda")
     assert can_use_kernel(q, k_cache)
-    got = paged_decode(q, k_cache, v_cache, bt, lens_t, head_dim ** -0.5, use_kernel=True)
+    got = paged_decode(q, k_cache, v_cache, bt, lens_t, head_dim ** -0.5, use_kernel=True,
+                       whole=whole)
     want = paged_decode_ref(q, k_cache, v_cache, bt, lens_t, head_dim ** -0.5)
     assert torch.isfinite(got).all()
     err = (got.float() - want.float()).norm() / want.float().norm()
     assert err < tol, f"relative error {err:.2e}"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the Triton kernel needs a CUDA device")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("sub_tokens,stages", [(None, 1), (None, 2), (64, 2), (32, 3)])
+def test_whole_programs_equal_split_programs_bit_for_bit(dtype, sub_tokens, stages):
+    """One program per sequence and KV head folds the splits as the split programs' last one
+    does: the same bits, for one split, a few and many, whichever the batch picks."""
+    q, k_cache, v_cache, tables, lens = case(11, 40, 8, 4, 64, 16, 2500, dtype, "cuda")
+    lens[:3] = [1, 128, 129]  # one key, exactly one split, one key into the second
+    lens_t = torch.tensor(lens, device="cuda")
+    bt = padded(tables, "cuda", width=max(map(len, tables)) + 7)
+    kw = dict(use_kernel=True, sub_tokens=sub_tokens, stages=stages)
+    split = paged_decode(q, k_cache, v_cache, bt, lens_t, 64 ** -0.5, whole=False, **kw)
+    whole = paged_decode(q, k_cache, v_cache, bt, lens_t, 64 ** -0.5, whole=True, **kw)
+    assert torch.equal(split, whole)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the Triton kernel needs a CUDA device")
@@ -79,6 +97,8 @@ def test_kernel_is_batch_invariant(dtype):
     scale = 64 ** -0.5
     lens_t = torch.tensor(lens, device="cuda")
     batch = paged_decode(q, k_cache, v_cache, padded(tables, "cuda"), lens_t, scale)
+    assert torch.equal(batch, paged_decode(q, k_cache, v_cache, padded(tables, "cuda"), lens_t,
+                                           scale, whole=True))
     for b in (0, 5, 47):
         for width in (len(tables[b]), 256):
             alone = paged_decode(q[b:b + 1], k_cache, v_cache, padded([tables[b]], "cuda", width),
@@ -115,12 +135,17 @@ for seed, (ns, kvh, g, d, ml) in enumerate([(5, 2, 4, 32, 400), (3, 2, 3, 32, 26
     q, kc, vc, tables, lens = case(seed, ns, kvh, g, d, 16, ml, torch.float32, "cpu")
     bt = padded(tables, "cpu", width=max(map(len, tables)) + 9)
     lt = torch.tensor(lens)
-    got = pd_.paged_decode(q, kc, vc, bt, lt, d ** -0.5, use_kernel=True)
     want = pd_.paged_decode_ref(q, kc, vc, bt, lt, d ** -0.5)
+    got = pd_.paged_decode(q, kc, vc, bt, lt, d ** -0.5, use_kernel=True, whole=False)
     assert (got - want).norm() / want.norm() < 1e-5, (seed, lens)
+    for kw in ({"whole": True}, {"whole": True, "sub_tokens": 32, "stages": 2}):
+        other = pd_.paged_decode(q, kc, vc, bt, lt, d ** -0.5, use_kernel=True, **kw)
+        assert (other - want).norm() / want.norm() < 1e-5, (seed, lens, kw)
+    assert torch.equal(got, pd_.paged_decode(q, kc, vc, bt, lt, d ** -0.5, use_kernel=True,
+                                             whole=True)), seed
     for b in range(ns):
         alone = pd_.paged_decode(q[b:b + 1], kc, vc, padded([tables[b]], "cpu", 200), lt[b:b + 1],
-                                 d ** -0.5, use_kernel=True)
+                                 d ** -0.5, use_kernel=True, whole=False)
         assert torch.equal(alone[0], got[b]), (seed, b)
 assert all(int(c.abs().sum()) == 0 for c in pd_._COUNTS.values())
 print("ok")
@@ -131,8 +156,9 @@ print("ok")
                     "tests above run instead")
 def test_kernel_logic_in_the_triton_interpreter():
     """On a machine with triton and no GPU (CI): the kernel run by triton's interpreter (float32, CPU
-    tensors) equals the twin for sequences of one split, of a few and of more than one merge
-    chunk, alone and in a batch bit for bit, and leaves its split counters at zero."""
+    tensors) equals the twin for sequences of one split and of many, with one program per split
+    and one per sequence (the same bits), alone and in a batch bit for bit, and leaves its split
+    counters at zero."""
     import os
     import subprocess
     import sys
