@@ -30,6 +30,7 @@ import os
 
 import torch
 
+from kernels.rope_cache import rope_and_cache_ref
 from kernels.triton_support import pdl_options
 
 SPLIT_TOKENS = 128  # keys per program: fixed, so a sequence's result is the same in any batch
@@ -77,20 +78,51 @@ def _kernel():
         b = tl.exp(m - new)
         return new, total * a + l * b, merged * a[:, None] + acc * b[:, None]
 
+    @triton.jit
+    def _rotated(ptr, offs, row_ok, cos_row, sin_row, D: tl.constexpr):
+        """Rows of x at ptr + offs (+ column) rotated (rotate-half RoPE by the cos/sin row of
+        their token), rounded step by step as `kernels.rope_cache` rounds them."""
+        cols = tl.arange(0, D)
+        partner = (cols + D // 2) % D
+        x = tl.load(ptr + offs[:, None] + cols[None, :], mask=row_ok[:, None], other=0.0)
+        xp = tl.load(ptr + offs[:, None] + partner[None, :], mask=row_ok[:, None], other=0.0)
+        dt = x.dtype
+        c = tl.load(cos_row + cols).to(tl.float32)[None, :]
+        sn = tl.load(sin_row + cols).to(tl.float32)[None, :]
+        sign = tl.where(cols < D // 2, -1.0, 1.0)[None, :]
+        return ((x.to(tl.float32) * c).to(dt).to(tl.float32)
+                + (sign * xp.to(tl.float32) * sn).to(dt).to(tl.float32)).to(dt)
+
+    @triton.jit
+    def _write_new(kn_ptr, vn_ptr, cos_row, sin_row, k_ptr, v_ptr, slot, h, stride_kn,
+                   stride_kt, stride_kh, BLOCK: tl.constexpr, D: tl.constexpr):
+        """The step's own key (rotated) and value of KV head h into the cache at `slot`; then a
+        barrier, so this program's loads of the slot see them."""
+        one = tl.arange(0, 1)
+        cols = tl.arange(0, D)
+        k = _rotated(kn_ptr, one * 0, one == 0, cos_row, sin_row, D)  # [1, D]
+        v = tl.load(vn_ptr + cols)
+        dst = (slot // BLOCK).to(tl.int64) * stride_kn + (slot % BLOCK) * stride_kt + h * stride_kh
+        tl.store(k_ptr + dst + one[:, None] * 0 + cols[None, :], k.to(k_ptr.dtype.element_ty))
+        tl.store(v_ptr + dst + cols, v.to(v_ptr.dtype.element_ty))
+        tl.debug_barrier()
+
     # NOTE: triton's interpreter (CI's machines) runs the kernel with the module's globals
     # alone, not this function's locals: the helpers go there too
-    globals().update(_tile=_tile, _merge=_merge)
+    globals().update(_tile=_tile, _merge=_merge, _rotated=_rotated, _write_new=_write_new)
 
     # NOTE: the block-table stride varies with an eager step's context; unspecialized, so a
     # new length never waits for a compile
     @triton.jit(do_not_specialize=["stride_bt"])
     def decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, acc_ptr, m_ptr, l_ptr, count_ptr,
-                      out_ptr, scale,
+                      out_ptr, kn_ptr, vn_ptr, cos_ptr, sin_ptr, slot_ptr, scale,
                       stride_qb, stride_qh, stride_kn, stride_kt, stride_kh, stride_bt,
                       stride_ab, stride_ah, stride_as, stride_mb, stride_mh, stride_ob, stride_oh,
+                      stride_knb, stride_knh, stride_vnb, stride_vnh, stride_cb,
                       G: tl.constexpr, GP: tl.constexpr, BLOCK: tl.constexpr, D: tl.constexpr,
                       TILE: tl.constexpr, SUB: tl.constexpr, STAGES: tl.constexpr,
-                      IEEE: tl.constexpr, WHOLE: tl.constexpr, PDL: tl.constexpr):
+                      IEEE: tl.constexpr, WHOLE: tl.constexpr, ROPE: tl.constexpr,
+                      PDL: tl.constexpr):
         if PDL:  # see kernels.triton_support.pdl_options
             gdc_wait()
             gdc_launch_dependents()
@@ -100,8 +132,19 @@ def _kernel():
         cols = tl.arange(0, D)
         row_ok = rows < G
         heads = h * G + rows
-        q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + cols[None, :],
-                    mask=row_ok[:, None], other=0.0)
+        if ROPE:  # q, k, v as the projection left them: rotary and the cache write here
+            cos_row, sin_row = cos_ptr + b * stride_cb, sin_ptr + b * stride_cb
+            q = _rotated(q_ptr + b * stride_qb, heads * stride_qh, row_ok, cos_row, sin_row, D)
+            slot = tl.load(slot_ptr + b)
+            # NOTE: the program whose split holds the step's own token (the last) writes it,
+            # and only it reads it
+            if slot >= 0 and (WHOLE or s == (n - 1) // TILE):
+                _write_new(kn_ptr + b * stride_knb + h * stride_knh, vn_ptr + b * stride_vnb
+                           + h * stride_vnh, cos_row, sin_row, k_ptr, v_ptr, slot, h, stride_kn,
+                           stride_kt, stride_kh, BLOCK, D)
+        else:
+            q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + cols[None, :],
+                        mask=row_ok[:, None], other=0.0)
         bt_row = bt_ptr + b * stride_bt
         out = out_ptr + b * stride_ob + heads[:, None] * stride_oh + cols[None, :]
         splits = tl.cdiv(n, TILE)
@@ -227,9 +270,15 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
                  use_kernel: bool | None = None, num_warps: int | None = None,
                  sub_tokens: int | None = None, stages: int | None = None,
-                 split_tokens: int = SPLIT_TOKENS, whole: bool | None = None) -> torch.Tensor:
+                 split_tokens: int = SPLIT_TOKENS, whole: bool | None = None,
+                 rope: tuple | None = None) -> torch.Tensor:
     """Decode attention (see the module docstring); the kernel on CUDA, else the twin.
     Every sequence must have context_lens >= 1 and block_tables wide enough for it.
+    `rope` = (k, v, cos, sin, slot_mapping), one row per sequence (a plain decode step, where no
+    row reads another row's new key): q, k and v are the projection's, unrotated; the kernel
+    rotates q and k (as `kernels.rope_cache` does, to the bit) and writes k and v to the cache
+    at each row's slot (none where it is negative) before it reads them: one kernel for what
+    was two.
     For the benchmark's sweep: `num_warps` overrides the warps per program, `sub_tokens` (a
     power of two, 16 up to the split) the keys loaded at once, `stages` the software
     pipelining of those loads (of the splits, with `whole` and a split loaded at once; 1, or
@@ -241,6 +290,10 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     if use_kernel is None:
         use_kernel = can_use_kernel(q, k_cache)
     if not use_kernel:
+        if rope is not None:
+            k, v, cos, sin, slots = rope
+            q = rope_and_cache_ref(q, k, v, cos, sin, k_cache, v_cache, slots,
+                                   torch.nonzero(slots >= 0).flatten())
         return paged_decode_ref(q, k_cache, v_cache, block_tables, context_lens, scale)
     num_seqs, num_heads, head_dim = q.shape
     num_blocks, block, kv_heads, kd = k_cache.shape
@@ -276,16 +329,28 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         acc = torch.empty(num_seqs, num_heads, splits, head_dim, dtype=torch.float32, device=q.device)
         m = torch.empty(num_seqs, num_heads, splits, dtype=torch.float32, device=q.device)
         s = torch.empty_like(m)
-    out = torch.empty_like(q)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if rope is not None:
+        k, v, cos, sin, slots = rope
+        if (k.shape != (num_seqs, kv_heads, head_dim) or v.shape != k.shape
+                or cos.shape != (num_seqs, head_dim) or sin.stride() != cos.stride()
+                or slots.shape != (num_seqs,) or k.stride(2) != 1 or v.stride(2) != 1
+                or cos.stride(1) != 1 or head_dim % 2):
+            raise ValueError(f"rope: k {tuple(k.shape)}, v {tuple(v.shape)}, cos "
+                             f"{tuple(cos.shape)}, slots {tuple(slots.shape)} do not fit q "
+                             f"{tuple(q.shape)}")
+    else:
+        k = v = cos = sin = slots = q  # unread
     _kernel()[(num_seqs, kv_heads, 1 if whole else splits)](
         q, k_cache, v_cache, block_tables, context_lens, acc, m, s,
-        _counts(q.device, num_seqs * kv_heads), out, scale,
+        _counts(q.device, num_seqs * kv_heads), out, k, v, cos, sin, slots, scale,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0), acc.stride(0), acc.stride(1), acc.stride(2), m.stride(0), m.stride(1),
-        out.stride(0), out.stride(1),
+        out.stride(0), out.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        cos.stride(0),
         G=group, GP=max(16, 1 << (group - 1).bit_length()), BLOCK=block, D=head_dim,
         TILE=per_split * block, SUB=sub_tokens or per_split * block, STAGES=stages,
-        IEEE=q.dtype == torch.float32, WHOLE=whole,
+        IEEE=q.dtype == torch.float32, WHOLE=whole, ROPE=rope is not None,
         num_warps=num_warps or (4 if per_split * block * head_dim <= 8192 else 8),
         enable_fp_fusion=False,  # NOTE: no fma, so the fold rounds alike in memory and registers
         **pdl_options(q))

@@ -111,7 +111,7 @@ def _kernel():
 SHAPES: dict[tuple[int, int, int], tuple[int, int, int, int, int]] = {
     (3072, 2048, 16): (16, 256, 1, 4, 4),  # qkv: 1.0x alone, 8 us less per step at batch 1
     (2048, 2048, 16): (16, 512, 1, 4, 4),  # o_proj: 1.19x
-    (16384, 2048, 16): (32, 256, 1, 3, 4),  # gate_up: 1.01-1.04x
+    (16384, 2048, 16): (64, 256, 1, 4, 4),  # gate_up: 1.05x, 15 us less per step at batch 1
     (2048, 8192, 16): (16, 512, 1, 4, 4),  # down: 1.06-1.07x
     (128256, 2048, 16): (64, 256, 1, 4, 4),  # the LM head: 1.09-1.13x
     (2048, 2048, 64): (16, 256, 1, 4, 4),  # o_proj: 1.20x

@@ -8,12 +8,17 @@ from __future__ import annotations
 
 import inspect
 import json
+import os
 from pathlib import Path
 from typing import Callable
 
 import pytest
 
 from pd.testing.tiny import write_tiny_checkpoint
+
+# every engine of the suite, in this process and in the nodes it starts, checks its block
+# allocator each time it goes idle (`pd.engine.engine.Engine.step`)
+os.environ.setdefault("PD_CHECK_INTEGRITY", "1")
 
 
 @pytest.fixture(scope="session")

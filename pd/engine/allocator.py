@@ -7,8 +7,8 @@ With prefix caching, a full block whose KV is computed is registered under its c
 (`pd.engine.prefix`); when its last holder frees it, it is not forgotten but parked as
 evictable, least recently freed first, and `match` can hand it out again. `allocate` takes
 never-cached blocks first and evicts the oldest parked ones after. `num_free` counts both kinds:
-a parked block is as available as a free one. `check_integrity()` is cheap and runs when a node
-goes idle and in tests.
+a parked block is as available as a free one. `check_integrity()` walks every block; tests run
+it, and an engine on going idle when `PD_CHECK_INTEGRITY=1`.
 """
 
 from __future__ import annotations

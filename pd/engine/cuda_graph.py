@@ -169,7 +169,7 @@ class DecodeGraphs:
         ctx = ForwardContext(
             slot_mapping=slots, block_tables=tables, context_lens=lens,
             padded_index=torch.arange(batch, device=self.device), attn_mask=mask, max_q_len=1,
-            max_kv_len=width * self.block_size)
+            max_kv_len=width * self.block_size, plain_decode=True)
         with forward_context(ctx):
             hidden = self.model(ids, positions)
         argmax(self.model.head_logits(hidden, out=self.logits[:batch]), out=self.tokens[:batch])

@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import itertools
 import logging
+import os
 
 import numpy as np
 
@@ -164,7 +165,9 @@ class Engine:
         finished = [r for r in dict.fromkeys(emitted) if r.is_finished]
         for req in finished:
             self.requests.pop(req.req_id, None)
-        if not self.loop.has_work:
+        # NOTE: the allocator's check walks every block (4 ms for 8,192 blocks), so an engine
+        # runs it on going idle only when PD_CHECK_INTEGRITY=1 (the test suite sets it)
+        if not self.loop.has_work and os.environ.get("PD_CHECK_INTEGRITY") == "1":
             self.allocator.check_integrity()
         return finished
 

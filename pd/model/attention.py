@@ -1,8 +1,9 @@
 """Paged attention in plain torch: correct on CPU and CUDA, for mixed batches of prefill chunks
 and decode tokens.
 
-The step's K/V are already in the paged cache (`kernels.rope_cache`, called by the attention
-layer); each call gathers every sequence's keys through its block table into a padded batch and
+The step's K/V are already in the paged cache (`kernels.rope_cache`, called by
+`rope_cache_attention` before it; in a plain decode step on CUDA both are one kernel); each
+call gathers every sequence's keys through its block table into a padded batch and
 runs one masked `scaled_dot_product_attention` over it. On CUDA, decode steps (one query per sequence) run
 `kernels.paged_decode` instead, a Triton kernel that reads the blocks in place (`PD_ATTENTION=torch`
 keeps the torch path); prefill chunks on CUDA in 16 bits run one variable-length flash
@@ -20,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels.paged_decode import can_use_kernel, paged_decode
+from kernels.rope_cache import rope_and_cache
 from pd.model.context import get_context
 
 
@@ -76,6 +78,21 @@ def prefill_per_sequence(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
         out[start:start + q_len] = o[0].transpose(0, 1)
         start += q_len
     return out
+
+
+def rope_cache_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
+                         sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                         scale: float, sliding_window: int | None = None) -> torch.Tensor:
+    """A layer's attention from its projected q, k, v [T, H, D] and the step's cos/sin [T, D]:
+    rotary on q and k, the step's keys and values into the cache at their slots, then
+    attention. One kernel in a plain decode step on CUDA (`ForwardContext.plain_decode`: no
+    row reads another row's new key), else `rope_and_cache` then `paged_attention`."""
+    ctx = get_context()
+    if ctx.plain_decode and q.is_cuda and sliding_window is None and can_use_kernel(q, k_cache):
+        return paged_decode(q, k_cache, v_cache, ctx.block_tables, ctx.context_lens, scale,
+                            use_kernel=True, rope=(k, v, cos, sin, ctx.slot_mapping))
+    q = rope_and_cache(q, k, v, cos, sin, k_cache, v_cache, ctx.slot_mapping, ctx.write_index)
+    return paged_attention(q, k_cache, v_cache, scale, sliding_window)
 
 
 def paged_attention(

@@ -43,6 +43,10 @@ class ForwardContext:
     kv_slots: torch.Tensor | None = None
     cu_seqlens_q: torch.Tensor | None = None
     cu_seqlens_k: torch.Tensor | None = None
+    # NOTE: a plain decode step: one query row per sequence and no row reading another row's
+    # new key (an MTP verify step's rows do), so each row's rotary and cache write may run
+    # inside the attention kernel (`pd.model.attention.rope_cache_attention`)
+    plain_decode: bool = False
 
     @property
     def num_seqs(self) -> int:
@@ -145,7 +149,7 @@ def host_context(query_lens: list[int], context_lens: list[int], block_tables: l
         write_index=write_index,
         query_pos=query_pos,
         seq_lens_host=tuple(zip(map(int, q_lens), map(int, kv_lens))),
-        kv_slots=kv_slots, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
+        kv_slots=kv_slots, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, plain_decode=max_q == 1,
     )
 
 

@@ -22,17 +22,16 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kernels.rope_cache import rope_and_cache
 from kernels.skinny_linear import skinny_linear
 from pd.config import ModelConfig
-from pd.model.attention import paged_attention
-from pd.model.context import get_context
+from pd.model.attention import rope_cache_attention
 from pd.model.layers import MLP, Linear, RMSNorm, RotaryEmbedding
 
 
 class Attention(nn.Module):
     """Self-attention with one fused QKV projection (`qkv_proj`: the checkpoint's q/k/v_proj
-    stacked by rows at load), rotary and the KV-cache write in one kernel, paged attention."""
+    stacked by rows at load), rotary and the KV-cache write in one kernel, paged attention (in
+    a plain decode step on CUDA, all three in one kernel: `rope_cache_attention`)."""
 
     def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding,
                  sliding_window: int | None = None) -> None:
@@ -64,10 +63,8 @@ class Attention(nn.Module):
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         cos, sin = self.rotary.tables(positions, q.dtype)
-        ctx = get_context()
-        q = rope_and_cache(q, k, v, cos, sin, self.k_cache, self.v_cache, ctx.slot_mapping,
-                           ctx.write_index)
-        out = paged_attention(q, self.k_cache, self.v_cache, self.scale, self.sliding_window)
+        out = rope_cache_attention(q, k, v, cos, sin, self.k_cache, self.v_cache, self.scale,
+                                   self.sliding_window)
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
 

@@ -88,6 +88,43 @@ def test_whole_programs_equal_split_programs_bit_for_bit(dtype, sub_tokens, stag
     assert torch.equal(split, whole)
 
 
+def rope_inputs(seed: int, num_seqs: int, kv_heads: int, head_dim: int, dtype, device: str):
+    """Unrotated k, v rows, a cos/sin pair per row as the rotary tables give them."""
+    gen = torch.Generator().manual_seed(seed)
+    k = torch.randn(num_seqs, kv_heads, head_dim, generator=gen).to(device, dtype)
+    v = torch.randn(num_seqs, kv_heads, head_dim, generator=gen).to(device, dtype)
+    angle = torch.rand(num_seqs, head_dim // 2, generator=gen) * 6
+    cos = torch.cat([angle.cos(), angle.cos()], -1).to(device, dtype)
+    sin = torch.cat([angle.sin(), angle.sin()], -1).to(device, dtype)
+    return k, v, cos, sin
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the Triton kernel needs a CUDA device")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("whole", [False, True])
+def test_rotary_and_cache_write_inside_equal_the_rope_kernel_first(dtype, whole):
+    """The kernel that rotates q and k and writes the step's keys and values itself leaves the
+    cache bit-equal to `rope_and_cache` and gives the bits of attention after it (a row with a
+    negative slot writes nothing)."""
+    from kernels.rope_cache import rope_and_cache
+
+    q, k_cache, v_cache, tables, lens = case(5, 40, 8, 4, 64, 16, 900, dtype, "cuda")
+    k, v, cos, sin = rope_inputs(5, 40, 8, 64, dtype, "cuda")
+    slots = torch.tensor([t[(n - 1) // 16] * 16 + (n - 1) % 16 for t, n in zip(tables, lens)],
+                         device="cuda")
+    slots[3] = -1
+    bt = padded(tables, "cuda", width=max(map(len, tables)) + 4)
+    lens_t = torch.tensor(lens, device="cuda")
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    q_rot = rope_and_cache(q, k, v, cos, sin, k_ref, v_ref, slots,
+                           torch.nonzero(slots >= 0).flatten(), use_kernel=True)
+    want = paged_decode(q_rot, k_ref, v_ref, bt, lens_t, 64 ** -0.5, use_kernel=True, whole=whole)
+    got = paged_decode(q, k_cache, v_cache, bt, lens_t, 64 ** -0.5, use_kernel=True, whole=whole,
+                       rope=(k, v, cos, sin, slots))
+    assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)
+    assert torch.equal(got, want)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the Triton kernel needs a CUDA device")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_kernel_is_batch_invariant(dtype):
@@ -148,6 +185,22 @@ for seed, (ns, kvh, g, d, ml) in enumerate([(5, 2, 4, 32, 400), (3, 2, 3, 32, 26
                                  d ** -0.5, use_kernel=True, whole=False)
         assert torch.equal(alone[0], got[b]), (seed, b)
 assert all(int(c.abs().sum()) == 0 for c in pd_._COUNTS.values())
+# rotary and the cache write inside: the cache and the output of the rope twin first
+from tests.kernels.test_paged_decode import rope_inputs
+from kernels.rope_cache import rope_and_cache_ref
+q, kc, vc, tables, lens = case(9, 5, 2, 4, 32, 16, 400, torch.float32, "cpu")
+k, v, cos, sin = rope_inputs(9, 5, 2, 32, torch.float32, "cpu")
+slots = torch.tensor([t[(n - 1) // 16] * 16 + (n - 1) % 16 for t, n in zip(tables, lens)])
+slots[1] = -1
+bt, lt = padded(tables, "cpu", width=max(map(len, tables)) + 9), torch.tensor(lens)
+k_ref, v_ref = kc.clone(), vc.clone()
+q_rot = rope_and_cache_ref(q, k, v, cos, sin, k_ref, v_ref, slots, torch.nonzero(slots >= 0).flatten())
+want = pd_.paged_decode(q_rot, k_ref, v_ref, bt, lt, 32 ** -0.5, use_kernel=True, whole=False)
+for whole in (False, True):
+    k2, v2 = kc.clone(), vc.clone()
+    got = pd_.paged_decode(q, k2, v2, bt, lt, 32 ** -0.5, use_kernel=True, whole=whole,
+                           rope=(k, v, cos, sin, slots))
+    assert torch.equal(k2, k_ref) and torch.equal(v2, v_ref) and torch.equal(got, want), whole
 print("ok")
 """
 
@@ -158,7 +211,8 @@ def test_kernel_logic_in_the_triton_interpreter():
     """On a machine with triton and no GPU (CI): the kernel run by triton's interpreter (float32, CPU
     tensors) equals the twin for sequences of one split and of many, with one program per split
     and one per sequence (the same bits), alone and in a batch bit for bit, and leaves its split
-    counters at zero."""
+    counters at zero; with rotary and the cache write inside, the cache and output of the rope
+    twin run first."""
     import os
     import subprocess
     import sys
