@@ -26,12 +26,14 @@ def root_hash(fingerprint: str) -> int:
 
 
 def chain_hashes(token_ids, block_size: int, root: int, lookahead: int = 0,
-                 prev: list[int] | None = None) -> list[int]:
-    """The hashes of every full block of `token_ids` (extending `prev`, the hashes of its first
-    blocks already known)."""
+                 prev: list[int] | None = None, limit: int | None = None) -> list[int]:
+    """The hashes of every full block of `token_ids` (the first `limit` blocks, when given),
+    extending `prev`, the hashes of its first blocks already known."""
     hashes = list(prev or [])
     parent = (hashes[-1] if hashes else root).to_bytes(16, "little")
     first, end = len(hashes), (len(token_ids) - lookahead) // block_size
+    if limit is not None:
+        end = min(end, limit)
     if end <= first:
         return hashes
     # NOTE: the tokens as bytes once (8 per token), each block a slice of them: a prompt of
@@ -63,17 +65,31 @@ class PrefixCache:
         self.root = root_hash(f"{fingerprint}|block_size={block_size}|lookahead={lookahead}")
         self.stats = PrefixStats()
 
-    def hashes(self, req: Req) -> list[int]:
-        """The request's block hashes, extended to its tokens so far."""
-        if (len(req.block_hashes) + 1) * self.block_size + self.lookahead <= req.num_tokens:
+    def hashes(self, req: Req, limit: int | None = None) -> list[int]:
+        """The request's block hashes, extended to its tokens so far (to its first `limit`
+        blocks at least, when given)."""
+        want = (req.num_tokens - self.lookahead) // self.block_size
+        if limit is not None:
+            want = min(want, limit)
+        if want > len(req.block_hashes):
             req.block_hashes = chain_hashes(req.token_ids, self.block_size, self.root,
-                                            self.lookahead, req.block_hashes)
+                                            self.lookahead, req.block_hashes, want)
         return req.block_hashes
 
     def match(self, req: Req, max_blocks: int) -> list[int]:
         """The cached blocks of the request's longest cached prefix, at most `max_blocks` (not
         taken yet: the caller shares them once it admits the request)."""
-        return self.allocator.match(self.hashes(req)[:max(0, max_blocks)])
+        # NOTE: hashed only as far as the cache holds the prompt, in doubling steps: a prompt
+        # the cache misses costs a hash or two here, before its step is launched; the rest
+        # are hashed when its blocks are registered (0.6 ms of an 8k-token prompt's host time)
+        limit = min(max(0, max_blocks), (req.num_tokens - self.lookahead) // self.block_size)
+        n, step = 0, 1
+        while True:
+            n = min(limit, max(n + step, len(req.block_hashes)))
+            blocks = self.allocator.match(self.hashes(req, n)[:n])
+            if len(blocks) < n or n >= limit:
+                return blocks
+            step *= 2
 
     def count(self, req: Req, num_hit_blocks: int) -> None:
         """Count one lookup of the request's prompt in `stats`."""
