@@ -9,10 +9,12 @@ The wrappers pick the kernel on CUDA when cupy is present and the twin otherwise
 `pd.spec.mtp`'s and `pd.spec.verify`'s.
 
 The Triton kernels (not re-exported here, so importing this package never needs triton), each
-with its torch twin: `kernels.paged_decode` (the decode attention over the paged cache, used by
-`pd.model.attention` on CUDA), `kernels.rms_norm`, `kernels.rope_cache`, `kernels.activation`
-(the decode layer's fused elementwise steps), `kernels.skinny_linear` (the linear layers' product
-at a few rows) and `kernels.argmax` (greedy sampling inside the decode graphs).
+with its torch twin: `kernels.paged_decode` (the decode attention over the paged cache, with
+the step's rotary and cache write in a plain decode step, used by `pd.model.attention` on
+CUDA), `kernels.rms_norm`, `kernels.rope_cache`, `kernels.activation` (the decode layer's fused
+elementwise steps), `kernels.skinny_linear` (the linear layers' product at up to 64 rows) and
+`kernels.argmax` (greedy sampling inside the decode graphs); `kernels.triton_support` says when
+they run and how they are launched back to back (programmatic dependent launch).
 """
 
 from kernels.draft_preprocess import draft_preprocess

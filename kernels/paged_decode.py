@@ -18,7 +18,8 @@ same arithmetic (so the same bits):
 The split never depends on the batch, so a sequence's output does not depend on the batch it is
 in (batch-invariant). Everything is on the current stream and capturable
 in a CUDA graph (shapes depend only on the batch and the block-table width). Writing the step's
-own K/V into the cache before the call is `kernels.rope_cache`'s job.
+own K/V into the cache before the call is `kernels.rope_cache`'s job, except in a plain decode
+step, where the kernel rotates q and k and writes them itself (`rope`).
 
 `triton` is imported on first use only; CPU machines run the twin.
 """
