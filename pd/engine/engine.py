@@ -123,8 +123,10 @@ class Engine:
             )
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams,
-                    req_id: str | None = None) -> Req:
-        self.validate_prompt(prompt_token_ids)
+                    req_id: str | None = None, validated: bool = False) -> Req:
+        """Queue one request (`validated`: the prompt passed `validate_prompt` already)."""
+        if not validated:
+            self.validate_prompt(prompt_token_ids)
         req_id = req_id if req_id is not None else str(next(self._ids))
         if req_id in self.requests:
             raise ValueError(f"duplicate request id {req_id!r}")
@@ -144,7 +146,7 @@ class Engine:
         for sp in params:  # a spec that does not compile refuses the call before any request
             if sp.structured_output is not None:
                 self.grammars.compile(sp.structured_output)
-        reqs = [self.add_request(ids, sp) for ids, sp in zip(prompts, params)]
+        reqs = [self.add_request(ids, sp, validated=True) for ids, sp in zip(prompts, params)]
         while self.has_unfinished():
             self.step()
         return reqs
