@@ -11,6 +11,7 @@ import torch
 from kernels.paged_decode import can_use_kernel, paged_decode, paged_decode_ref
 from pd.model.attention import paged_attention
 from pd.model.context import build_context, forward_context
+from tests.kernels.interpreter import run_interpreted
 
 
 def case(seed: int, num_seqs: int, kv_heads: int, group: int, head_dim: int, block: int,
@@ -213,13 +214,4 @@ def test_kernel_logic_in_the_triton_interpreter():
     and one per sequence (the same bits), alone and in a batch bit for bit, and leaves its split
     counters at zero; with rotary and the cache write inside, the cache and output of the rope
     twin run first."""
-    import os
-    import subprocess
-    import sys
-
-    pytest.importorskip("triton")
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": root}
-    run = subprocess.run([sys.executable, "-c", INTERPRETED], env=env, cwd=root,
-                         capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0 and run.stdout.strip() == "ok", run.stderr[-2000:]
+    run_interpreted(INTERPRETED)

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from kernels.skinny_linear import MAX_ROWS, row_bucket, skinny_linear, use_skinny
+from tests.kernels.interpreter import run_interpreted
 
 CUDA = torch.cuda.is_available()
 
@@ -84,16 +85,7 @@ def test_kernel_logic_in_the_triton_interpreter():
     """On a machine with triton and no GPU (CI): the kernel run by triton's interpreter (float32,
     CPU tensors) against float64, with K in one slice and in several (the last program adds
     them), a row alone equal to it in a batch, and the slice counters left at zero."""
-    import os
-    import subprocess
-    import sys
-
-    pytest.importorskip("triton")
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": root}
-    run = subprocess.run([sys.executable, "-c", INTERPRETED], env=env, cwd=root,
-                         capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0 and run.stdout.strip() == "ok", run.stderr[-2000:]
+    run_interpreted(INTERPRETED)
 
 
 @pytest.mark.skipif(not CUDA, reason="the Triton kernel needs a CUDA device")
