@@ -1,8 +1,10 @@
 """On a CUDA machine: what one decode step of the Llama-3.2-1B shape (random bf16 weights)
 launches, from torch.profiler: kernels per step and per layer, and device time by kernel, eager
-and through the CUDA graph, at the batch sizes given.
+and through the CUDA graph, at the batch sizes given. Run it with `PD_PDL=0` (as `run_all.sh`
+does): under programmatic dependent launch a kernel starts before the one it follows ends and
+the profiler counts its wait as its own time.
 
-    python benchmarks/gpu/profile_decode.py [--batch 1 64] [--steps 8] [--host 64]
+    PD_PDL=0 python benchmarks/gpu/profile_decode.py [--batch 1 64] [--steps 8] [--host 64]
 """
 
 from __future__ import annotations

@@ -49,7 +49,7 @@ TAIL=22 step profile_prefill python3 benchmarks/gpu/profile_prefill.py --top 8
 fi
 if [[ $PART == all || $PART == 2 ]]; then
 TAIL=8 step graphs python3 benchmarks/gpu/check_graphs.py
-TAIL=60 step profile python3 benchmarks/gpu/profile_decode.py --batch 1 64 --host 64
+TAIL=60 step profile env PD_PDL=0 python3 benchmarks/gpu/profile_decode.py --batch 1 64 --host 64
 TAIL=9 step overlap_tiny python3 benchmarks/bench_overlap.py --device cuda --parity 64 --check-sync
 TAIL=6 step overlap_small python3 benchmarks/bench_overlap.py --device cuda --synthetic small
 TAIL=6 step overlap_small_eager python3 benchmarks/bench_overlap.py --device cuda --synthetic small --enforce-eager
