@@ -16,8 +16,8 @@ import pytest
 
 from pd.testing.tiny import write_tiny_checkpoint
 
-# every engine of the suite, in this process and in the nodes it starts, checks its block
-# allocator each time it goes idle (`pd.engine.engine.Engine.step`)
+# every engine of the suite, in this process and in the nodes it starts, walks its whole block
+# allocator each time it goes idle, not only its counts (`pd.engine.engine.Engine.step`)
 os.environ.setdefault("PD_CHECK_INTEGRITY", "1")
 
 

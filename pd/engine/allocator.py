@@ -7,8 +7,9 @@ With prefix caching, a full block whose KV is computed is registered under its c
 (`pd.engine.prefix`); when its last holder frees it, it is not forgotten but parked as
 evictable, least recently freed first, and `match` can hand it out again. `allocate` takes
 never-cached blocks first and evicts the oldest parked ones after. `num_free` counts both kinds:
-a parked block is as available as a free one. `check_integrity()` walks every block; tests run
-it, and an engine on going idle when `PD_CHECK_INTEGRITY=1`.
+a parked block is as available as a free one. `check_integrity()` runs when an engine goes idle:
+free + parked + held == total from counts kept as it goes (cheap); `full=True` (tests, and an
+engine under `PD_CHECK_INTEGRITY=1`) also walks every block.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ class BlockAllocator:
         self._hash: list[int | None] = [None] * num_blocks
         self._cached: dict[int, int] = {}  # hash -> block
         self._parked: OrderedDict[int, None] = OrderedDict()  # ref 0 with a hash, oldest first
+        self._num_held = 0  # blocks whose ref is above 0, kept as they change
         self.num_evictions = 0
 
     @property
@@ -67,6 +69,7 @@ class BlockAllocator:
                 self.num_evictions += 1
             self._ref[b] = 1
             blocks.append(b)
+        self._num_held += n
         return blocks
 
     def share(self, blocks: Sequence[int]) -> None:
@@ -76,6 +79,7 @@ class BlockAllocator:
                 if b not in self._parked:
                     raise ValueError(f"block {b} is free and cannot be shared")
                 del self._parked[b]
+                self._num_held += 1
             self._ref[b] += 1
 
     def free(self, blocks: Sequence[int]) -> None:
@@ -86,6 +90,7 @@ class BlockAllocator:
                 raise ValueError(f"block {b} freed twice")
             self._ref[b] -= 1
             if self._ref[b] == 0:
+                self._num_held -= 1
                 if self._hash[b] is None:
                     self._free.append(b)
                 else:
@@ -116,14 +121,20 @@ class BlockAllocator:
         self._hash[block] = h
         self._cached[h] = block
 
-    def check_integrity(self) -> None:
+    def check_integrity(self, full: bool = True) -> None:
+        """free + parked + held == total (counts); with `full`, every block's state too."""
+        if len(self._free) + len(self._parked) + self._num_held != self.num_blocks:
+            raise AssertionError(f"free ({len(self._free)}) + parked ({len(self._parked)}) + "
+                                 f"held ({self._num_held}) != total ({self.num_blocks})")
+        if not full:
+            return
         free, parked = set(self._free), set(self._parked)
         if len(free) != len(self._free):
             raise AssertionError("a block is on the free list twice")
         used = {b for b, r in enumerate(self._ref) if r > 0}
         if (free | parked) & used or free & parked:
             raise AssertionError(f"blocks both free and used: {sorted((free | parked) & used)[:8]}")
-        if len(free) + len(parked) + len(used) != self.num_blocks:
+        if len(used) != self._num_held or len(free) + len(parked) + len(used) != self.num_blocks:
             raise AssertionError(f"free ({len(free)}) + parked ({len(parked)}) + used "
                                  f"({len(used)}) != total ({self.num_blocks})")
         if any(self._hash[b] is not None for b in free):
