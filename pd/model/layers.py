@@ -103,7 +103,8 @@ class RotaryEmbedding:
     (it takes the longest sequence of the batch). A plain object, not a module: its float32
     `inv_freq` must not follow the model's dtype. The cos/sin tables (`tables`) are computed
     once per forward (every layer sees the same positions tensor); applying them, fused with the
-    KV-cache write, is `kernels.rope_cache`'s.
+    KV-cache write, is `kernels.rope_cache`'s (in a plain decode step on CUDA, the attention
+    kernel's: `pd.model.attention.rope_cache_attention`).
     """
 
     def __init__(self, head_dim: int, theta: float, scaling: dict | None,
