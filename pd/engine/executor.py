@@ -126,9 +126,7 @@ class ThreadExecutor(InlineExecutor):
         part, done.logits = done.logits, None
 
         def finish() -> None:
-            logits = part.result()
-            with torch.inference_mode():
-                sampled = runner.sampler(logits, rows) if isinstance(logits, torch.Tensor) else logits
+            sampled = runner.sample_rows(part.result(), rows)
             runner.emit(sampled, out.next_tokens_gpu, out.next_tokens_cpu, out.logprobs_cpu)
 
         self.pool.submit(done.run, finish)
@@ -171,9 +169,9 @@ class CudaExecutor:
     def sample_deferred(self, runner: ModelRunner, out: ForwardOutput, rows: list) -> None:
         """The sampler of a step launched with `defer`, over `rows` built now, then its end."""
         done = out.copy_done
-        with torch.cuda.stream(self.stream), torch.inference_mode():
+        with torch.cuda.stream(self.stream):
             logits, done.logits = done.logits, None
-            sampled = runner.sampler(logits, rows) if isinstance(logits, torch.Tensor) else logits
+            sampled = runner.sample_rows(logits, rows)
             runner.emit(sampled, out.next_tokens_gpu, out.next_tokens_cpu, out.logprobs_cpu)
             done.end.record()
 

@@ -307,9 +307,14 @@ class ModelRunner:
 
     @torch.inference_mode()
     def sample(self, inp: ForwardInput, prev_tokens: torch.Tensor | None = None) -> SamplerOutput | None:
-        """Forward + sampler on the device (`forward_rows`, then the sampler over its logits)."""
-        out = self.forward_rows(inp, prev_tokens)
-        return self.sampler(out, inp.rows) if isinstance(out, torch.Tensor) else out
+        """Forward + sampler on the device (`forward_rows`, then `sample_rows`)."""
+        return self.sample_rows(self.forward_rows(inp, prev_tokens), inp.rows)
+
+    @torch.inference_mode()
+    def sample_rows(self, forwarded: torch.Tensor | SamplerOutput | None,
+                    rows: list[SamplingRow]) -> SamplerOutput | None:
+        """The sampler over `forward_rows`' logits for `rows`; its tokens or None as they are."""
+        return self.sampler(forwarded, rows) if isinstance(forwarded, torch.Tensor) else forwarded
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> dict[int, SampledToken]:
