@@ -39,6 +39,14 @@ def _choices(name: str, v) -> tuple[str, str]:
     return ("choice", json.dumps(v, ensure_ascii=False))
 
 
+# kind -> its spec from a field's value, named for the error (`guided_<kind>` and
+# `structured_outputs[kind]` alike)
+_SPECS = {"json": _schema,
+          "regex": lambda name, v: ("regex", _text(name, v)),
+          "choice": _choices,
+          "grammar": lambda name, v: ("grammar", _text(name, v))}
+
+
 def _response_format(rf) -> tuple[str, str] | None:
     kinds = ("text", "json_object", "json_schema")
     if not isinstance(rf, dict) or rf.get("type") not in kinds:
@@ -65,33 +73,24 @@ def parse_structured(body: dict) -> tuple[str, str] | None:
         spec = _response_format(body["response_format"])
         if spec is not None:
             found.append(("response_format", spec))
-    vllm = {"guided_json": lambda v: _schema("guided_json", v),
-            "guided_regex": lambda v: ("regex", _text("guided_regex", v)),
-            "guided_choice": lambda v: _choices("guided_choice", v),
-            "guided_grammar": lambda v: ("grammar", _text("guided_grammar", v))}
-    for name, make in vllm.items():
+    for kind, make in _SPECS.items():
+        name = f"guided_{kind}"
         if body.get(name) is not None:
-            found.append((name, make(body[name])))
+            found.append((name, make(name, body[name])))
     so = body.get("structured_outputs")
     if so is not None:
         name = "structured_outputs"
         given = {k: v for k, v in so.items() if v is not None} if isinstance(so, dict) else None
-        if not given or len(given) != 1 or not set(given) <= {"json", "regex", "choice",
-                                                               "grammar", "json_object"}:
+        if not given or len(given) != 1 or not set(given) <= {*_SPECS, "json_object"}:
             raise bad_param(name, "must be an object with one of json, regex, choice, grammar, "
                                   "json_object")
         (key, v), = given.items()
         if key == "json_object":
             if v is not True:
                 raise bad_param(name, "json_object must be true")
-            spec = ("json_object", "")
-        elif key == "json":
-            spec = _schema(name, v)
-        elif key == "choice":
-            spec = _choices(name, v)
+            found.append((name, ("json_object", "")))
         else:
-            spec = (key, _text(name, v))  # regex, grammar
-        found.append((name, spec))
+            found.append((name, _SPECS[key](name, v)))
     if len(found) > 1:
         raise bad_param(found[1][0], f"only one structured-output constraint per request (also "
                                      f"given: {found[0][0]})")
