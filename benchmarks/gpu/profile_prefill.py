@@ -52,13 +52,12 @@ def main() -> None:
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             engine.generate([prompt], [params])
             torch.cuda.synchronize()
-        counts, times = collections.Counter(), collections.defaultdict(float)
-        for e in prof.events():
-            if e.device_type == torch.autograd.DeviceType.CUDA:
-                counts[e.name] += 1
-                times[e.name] += e.device_time_total
-        total = sum(times.values())
         kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+        counts, times = collections.Counter(), collections.defaultdict(float)
+        for e in kernels:
+            counts[e.name] += 1
+            times[e.name] += e.device_time_total
+        total = sum(times.values())
         start = min(e.time_range.start for e in prof.events())
         first = min(e.time_range.start for e in kernels)
         span = max(e.time_range.end for e in kernels) - first
