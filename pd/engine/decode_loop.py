@@ -40,6 +40,7 @@ from collections import deque
 from typing import Callable, NamedTuple
 
 from pd.engine.executor import make_executor
+from pd.engine.grammar import step_masks
 from pd.engine.request import FinishReason, Req, ReqStatus
 from pd.engine.runner import ForwardInput, ForwardOutput, ModelRunner, SampledToken, unpack_sampled
 from pd.engine.scheduler import ScheduledBatch, Scheduler
@@ -220,17 +221,23 @@ class DecodeLoop:
             else:
                 defer = host_tokens
         cur = self.launch(last, defer)
+        masks = None
         if last is not None:
             # NOTE: step N+1 is already queued behind step N; only now does the host wait for N.
             self.num_ahead += cur is not None
-            emitted += self.process(last, cur)
+            if defer and cur is not None and any(cur.batch.reqs[i].grammar is not None
+                                                 for i in cur.inp.sample_reqs):
+                masks = self.runner.mask_buffer(len(cur.inp.sample_reqs))
+            emitted += self.process(last, cur, masks)
         if defer and cur is not None:
-            # NOTE: step N's tokens are on the host now (and in the requests' grammars): step
-            # N+1's sampler follows its forward, which ran meanwhile
+            # NOTE: step N's tokens are on the host now (and in the requests' grammars, whose
+            # masks for N+1 `process` filled): step N+1's sampler follows its forward, which
+            # ran meanwhile
             self.num_deferred += 1
             t = time.perf_counter()
             reqs = [cur.batch.reqs[i] for i in cur.inp.sample_reqs]
-            self.executor.sample_deferred(self.runner, cur.out, self.runner.sampling_rows(reqs))
+            rows = self.runner.sampling_rows(reqs, filled=masks)
+            self.executor.sample_deferred(self.runner, cur.out, rows)
             self.times.add("launch", t)
         self.last = cur
         if cur is None:
@@ -394,8 +401,10 @@ class DecodeLoop:
             members[batch.reqs[i]] = row
         return InFlight(batch, inp, out, list(inp.sample_reqs), members, [])
 
-    def process(self, f: InFlight, nxt: InFlight | None) -> list[Req]:
-        """Wait for step f's results and apply them; `nxt` is the step launched after it."""
+    def process(self, f: InFlight, nxt: InFlight | None, masks=None) -> list[Req]:
+        """Wait for step f's results and apply them; `nxt` is the step launched after it.
+        `masks` (a `ModelRunner.mask_buffer` of nxt's rows): fill there the grammar masks of
+        nxt's sampled rows, which follow f's tokens (a deferred sampler's)."""
         if not isinstance(f, InFlight):
             return self.process_spec(f, nxt)
         t = time.perf_counter()
@@ -416,6 +425,7 @@ class DecodeLoop:
                     prefix.register(req)
         if f.inp.rows:
             sampled = self.unpack(f)
+            self.walk_grammars(f, sampled, nxt, masks)
             for row, i in enumerate(f.rows):
                 if i < 0:
                     continue  # invalid slot: the request ended after this step was launched
@@ -432,6 +442,26 @@ class DecodeLoop:
         self.measure(False, f.batch, len(emitted))
         self.times.add("process", t)
         return emitted
+
+    @staticmethod
+    def walk_grammars(f: InFlight, sampled: list[SampledToken], nxt: InFlight | None,
+                      masks) -> None:
+        """The grammar work of step f's tokens, at once on several threads (`step_masks`):
+        each request's grammar walks its new token (which appending it then takes), then, with
+        `masks`, fills its mask of nxt's row."""
+        tokens = {}
+        for row, i in enumerate(f.rows):
+            if i >= 0 and f.batch.reqs[i].grammar is not None:
+                tokens[f.batch.reqs[i]] = sampled[row][0]
+        jobs = []
+        if masks is not None:
+            for j, i in enumerate(nxt.inp.sample_reqs):
+                req = nxt.batch.reqs[i]
+                if req.grammar is not None:
+                    jobs.append((req.grammar, tokens.pop(req, None), j))
+        jobs += [(req.grammar, token, None) for req, token in tokens.items()]
+        if len(jobs) > 1 or masks is not None:
+            step_masks(jobs, masks)
 
     def process_spec(self, f, nxt) -> list[Req]:
         """Apply a graphed MTP step's results (`pd.spec.verify.SpecFlight`)."""

@@ -13,10 +13,12 @@ module keeps that behind two small types:
   spec that does not compile.
 - `GrammarState`, one per request: `accept(token)` for every appended token (`Req.append_token`
   calls it), `mask()` the tokens allowed next as a bitmask (int32 words, bit t % 32 of word t // 32;
-  `fill_masks` fills a step's masks, on several threads where they are costly),
+  `fill_masks` fills a step's masks into the rows of one buffer),
   `masks_along(drafts)` the masks at each position of an MTP verify step, each taking the drafts
   before it as accepted (then rolled back), and `terminated` once the grammar took its stop
-  token (or a token it refused was appended).
+  token (or a token it refused was appended). `step_masks` does a step's walks and masks on
+  several threads at once; the decode loop walks each request's new token there (`walk`) before
+  appending it, whose `accept` then takes that walk's result.
 
 The sampler applies the masks on the logits' device (`pd.engine.sampler.apply_grammar`).
 Across P and D each node binds its own state: the prefill node samples the first token under
@@ -27,11 +29,12 @@ matcher's path.
 from __future__ import annotations
 
 import functools
-import itertools
 import json
 import logging
 import os
 import time
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -63,7 +66,9 @@ class GrammarState:
         self._m = matcher
         self.num_words = -(-vocab_size // 32)
         self.failed = False  # a token the grammar refused was appended: the request ends
-        self.seconds = 0.0  # how long its last mask took alone (`fill_masks`)
+        # tokens walked by `walk` ahead of their `accept`, each with what the matcher said
+        # (None: the state was terminated, nothing walked)
+        self._walked: deque[tuple[int, bool | None]] = deque()
 
     @property
     def terminated(self) -> bool:
@@ -72,8 +77,15 @@ class GrammarState:
     def accept(self, token: int) -> bool:
         """Walk one token; False if the grammar refuses it (which only a mask that allows no
         token at all lets happen): the state then stays as it was and `terminated` is set.
-        One at a time: xgrammar's batch call took 2 ms for a step's 32 tokens of a JSON schema
-        on the H100 host, against ~30 us each alone."""
+        A token `walk` walked already is not walked again: its result is taken."""
+        if self._walked:
+            walked, ok = self._walked.popleft()
+            if walked == token:
+                if ok is False:
+                    log.warning("structured output: the grammar refused token %d; the request "
+                                "ends", token)
+                return bool(ok)
+            self._unwalk([(walked, ok)])
         if self.terminated:
             return False
         ok = self._m.accept_token(token)
@@ -82,19 +94,38 @@ class GrammarState:
             log.warning("structured output: the grammar refused token %d; the request ends", token)
         return ok
 
+    def walk(self, token: int) -> None:
+        """Walk `token` now, ahead of the `accept(token)` that will take its result: on a
+        worker thread of `step_masks`, so that a step's requests walk their tokens at once."""
+        ok = None if self.terminated else self._m.accept_token(token)
+        if ok is False:
+            self.failed = True
+        self._walked.append((token, ok))
+
+    def _unwalk(self, popped: list) -> None:
+        """Undo every walk not taken (an accept of another token: not what the decode loop
+        does, but the state stays right)."""
+        popped += self._walked
+        self._walked.clear()
+        walked = sum(ok is True for _, ok in popped)
+        if walked:
+            self._m.rollback(walked)
+        if any(ok is False for _, ok in popped):
+            self.failed = False  # set by the refused walk, on a state that was not terminated
+
     def mask(self) -> torch.Tensor:
         """int32 [ceil(V / 32)]: the tokens allowed next (all, once terminated: the request
         ends on its own then)."""
-        bits = torch.full((self.num_words,), -1, dtype=torch.int32)
-        if not self.terminated:
-            self._m.fill_next_token_bitmask(bits.view(1, -1))
-        return bits
+        bits = torch.empty((1, self.num_words), dtype=torch.int32)
+        self.fill(bits, 0)
+        return bits[0]
 
-    def timed_mask(self) -> torch.Tensor:
-        start = time.perf_counter()
-        bits = self.mask()
-        self.seconds = time.perf_counter() - start
-        return bits
+    def fill(self, out: torch.Tensor, row: int) -> None:
+        """`mask()` written into row `row` of `out` [rows, ceil(V / 32)] int32."""
+        if self.terminated:
+            out[row].fill_(-1)
+        else:
+            self._m.fill_next_token_bitmask(out, row)
 
     def masks_along(self, drafts: list[int], num: int) -> list[torch.Tensor]:
         """`num` masks: position j's with drafts[:j] accepted. Past a draft the grammar refuses
@@ -112,36 +143,46 @@ class GrammarState:
         return masks + [masks[-1]] * (num - len(masks))
 
 
+# NOTE: xgrammar lets the GIL go while it walks a token or fills a mask (two threads ran two
+# matchers' fills and walks in 0.51-0.59 of the time one thread took, on 2 cores)
+WORKERS = min(8, os.cpu_count() or 1)
+
+
 @functools.cache
-def _batch_matcher():
-    import xgrammar  # noqa: PLC0415
-
-    # NOTE: xgrammar's "auto" took 4.5 ms for 32 regex masks over 128k tokens on the 16-core
-    # H100 host, 8 threads 1.7 ms, 16 threads 1.4 ms
-    return xgrammar.BatchGrammarMatcher(max_threads=min(8, os.cpu_count() or 1))
+def _workers() -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(max_workers=WORKERS - 1, thread_name_prefix="pd-grammar")
 
 
-BATCH_FILL_SECONDS = 1e-3  # a step's masks expected to take longer are filled on threads
-REMEASURE = 32  # every this many steps the masks are filled one by one, timing each
+def step_masks(jobs: list[tuple[GrammarState, int | None, int | None]],
+               out: torch.Tensor | None) -> None:
+    """A step's grammar work at once: each job (state, token, row) walks `token` (unless None;
+    `GrammarState.walk`), then fills the state's next mask into out[row] (unless None). Jobs
+    are dealt round to `WORKERS` threads, this one included, each job's two parts on one
+    thread: 32 requests of a JSON schema take ~30 us each one by one (a regex's mask over 128k
+    tokens ~0.2 ms), which the step's forward would otherwise wait for."""
+    def run(part) -> None:
+        for state, token, row in part:
+            if token is not None:
+                state.walk(token)
+            if row is not None:
+                state.fill(out, row)
+
+    n = min(WORKERS, len(jobs))
+    if n <= 1:
+        run(jobs)
+        return
+    futures = [_workers().submit(run, jobs[i::n]) for i in range(1, n)]
+    run(jobs[0::n])
+    for f in futures:
+        f.result()
 
 
-_FILLS = itertools.count(1)  # calls of `fill_masks`, for REMEASURE
-
-
-def fill_masks(states: list[GrammarState | None]) -> list[torch.Tensor | None]:
-    """`mask()` of each state (None for None). Each state keeps how long its mask took alone;
-    when a step's masks together are expected to take over BATCH_FILL_SECONDS (a regex over a
-    128k vocabulary: ~0.2 ms each), xgrammar's batch matcher fills them on several threads,
-    rows of one tensor; cheaper ones (a JSON schema's: ~10 us) are filled one by one, where
-    the threads' start-up would cost more (3 ms for 32 such masks against 0.3 ms)."""
-    live = [i for i, st in enumerate(states) if st is not None and not st.terminated]
-    expected = sum(states[i].seconds for i in live)
-    if len(live) < 2 or expected < BATCH_FILL_SECONDS or next(_FILLS) % REMEASURE == 0:
-        return [st.timed_mask() if st is not None else None for st in states]
-    width = states[live[0]].num_words
-    bits = torch.full((len(states), width), -1, dtype=torch.int32)
-    _batch_matcher().batch_fill_next_token_bitmask([states[i]._m for i in live], bits, indices=live)
-    return [bits[i] if st is not None else None for i, st in enumerate(states)]
+def fill_masks(states: list[GrammarState | None], out: torch.Tensor) -> list[torch.Tensor | None]:
+    """`mask()` of each state (None for None), filled at once (`step_masks`) into the rows of
+    `out` [len(states), ceil(V / 32)] int32 (page-locked on CUDA, so the sampler copies the rows
+    to the device as one block): row j for states[j]."""
+    step_masks([(st, None, j) for j, st in enumerate(states) if st is not None], out)
+    return [out[j] if st is not None else None for j, st in enumerate(states)]
 
 
 class Grammars:

@@ -253,15 +253,25 @@ class ModelRunner:
             allowed=allowed,
         )
 
-    @classmethod
-    def sampling_rows(cls, reqs: list[Req], masks: bool = True) -> list[SamplingRow]:
-        """`sampling_row` of each request, the grammars' masks filled together (or left out)."""
-        if not masks:
-            return [cls.sampling_row(r, mask=False) for r in reqs]
-        if not any(r.grammar is not None for r in reqs):
-            return [cls.sampling_row(r) for r in reqs]
-        filled = fill_masks([r.grammar for r in reqs])
-        return [cls.sampling_row(r, m) for r, m in zip(reqs, filled)]
+    def sampling_rows(self, reqs: list[Req], masks: bool = True,
+                      filled: torch.Tensor | None = None) -> list[SamplingRow]:
+        """`sampling_row` of each request, the grammars' masks filled together (`fill_masks`)
+        into one buffer of `mask_buffer`, or left out (`masks` False), or already in `filled`
+        (row j: reqs[j]'s, as `DecodeLoop.process` fills them)."""
+        if not masks or not any(r.grammar is not None for r in reqs):
+            return [self.sampling_row(r, mask=False) for r in reqs]
+        if filled is None:
+            filled = self.mask_buffer(len(reqs))
+            fill_masks([r.grammar for r in reqs], filled)
+        return [self.sampling_row(r, filled[j] if r.grammar is not None else None)
+                for j, r in enumerate(reqs)]
+
+    def mask_buffer(self, num_rows: int) -> torch.Tensor:
+        """[num_rows, ceil(V / 32)] int32 for a step's grammar masks: a `HostRing` buffer
+        (page-locked on CUDA; rows in powers of two, so a few shapes serve every batch)."""
+        words = -(-self.model_config.vocab_size // 32)
+        rows = 1 << max(3, (num_rows - 1).bit_length())
+        return self.host_buffers.get((rows, words), torch.int32, name="masks")[:num_rows]
 
     @torch.inference_mode()
     def forward(self, inp: ForwardInput) -> torch.Tensor:

@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kernels.argmax import argmax
+from kernels.token_mask import apply_token_mask
 from pd.engine.host_ring import to_device
 from pd.engine.logprobs import compute_logprobs
 from pd.wire.sampling_params import SamplingParams
@@ -169,30 +170,35 @@ def apply_logit_bias(x: torch.Tensor, rows: list[SamplingRow]) -> None:
         x.view(-1).index_add_(0, _index(keys, x.device), _host_to(vals, torch.float32, x.device))
 
 
-_TOKEN_BITS: dict[tuple[torch.device, int], tuple[torch.Tensor, torch.Tensor]] = {}
+def _one_block(masks: list[torch.Tensor]) -> torch.Tensor | None:
+    """The masks as one [M, W] view when they are consecutive rows of one buffer (as
+    `ModelRunner.sampling_rows` fills them), else None."""
+    first, width = masks[0], masks[0].numel()
+    if first.dim() != 1 or first.stride(0) != 1:
+        return None
+    base, ptr, step = first.untyped_storage().data_ptr(), first.data_ptr(), width * first.element_size()
+    for k, m in enumerate(masks):
+        if (m.dim() != 1 or m.numel() != width or m.data_ptr() != ptr + k * step
+                or m.untyped_storage().data_ptr() != base):
+            return None
+    return first.as_strided((len(masks), width), (width, 1))
 
 
 def apply_grammar(x: torch.Tensor, rows: list[SamplingRow]) -> None:
     """-inf on every token a row's grammar does not allow (`SamplingRow.allowed`), in place on
     logits [B, V]; tokens past the mask's words are not allowed. One copy of the masks to the
-    device and a few kernels over the masked rows, no wait."""
+    device (straight from their page-locked buffer when they are its consecutive rows) and one
+    kernel (`kernels.token_mask`), no wait."""
     masked = [i for i, r in enumerate(rows) if r.allowed is not None]
     if not masked:
         return
-    dev, vocab = x.device, x.shape[1]
-    bits = torch.stack([rows[i].allowed for i in masked])  # [M, W] int32
-    bits = to_device(bits, dev)
-    key = (dev, vocab)
-    if key not in _TOKEN_BITS:
-        t = torch.arange(vocab, device=dev)
-        _TOKEN_BITS[key] = (t >> 5, (t & 31).to(torch.int32))
-    word, bit = _TOKEN_BITS[key]
-    width = bits.shape[1]
-    allowed = (bits[:, word.clamp(max=width - 1)] >> bit) & 1  # [M, V]
-    if 32 * width < vocab:
-        allowed[:, 32 * width:] = 0
-    idx = _index(masked, dev)
-    x[idx] = x[idx].masked_fill(allowed == 0, -math.inf)
+    dev = x.device
+    allowed = [rows[i].allowed for i in masked]
+    block = _one_block(allowed)
+    # NOTE: a buffer of the runner's HostRing is not reused before this step is processed
+    bits = block.to(dev, non_blocking=True) if block is not None else \
+        to_device(torch.stack(allowed), dev)
+    apply_token_mask(x, bits, _index(masked, dev))
 
 
 def process_logits(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:

@@ -104,27 +104,55 @@ def test_appended_tokens_walk_the_grammar_in_order(grammars, tiny_model_dir):
     assert not req.grammar.terminated and req.check_stop(1000) is None
 
 
-@pytest.mark.parametrize("threads", [False, True])
-def test_a_steps_masks_filled_together_equal_each_alone(grammars, tiny_model_dir, threads,
-                                                         monkeypatch):
-    """One by one (cheap masks) or on xgrammar's threads (costly ones), the same masks."""
+@pytest.mark.parametrize("workers", [1, 3])
+def test_a_steps_masks_and_walks_at_once_equal_each_alone(grammars, tiny_model_dir, workers,
+                                                          monkeypatch):
+    """`step_masks` and `fill_masks`, on one thread or several: each state walks its token and
+    fills its row as it would alone; `accept` then takes the walk's result without walking
+    again; a refused walk ends the request as a refused accept does; accepting another token
+    than the one walked undoes the walk first."""
     from pd.engine import grammar
     from pd.text.tokenizer import Tokenizer
 
-    monkeypatch.setattr(grammar, "BATCH_FILL_SECONDS", 0.0 if threads else 1.0)
-    monkeypatch.setattr(grammar, "REMEASURE", 10**9)
-
-    eos = Tokenizer.from_dir(tiny_model_dir).eos_token_ids[0]
+    monkeypatch.setattr(grammar, "WORKERS", workers)
+    tok = Tokenizer.from_dir(tiny_model_dir)
+    eos = tok.eos_token_ids[0]
     states = [grammars.matcher(spec) for spec in SPECS] + [None, grammars.matcher(SPECS[3])]
     done = grammars.matcher(("grammar", 'root ::= ""'))
     assert done.accept(eos) and done.terminated
     states.append(done)
-    filled = fill_masks(states)
+    out = torch.full((len(states), states[0].num_words), 7, dtype=torch.int32)
+    filled = fill_masks(states, out)
     assert filled[len(SPECS)] is None
     for got, st in zip(filled, states):
         if st is not None:
             assert torch.equal(got, st.mask())
     assert (filled[-1] == -1).all()  # terminated: everything (the request ends on its own)
+
+    spec = ("json", json.dumps(SCHEMA))
+    ids = tok.encode('{"name": "ab", "n": 12}', add_special_tokens=False)
+    walkers = [grammars.matcher(spec) for _ in range(4)]
+    alone = [grammars.matcher(spec) for _ in range(4)]
+    refused = tok.encode("]", add_special_tokens=False)[0]
+    for step, t in enumerate(ids[:4]):
+        tokens = [t, t, refused if step == 2 else t, None]  # state 2 is refused at step 2
+        out = torch.zeros((4, walkers[0].num_words), dtype=torch.int32)
+        grammar.step_masks([(w, tokens[j], 3 - j) for j, w in enumerate(walkers)], out)
+        for j, (w, a) in enumerate(zip(walkers, alone)):
+            if tokens[j] is not None:
+                assert w.accept(tokens[j]) == a.accept(tokens[j]), (step, j)
+            assert w.terminated == a.terminated and torch.equal(out[3 - j], a.mask()), (step, j)
+    assert walkers[2].terminated and not walkers[0].terminated
+    # another token than the one walked: the walk is undone, the state follows the accept
+    w, a = grammars.matcher(spec), grammars.matcher(spec)
+    w.walk(refused)
+    assert w.terminated  # the refused walk, until it is taken or undone
+    assert w.accept(ids[0]) and a.accept(ids[0]) and not w.terminated
+    w.walk(ids[1])
+    assert w.accept(ids[1]) and a.accept(ids[1])
+    w.walk(ids[3])
+    assert w.accept(ids[2]) and a.accept(ids[2])
+    assert torch.equal(w.mask(), a.mask())
 
 
 def test_sampler_masks_exactly_the_refused_tokens():
@@ -143,6 +171,13 @@ def test_sampler_masks_exactly_the_refused_tokens():
             for t in range(vocab):
                 assert x[i, t] == (logits[i, t] if t in ok else -torch.inf), (width, i, t)
         assert torch.equal(x[1], logits[1])
+    # rows of one buffer (as the runner fills them) go as one block, the same result
+    block = bits.clone()
+    rows = [SamplingRow(SP(), [], [], 0, allowed=block[j]) for j in range(2)]
+    x, y = logits[:2].clone(), logits[:2].clone()
+    apply_grammar(x, rows)
+    apply_grammar(y, [SamplingRow(SP(), [], [], 0, allowed=bits[j].clone()) for j in range(2)])
+    assert torch.equal(x, y) and (x == -torch.inf).any()
 
 
 def masked_greedy_reference(model_dir, grammars, prompt, spec, max_tokens, eos) -> list[int]:
