@@ -69,6 +69,7 @@ class GrammarState:
         # tokens walked by `walk` ahead of their `accept`, each with what the matcher said
         # (None: the state was terminated, nothing walked)
         self._walked: deque[tuple[int, bool | None]] = deque()
+        self.cost = 0.0  # seconds its last job of `step_masks` took
 
     @property
     def terminated(self) -> bool:
@@ -146,6 +147,7 @@ class GrammarState:
 # NOTE: xgrammar lets the GIL go while it walks a token or fills a mask (two threads ran two
 # matchers' fills and walks in 0.51-0.59 of the time one thread took, on 2 cores)
 WORKERS = min(8, os.cpu_count() or 1)
+THREADS_ABOVE = 2e-4  # a step's jobs expected to take longer (by their last run) go on threads
 
 
 @functools.cache
@@ -156,19 +158,23 @@ def _workers() -> ThreadPoolExecutor:
 def step_masks(jobs: list[tuple[GrammarState, int | None, int | None]],
                out: torch.Tensor | None) -> None:
     """A step's grammar work at once: each job (state, token, row) walks `token` (unless None;
-    `GrammarState.walk`), then fills the state's next mask into out[row] (unless None). Jobs
-    are dealt round to `WORKERS` threads, this one included, each job's two parts on one
-    thread: 32 requests of a JSON schema take ~30 us each one by one (a regex's mask over 128k
-    tokens ~0.2 ms), which the step's forward would otherwise wait for."""
+    `GrammarState.walk`), then fills the state's next mask into out[row] (unless None). When
+    the jobs' last runs add up to over THREADS_ABOVE they are dealt round to `WORKERS` threads,
+    this one included, each job's two parts on one thread: a regex's mask over 128k tokens
+    takes ~0.2 ms, 32 of them 6-10 ms one after the other on the H100's host, 1.7-1.8 ms on 8
+    threads; a JSON schema's walk and mask take a few microseconds, less than a thread's
+    hand-off."""
     def run(part) -> None:
         for state, token, row in part:
+            start = time.perf_counter()
             if token is not None:
                 state.walk(token)
             if row is not None:
                 state.fill(out, row)
+            state.cost = time.perf_counter() - start
 
     n = min(WORKERS, len(jobs))
-    if n <= 1:
+    if n <= 1 or sum(job[0].cost for job in jobs) < THREADS_ABOVE:
         run(jobs)
         return
     futures = [_workers().submit(run, jobs[i::n]) for i in range(1, n)]

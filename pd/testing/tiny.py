@@ -18,6 +18,7 @@ import functools
 import importlib.util
 import json
 import math
+import sysconfig
 from pathlib import Path
 from typing import Iterable
 
@@ -75,6 +76,33 @@ def _tiny_tokenizer_json(vocab_size: int) -> str:
 def tiny_tokenizer(vocab_size: int = TINY_VOCAB_SIZE) -> Tokenizer:
     """The tiny tokenizer, trained once per process and returned as a fresh copy."""
     return Tokenizer.from_str(_tiny_tokenizer_json(vocab_size))
+
+
+CORPUS_BYTES_PER_TOKEN = 3000  # source text read per token of a full vocabulary (400 MB at most)
+
+
+def full_vocab_tokenizer(vocab_size: int) -> Tokenizer:
+    """A byte-level BPE whose every one of `vocab_size` ids is a trained token, as a real
+    checkpoint's (the tiny tokenizer padded to 128k ids is not: grammar matchers, for one, walk
+    the 127k padding ids as special tokens on every token, 20 us instead of 1). Trained on the
+    Python source installed on this machine (standard library, then site-packages; about 320 MB
+    and 40 s on 2 cores for 128,256 ids), so it is deterministic per machine, not across them."""
+    roots = [sysconfig.get_paths()["stdlib"], sysconfig.get_paths()["purelib"]]
+    texts, size, limit = [], 0, min(400 << 20, vocab_size * CORPUS_BYTES_PER_TOKEN)
+    for root in roots:
+        for file in sorted(Path(root).rglob("*.py")):
+            if size >= limit:
+                break
+            try:
+                texts.append(file.read_text(encoding="utf-8"))
+            except (OSError, UnicodeDecodeError):
+                continue
+            size += len(texts[-1])
+    tok = train_bpe_tokenizer(texts, vocab_size)
+    if tok.get_vocab_size(with_added_tokens=True) != vocab_size:
+        raise RuntimeError(f"{size >> 20} MB of source trained {tok.get_vocab_size()} of "
+                           f"{vocab_size} tokens")
+    return tok
 
 
 def write_tokenizer_files(
@@ -211,11 +239,14 @@ def write_tiny_checkpoint(
     dtype: str = "float32",
     sharded: bool | int = False,
     seed: int = 0,
+    full_vocab: bool = False,
 ) -> Path:
     """Write a complete tiny model directory at `path` and return it as a Path.
 
     `vocab_size` None means the tokenizer's (512); a larger value pads the embedding and LM
-    head rows as real checkpoints do. `sharded` True writes 2 shards, an int writes that many.
+    head rows as real checkpoints do, or, with `full_vocab`, comes with a tokenizer trained to
+    that many tokens (`full_vocab_tokenizer`). `sharded` True writes 2 shards, an int writes
+    that many.
     """
     if arch not in ARCHS:
         raise ValueError(f"arch must be one of {sorted(ARCHS)}, got {arch!r}")
@@ -224,7 +255,7 @@ def write_tiny_checkpoint(
     if num_heads % num_kv_heads:
         raise ValueError(f"num_heads={num_heads} is not a multiple of num_kv_heads={num_kv_heads}")
     head_dim = head_dim if head_dim is not None else hidden_size // num_heads
-    tok = tiny_tokenizer()
+    tok = full_vocab_tokenizer(vocab_size) if full_vocab and vocab_size else tiny_tokenizer()
     tok_vocab = tok.get_vocab_size(with_added_tokens=True)
     vocab_size = tok_vocab if vocab_size is None else vocab_size
     if vocab_size < tok_vocab:

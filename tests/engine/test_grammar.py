@@ -115,6 +115,7 @@ def test_a_steps_masks_and_walks_at_once_equal_each_alone(grammars, tiny_model_d
     from pd.text.tokenizer import Tokenizer
 
     monkeypatch.setattr(grammar, "WORKERS", workers)
+    monkeypatch.setattr(grammar, "THREADS_ABOVE", 0.0)  # on threads whatever they cost
     tok = Tokenizer.from_dir(tiny_model_dir)
     eos = tok.eos_token_ids[0]
     states = [grammars.matcher(spec) for spec in SPECS] + [None, grammars.matcher(SPECS[3])]

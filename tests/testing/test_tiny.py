@@ -137,6 +137,21 @@ def test_deterministic_given_seed(tmp_path):
         assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes()
 
 
+def test_full_vocab_checkpoint_has_a_token_for_every_id(tmp_path):
+    """`full_vocab`: the tokenizer is trained to the model's vocabulary, special tokens first,
+    not padded; transformers reads it back with every id."""
+    from transformers import PreTrainedTokenizerFast
+
+    from pd.testing.tiny import SPECIAL_TOKENS
+
+    path = write_tiny_checkpoint(tmp_path / "m", "llama", vocab_size=2048, full_vocab=True,
+                                 mtp=False)
+    tok = PreTrainedTokenizerFast(tokenizer_file=str(path / "tokenizer.json"))
+    assert len(tok) == 2048 == json.loads((path / "config.json").read_text())["vocab_size"]
+    assert [tok.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS] == [0, 1, 2]
+    assert tok.decode(tok.encode("def f(x):\n    return x")) == "def f(x):\n    return x"
+
+
 def test_fixtures_are_cached(make_tiny_model, tiny_model_dir):
     assert make_tiny_model() == tiny_model_dir == make_tiny_model("llama", mtp=True)
     assert make_tiny_model("qwen2") != tiny_model_dir
