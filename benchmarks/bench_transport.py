@@ -113,18 +113,14 @@ def attach_when_created(name: str) -> Ring:
             time.sleep(0.01)
 
 
-def read_rung(ring: Ring, waiter: DoorbellWaiter, handle, total: int, timeout: float,
-              before_release=None) -> None:
-    """Read records up to each rung position, releasing as it goes (after `before_release()`,
-    if given), until `handle(word, payload)` (which returns what one record counts for) has
-    counted `total`."""
+def read_rung(ring: Ring, waiter: DoorbellWaiter, handle, total: int, timeout: float) -> None:
+    """Read records up to each rung position, releasing as it goes, until `handle(word,
+    payload)` (which returns what one record counts for) has counted `total`."""
     got = 0
     while got < total:
         pos = waiter.wait(timeout=timeout)
         while (rec := ring.next_record(pos)) is not None:
             got += handle(*rec)
-        if before_release is not None:
-            before_release()
         ring.release()
 
 

@@ -3,7 +3,8 @@ they join the running batch (or fail), on the KV ingest socket.
 
 Per request, from one prefill node, in order:
   RequestMeta -> FIRST_TOKEN (forwarded to the router; blocks reserved, or queued until free)
-  -> KVAccept sent -> KV records (installed) -> KVDone -> KVAck sent, the request joins the batch.
+  -> KVAccept sent -> KV records (installed) -> KVDone -> KVAck sent, the request joins the batch
+  (once its records' copies have completed: see below).
 With prefix caching, the blocks reserved start with the prompt's longest prefix this node holds
 in its cache (a previous turn of the same conversation, a shared system prompt); KVAccept says
 how many, and the prefill node sends only the rest. A prefill node on this host with its cache
@@ -16,6 +17,13 @@ A request waiting for blocks or for its KV has a deadline (`--kv-timeout`): on e
 gets an error and the prefill node a KVRefuse. Every record's request id must name a request in
 the state that expects it, from the peer that announced it; anything else is refused and
 counted. The intake talks to its node only through `IntakeOwner`.
+
+On CUDA a record's copy into this node's blocks (`shm_ipc.kv.install_kv`) runs on side streams
+and nothing waits for it while the node decodes: the record's ring space is held until its copy
+has completed (`KVReceiver.hold`), and a request whose KVDone arrives while its last copy still
+runs waits in LANDING until it has (`land`, before every step), so no step reads blocks being
+written and no step waits for a transfer. While nothing is decoding the intake waits for the
+copies at once.
 """
 
 from __future__ import annotations
@@ -47,6 +55,7 @@ class IncomingState(enum.Enum):
     META = "meta"  # RequestMeta arrived, waiting for FIRST_TOKEN
     WAITING_BLOCKS = "waiting_blocks"  # first token forwarded, waiting for free blocks
     RECEIVING = "receiving"  # KVAccept sent, KV records arriving
+    LANDING = "landing"  # KVDone arrived, the copies of its last records still running
     JOINED = "joined"  # KVDone: in the running batch
     DROPPED = "dropped"  # failed, aborted or timed out; blocks freed
 
@@ -54,7 +63,8 @@ class IncomingState(enum.Enum):
 INCOMING_STATES = Transitions({
     IncomingState.META: (IncomingState.WAITING_BLOCKS, IncomingState.DROPPED),
     IncomingState.WAITING_BLOCKS: (IncomingState.RECEIVING, IncomingState.DROPPED),
-    IncomingState.RECEIVING: (IncomingState.JOINED, IncomingState.DROPPED),
+    IncomingState.RECEIVING: (IncomingState.LANDING, IncomingState.JOINED, IncomingState.DROPPED),
+    IncomingState.LANDING: (IncomingState.JOINED, IncomingState.DROPPED),
     IncomingState.JOINED: (),
     IncomingState.DROPPED: (),
 })
@@ -74,6 +84,7 @@ class Incoming:
     accepted_at: float = 0.0  # perf_counter time of its KVAccept (the transfer's start)
     first_token_at: float = 0.0  # monotonic time of the first token's arrival
     direct: bool = False  # the prefill node writes its KV into our blocks (CUDA IPC)
+    fence: object = None  # its last record's copy (a CUDA event: done when it completes)
 
 
 class IntakeOwner(Protocol):
@@ -107,6 +118,7 @@ class Intake:
         self.fenced: dict[str, Incoming] = {}  # dropped direct requests a peer may still write
         self.incoming: dict[str, Incoming] = {}
         self.waiting_blocks: deque[Incoming] = deque()
+        self.landing: deque[Incoming] = deque()  # LANDING, in KVDone order
 
     def on_socket(self) -> None:
         """Read and apply what the prefill nodes sent (the node calls this on the socket and
@@ -118,11 +130,23 @@ class Intake:
                 self.dispatch(peer, item)
             except m.MessageError as e:
                 self.owner.refuse("kv", e)
-        if self.num_kv_records != num_records:
-            # NOTE: the records' copies ran back to back on the copy stream (`on_kv`); they are
-            # done before the next recv() releases their ring space and before a step reads them.
+        if self.num_kv_records != num_records and not self.owner.loop.has_work:
+            # NOTE: nothing decodes: wait for the records' copies here, so their requests join
+            # now (while decoding, `land` joins them once the copies are done, between steps)
             installed(self.engine.runner.kv_cache.kv)
+        self.land()
         self.owner.loop.times.add("intake", t)
+
+    def land(self) -> None:
+        """Join the LANDING requests whose copies have completed (in KVDone order), and give
+        back the ring space of records whose copies have."""
+        while self.landing and (self.landing[0].state is not IncomingState.LANDING
+                                or self.landing[0].fence.query()):
+            inc = self.landing.popleft()
+            if inc.state is IncomingState.LANDING:
+                self.join_incoming(inc)
+        if self.receiver.num_held:
+            self.receiver.release()
 
     def dispatch(self, peer: bytes, item) -> None:
         if isinstance(item, dict):
@@ -254,10 +278,13 @@ class Intake:
             raise m.MessageError(f"KV record for {inc.req.req_id} beyond its "
                                  f"{inc.num_blocks - inc.num_cached} uncached blocks")
         try:
-            install_kv(rec, self.engine.runner.kv_cache.kv, inc.req.block_ids[inc.num_cached:],
-                       wait=False)
+            fence = install_kv(rec, self.engine.runner.kv_cache.kv,
+                               inc.req.block_ids[inc.num_cached:], wait=False)
         except ValueError as e:
             raise m.MessageError(str(e)) from None
+        if fence is not None:
+            inc.fence = fence
+            self.receiver.hold(inc.peer, fence)
         inc.num_records += 1
         inc.kv_bytes += rec.payload.nbytes
         self.num_kv_records += 1
@@ -269,14 +296,22 @@ class Intake:
             self.fail(inc, f"KV incomplete: {inc.num_records} of {msg.num_records} records arrived")
             return
         self.receiver.send_control(peer, m.to_dict(m.KVAck(msg.req_id)))
-        tier = "ipc" if inc.direct else self.receiver.tier(peer)
+        if inc.fence is not None and not inc.fence.query():
+            INCOMING_STATES.move(inc, IncomingState.LANDING)
+            self.landing.append(inc)
+            return
+        self.join_incoming(inc)
+
+    def join_incoming(self, inc: Incoming) -> None:
+        """The request's KV is all in its blocks: it joins the running batch."""
+        tier = "ipc" if inc.direct else self.receiver.tier(inc.peer)
         if inc.direct:
             kv = self.engine.runner.kv_cache.kv
             inc.kv_bytes = (inc.num_blocks - inc.num_cached) * block_bytes(kv)
             self.metrics.kv_received_bytes(tier).inc(inc.kv_bytes)
         self.metrics.kv_transfer_seconds(tier).observe(time.perf_counter() - inc.accepted_at)
         self.metrics.kv_transfer_bytes(tier).observe(inc.kv_bytes)
-        del self.incoming[msg.req_id]
+        del self.incoming[inc.req.req_id]
         INCOMING_STATES.move(inc, IncomingState.JOINED)
         req = inc.req
         req.num_computed_tokens = req.num_prompt_tokens
@@ -288,7 +323,9 @@ class Intake:
     def on_peer_gone(self, peer: bytes, reason: str) -> None:
         self.peers.pop(peer, None)
         self.ipc_peers.discard(peer)
-        for inc in [i for i in self.incoming.values() if i.peer == peer]:
+        # NOTE: a LANDING request has all its KV (its copies are done once the ring is closed)
+        for inc in [i for i in self.incoming.values()
+                    if i.peer == peer and i.state is not IncomingState.LANDING]:
             self.fail(inc, f"prefill node gone before the KV arrived: {reason}", tell_peer=False)
         for req_id in [r for r, inc in self.fenced.items() if inc.peer == peer]:
             self.unfence(peer, req_id)
@@ -316,6 +353,8 @@ class Intake:
         self.incoming.pop(inc.req.req_id, None)
         if inc.state is IncomingState.WAITING_BLOCKS:
             self.waiting_blocks.remove(inc)
+        if inc.fence is not None and inc.state in (IncomingState.RECEIVING, IncomingState.LANDING):
+            inc.fence.synchronize()  # a copy may still write its blocks
         if inc.direct and inc.state is IncomingState.RECEIVING and inc.peer in self.peers:
             self.fenced[inc.req.req_id] = inc  # the peer may be writing them: see unfence
         else:
@@ -344,7 +383,8 @@ class Intake:
             self.fail(inc, m.TIMEOUT_PREFIX + " " + {
                 IncomingState.META: "waiting for the first token",
                 IncomingState.WAITING_BLOCKS: "waiting for free KV blocks at the decode node",
-                IncomingState.RECEIVING: "waiting for the KV"}[inc.state])
+                IncomingState.RECEIVING: "waiting for the KV",
+                IncomingState.LANDING: "waiting for the KV"}[inc.state])
         self.may_reserve()
 
     def close(self, error: str) -> None:

@@ -100,10 +100,12 @@ class DecodeNode(NodeService):
 
     # -- decoding ------------------------------------------------------------------------------
     def has_work(self) -> bool:
-        return self.loop.has_work
+        return self.loop.has_work or bool(self.intake.landing)
 
     def step(self) -> None:
         start = time.perf_counter()
+        self.intake.land()  # requests whose KV copies completed join this step
+        self.loop.times.add("intake", start)
         emitted = self.loop.step()
         if self.loop.batch_size:
             self.metrics.batch_size.observe(self.loop.batch_size)

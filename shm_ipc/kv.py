@@ -220,15 +220,18 @@ def payload_tensor(rec: KVRecord, kv: torch.Tensor) -> torch.Tensor:
         return torch.frombuffer(rec.payload, dtype=kv.dtype).view(shape)
 
 
-def install_kv(rec: KVRecord, kv: torch.Tensor, dst_block_ids, wait: bool = True) -> None:
+def install_kv(rec: KVRecord, kv: torch.Tensor, dst_block_ids, wait: bool = True
+               ) -> torch.cuda.Event | None:
     """Copy the record into kv[l0:l1, :, dst_block_ids[b0:b0+nb]] (the receiver's own blocks).
 
     On CUDA the record lands by DMA (from a pinned ring) in the next staging buffer on the copy
     stream, and the block-copy kernel scatters it on the kernel stream, so one record's scatter
     overlaps the next one's DMA. With `wait` this returns once it is done, so the record may be
     released and any step launched later reads the blocks; without, the copies of several
-    records queue up and the caller calls `installed(kv)` before releasing the records or
-    running a step."""
+    records queue up, and the event returned completes once this record's payload is read and
+    its blocks written (the events of a device complete in install order): until then the
+    caller keeps the record (`Ring.hold`) and no step reads the blocks, or it waits for every
+    install with `installed(kv)`. None on CPU, where the copy is done on return."""
     src = payload_tensor(rec, kv)
     ids = torch.as_tensor(dst_block_ids, dtype=torch.long)
     idx = ids[rec.block_start:rec.block_start + rec.num_blocks]
@@ -238,7 +241,7 @@ def install_kv(rec: KVRecord, kv: torch.Tensor, dst_block_ids, wait: bool = True
     dst = kv[rec.layer_start:rec.layer_end]
     if kv.device.type == "cpu":
         dst.index_copy_(2, idx, src)
-        return
+        return None
     stream, kstream = copy_stream(kv.device), kernel_stream(kv.device)
     slot = _next_slot(kv.device)
     free = _SLOT_FREE.get((kv.device, slot))
@@ -256,6 +259,7 @@ def install_kv(rec: KVRecord, kv: torch.Tensor, dst_block_ids, wait: bool = True
         free.record(kstream)
     if wait:
         installed(kv)
+    return free
 
 
 def installed(kv: torch.Tensor) -> None:

@@ -4,7 +4,9 @@ Binds one ROUTER; each prefill node's DEALER (`transport.py`) sends control mess
 over it, by ZMQ frames or through a shared-memory ring rung by doorbells. `recv(timeout)` returns
 what arrived, in each peer's send order, as `Incoming(peer, item)` where `item` is a control
 dict, a record (`records.py`) or `PeerGone`. Record payloads that view a ring (KV) stay valid
-until the next `recv()` call, which releases the ring space: install or copy them before.
+until the next `recv()` call (or `release()`), which releases the ring space: install or copy
+them before, or `hold(peer, fence)` the records of the last `recv()` from that peer until a
+copy reading them has completed (the decode node's KV copies on CUDA, which no step waits for).
 Malformed records and control messages are counted (`metrics.py`), logged and dropped.
 A ring producer whose process dies is reported as `PeerGone` once its published records are
 delivered, and its segment is removed; a peer on the ZMQ transport that dies is left to the
@@ -77,6 +79,7 @@ class KVReceiver:
         self._ring_ids: dict[int, bytes] = {}  # the id each attached ring's producer wakes with
         self._next_ring_id = 1
         self._controls_seen: dict[bytes, int] = {}  # per ring peer, counted as Ring.controls_sent
+        self._read_from: dict[bytes, int] = {}  # per ring peer: its cursor when `recv` began
 
     @property
     def wake_fd(self) -> int | None:
@@ -97,10 +100,26 @@ class KVReceiver:
         ms = None if timeout is None else int(timeout * 1000)
         return bool(self.socket.poll(ms, zmq.POLLIN))
 
-    def recv(self, timeout: float | None = None) -> list[Incoming]:
-        """What arrived, waiting up to `timeout` seconds (None: until something does)."""
+    def release(self) -> None:
+        """Give the rings' space read so far back to their producers, but what `hold` keeps."""
         for ring in self.rings.values():
             ring.release()
+
+    def hold(self, peer: bytes, fence) -> None:
+        """Keep `peer`'s ring records from the last `recv()` on until `fence.query()` (see
+        `Ring.hold`); nothing to keep for a peer without a ring (ZMQ frames are its own)."""
+        ring = self.rings.get(peer)
+        if ring is not None:
+            ring.hold(self._read_from.get(peer, 0), fence)  # 0: attached during that recv()
+
+    @property
+    def num_held(self) -> int:
+        return sum(ring.num_held for ring in self.rings.values())
+
+    def recv(self, timeout: float | None = None) -> list[Incoming]:
+        """What arrived, waiting up to `timeout` seconds (None: until something does)."""
+        self.release()
+        self._read_from = {peer: ring.cursor for peer, ring in self.rings.items()}
         out: list[Incoming] = []
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:

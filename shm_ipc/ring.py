@@ -71,6 +71,7 @@ class Ring:
         self._words = self._data.cast("I")
         self._cursor = 0  # producer: next write position; consumer: next read position
         self._pending: deque[int] = deque()  # producer: ends of reserved, unpublished records
+        self._holds: deque[tuple[int, object]] = deque()  # consumer: (position, fence), `hold`
         self.num_waits = 0  # producer: times it found the ring full and waited
 
     # ---- producer -----------------------------------------------------------------------------
@@ -201,7 +202,8 @@ class Ring:
     def next_record(self, limit: int | None = None) -> tuple[int, memoryview] | None:
         """The next record before `limit` (default: the current write position), or None.
 
-        Returns (raw header word, payload view); the view stays valid until `release()`.
+        Returns (raw header word, payload view); the view stays valid until `release()` gives
+        it back.
         A length that would run past what was published or past the ring's end is refused
         (counted) and the reader skips to `limit`; it never reads outside the published bytes.
         """
@@ -231,9 +233,34 @@ class Ring:
         self._cursor = max(self._cursor, limit)
         return None
 
+    @property
+    def cursor(self) -> int:
+        """Consumer: the position of the next record `next_record` would read."""
+        return self._cursor
+
+    def hold(self, start: int, fence) -> None:
+        """Keep the records read from position `start` on (a `cursor` taken before reading
+        them) past `release()` until `fence` has completed (`fence.query()`; a CUDA event of the
+        copies that read their payloads): the consumer reads on while they are copied."""
+        self._holds.append((start, fence))
+
     def release(self) -> None:
-        """Give back to the producer everything read so far (its views must no longer be used)."""
-        self._ctl[READ_POS] = self._cursor
+        """Give back to the producer everything read so far, except what a fence not yet
+        completed holds (`hold`) and all after it (views of given-back records must no longer
+        be used)."""
+        while self._holds and self._holds[0][1].query():
+            self._holds.popleft()
+        self._ctl[READ_POS] = self._holds[0][0] if self._holds else self._cursor
+
+    @property
+    def num_held(self) -> int:
+        """Fences holding records back (`hold`), completed or not, as of the last release."""
+        return len(self._holds)
+
+    def wait_held(self) -> None:
+        """Wait for every fence holding records (before the mapping goes, or to release all)."""
+        while self._holds:
+            self._holds.popleft()[1].synchronize()
 
     def producer_alive(self) -> bool:
         return not self._ctl[PRODUCER_CLOSED] and self.seg.creator_alive()
@@ -250,6 +277,7 @@ class Ring:
     def close(self) -> None:
         if self.seg.closed:
             return
+        self.wait_held()  # no copy may still read the mapping
         self._ctl[PRODUCER_CLOSED if self.seg.owner else CONSUMER_CLOSED] = 1
         for v in (self._words, self._data, self._ctl):
             try:

@@ -4,8 +4,9 @@ same run.
 
 The producer process gathers each request's KV blocks from its GPU cache into ring records
 (`shm_ipc.kv.gather_pipelined`, as the ring transport does) and rings the doorbell; this process decodes each record and installs
-it into its own GPU cache (`shm_ipc.kv.install_kv`), as the decode node does: the records of a
-doorbell are queued back to back on the copy stream and waited for once, then released. The cache
+it into its own GPU cache (`shm_ipc.kv.install_kv`), as the decode node does: the records are
+queued back to back on the copy streams and nothing waits for them; each one's ring space is
+held until its copy has completed (`Ring.hold`) and given back as soon as it has. The cache
 has a Llama-3.2-1B shape (16 layers, 8 KV heads, head dim 64, bf16, 16-token blocks); each
 request carries `--tokens` tokens of KV. Run with the ring page-locked for CUDA (the fast path)
 and without (copies staged through pageable memory). The installed blocks are compared with the
@@ -44,7 +45,7 @@ from shm_ipc.ring import Ring
 from shm_ipc.transport import DEFAULT_MAX_RECORD
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench_transport import attach_when_created, read_rung  # noqa: E402
+from bench_transport import attach_when_created  # noqa: E402
 
 LAYERS, HEADS, HEAD_DIM, BLOCK = 16, 8, 64, 16
 RING_BYTES = 256 << 20
@@ -125,24 +126,32 @@ def transfer(per_req: int, requests: int, pin: bool, devices: tuple[str, str],
            for r in range(requests)}
     total = requests * per_req * LAYERS * unit_bytes(kv)
 
-    phases = dict.fromkeys(("decode", "install", "wait"), 0.0)
+    phases = dict.fromkeys(("decode", "install", "release"), 0.0)
+    fence = None
 
     def install(word: int, payload) -> int:
+        nonlocal fence
         t = time.perf_counter()
         kv_rec = records.decode(word, payload)
         t = _add(phases, "decode", t)
-        install_kv(kv_rec, kv, dst[kv_rec.req_id], wait=False)  # as the decode node does
+        fence = install_kv(kv_rec, kv, dst[kv_rec.req_id], wait=False)  # as the decode node does
         _add(phases, "install", t)
         return kv_rec.payload.nbytes
 
-    def wait_installed() -> None:  # as the decode node, before the ring space is given back
-        t = time.perf_counter()
-        installed(kv)
-        _add(phases, "wait", t)
-
     t0 = time.perf_counter()
     go.send(b"go")
-    read_rung(ring, waiter, install, total, timeout=60, before_release=wait_installed)
+    got = 0
+    while got < total:  # as the decode node's intake: nothing waits for a copy
+        pos = waiter.wait(timeout=0.001 if ring.num_held else 60)
+        start = ring.cursor
+        while pos is not None and (rec := ring.next_record(pos)) is not None:
+            got += install(*rec)
+        t = time.perf_counter()
+        if fence is not None and ring.cursor != start:
+            ring.hold(start, fence)  # its space goes back once the copies have read it
+        ring.release()
+        _add(phases, "release", t)
+    installed(kv)
     dt = time.perf_counter() - t0
     print(f"  consumer: {dt * 1e3:.0f} ms: " + ", ".join(f"{k} {v * 1e3:.0f} ms" for k, v in phases.items()))
     proc.join()

@@ -77,6 +77,49 @@ def test_nothing_is_overwritten_before_release(pair):
     assert bytes(view) == b"a" * 2000
 
 
+class Fence:  # what a CUDA event of the copies reading held records is to the ring
+    def __init__(self) -> None:
+        self.done = False
+
+    def query(self) -> bool:
+        return self.done
+
+    def synchronize(self) -> None:
+        self.done = True
+
+
+def test_held_records_go_back_only_once_their_fences_complete(pair):
+    """`hold(start, fence)`: `release` gives back what was read before the oldest fence not
+    yet completed, and nothing after it (the ring releases in order); close waits for fences."""
+    prod, cons = pair
+    fences = [Fence(), Fence()]
+    for j, fence in enumerate(fences):
+        prod.publish(1, bytes([j]) * 1000)
+        start = cons.cursor
+        cons.next_record()
+        cons.hold(start, fence)
+    prod.publish(2, b"c" * 1000)  # read, not held, but after the held ones
+    word, view = cons.next_record()
+    cons.release()
+    assert cons.read_pos == 0 and cons.num_held == 2
+    with pytest.raises(RingFullError):
+        prod.publish(3, b"d" * 1500, timeout=0.05)
+    fences[1].done = True  # the second's copy is done, the first's is not: nothing goes
+    cons.release()
+    assert cons.read_pos == 0
+    fences[0].done = True
+    cons.release()
+    assert cons.read_pos == cons.cursor == prod.write_pos and cons.num_held == 0
+    prod.publish(3, b"d" * 1500, timeout=0.05)
+    start = cons.cursor
+    cons.next_record()
+    cons.hold(start, late := Fence())
+    cons.release()
+    assert cons.read_pos == start
+    cons.close()  # waits for the fence: no copy may read an unmapped ring
+    assert late.done
+
+
 def test_record_larger_than_ring_and_pad_word_are_refused(pair):
     prod, _ = pair
     with pytest.raises(ValueError, match="chunks"):

@@ -377,3 +377,53 @@ def test_shm_links_are_named_with_nothing_usable(rx):
         other.close()
     finally:
         tx.close()
+
+
+class _Fence:  # what a CUDA event of a record's copy is to the receiver
+    def __init__(self) -> None:
+        self.done = False
+
+    def query(self) -> bool:
+        return self.done
+
+    def synchronize(self) -> None:
+        self.done = True
+
+
+def test_held_ring_records_stay_until_their_copies_complete(rx):
+    """`hold(peer, fence)` keeps the ring space of the last `recv()`'s records from that peer
+    until the fence completes (the decode node's copies on CUDA, which nothing waits for); the
+    sender, short of space, waits for it; the KV arrives intact."""
+    torch.manual_seed(2)
+    kv = torch.randn(4, 2, 40, 8, 2, 16, dtype=torch.bfloat16)
+    src_ids, dst_ids = list(range(39, 9, -1)), list(range(30))
+    dst = torch.zeros_like(kv)
+    tx = make_transport(rx.endpoint, "p-held", mode="shm", ring_bytes=64 << 10,
+                        max_record_bytes=16 << 10)
+    sender = threading.Thread(target=lambda: tx.send_kv("r", kv, src_ids))
+    sender.start()
+    try:
+        fences, got, deadline = [], 0, time.monotonic() + 20
+        held_seen = False
+        while sender.is_alive() or got < 1:
+            assert time.monotonic() < deadline
+            for f in fences:  # the copies of the batch before complete now
+                f.done = True
+            fences = []
+            batch = [i for i in rx.recv(timeout=0.2) if isinstance(i.item, KVRecord)]
+            if not batch:
+                continue
+            ring = rx.rings[batch[0].peer]
+            start = ring.read_pos  # released up to here by this recv(): the batch begins here
+            for inc in batch:
+                install_kv(inc.item, dst, dst_ids)
+                got += 1
+            fences.append(_Fence())
+            rx.hold(batch[0].peer, fences[-1])
+            rx.release()
+            assert ring.read_pos == start < ring.cursor  # kept until the fence completes
+            held_seen = True
+        sender.join(timeout=20)
+        assert held_seen and torch.equal(dst[:, :, dst_ids], kv[:, :, src_ids])
+    finally:
+        tx.close()
