@@ -152,6 +152,7 @@ def transfer(per_req: int, requests: int, pin: bool, devices: tuple[str, str],
         ring.release()
         _add(phases, "release", t)
     installed(kv)
+    ring.release()  # every copy is done: the last records' space goes back too
     dt = time.perf_counter() - t0
     print(f"  consumer: {dt * 1e3:.0f} ms: " + ", ".join(f"{k} {v * 1e3:.0f} ms" for k, v in phases.items()))
     proc.join()
