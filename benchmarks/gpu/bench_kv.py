@@ -66,7 +66,7 @@ def _add(phases: dict, name: str, since: float) -> float:
 
 
 def producer(name: str, bell_ep: str, go_ep: str, num_blocks: int, per_req: int, requests: int,
-             pin: bool, device: str, ring_bytes: int) -> None:
+             pin: bool, device: str, ring_bytes: int, record_bytes: int) -> None:
     if device.startswith("cuda"):
         torch.cuda.set_device(device)
     kv = cache(num_blocks, seed=0, device=device)
@@ -79,7 +79,14 @@ def producer(name: str, bell_ep: str, go_ep: str, num_blocks: int, per_req: int,
     go.connect(go_ep)
     go.recv()
     word = pack(Flag.KV, 0)
-    chunks = plan_chunks(LAYERS, per_req, unit_bytes(kv), DEFAULT_MAX_RECORD)
+    chunks = plan_chunks(LAYERS, per_req, unit_bytes(kv), record_bytes)
+    phases = dict.fromkeys(("reserve", "publish"), 0.0)
+
+    def publish() -> None:
+        t = time.perf_counter()
+        bell.ring(ring.commit())
+        _add(phases, "publish", t)
+
     t0 = time.perf_counter()
     for r in range(requests):
         ids = torch.arange(r * per_req, (r + 1) * per_req) % num_blocks
@@ -89,24 +96,30 @@ def producer(name: str, bell_ep: str, go_ep: str, num_blocks: int, per_req: int,
             return KV_DATA_OFFSET + (l1 - l0) * (b1 - b0) * unit_bytes(kv)
 
         def reserve(chunk, r=r) -> memoryview:
+            t = time.perf_counter()
             l0, l1, b0, b1 = chunk
             view = ring.reserve(word, size(chunk), timeout=60)
             view[:KV_DATA_OFFSET] = records.kv_meta(f"r{r}", l0, l1, b0, b1 - b0, dtype_name(kv.dtype))
+            _add(phases, "reserve", t)
             return view[KV_DATA_OFFSET:]
 
-        gather_pipelined(kv, ids, chunks, reserve, lambda: bell.ring(ring.commit()),
+        gather_pipelined(kv, ids, chunks, reserve, publish,
                          fits=lambda chunk: ring.fits(size(chunk)))
     wall = time.perf_counter() - t0
     while ring.read_pos < ring.write_pos:
         time.sleep(0.001)
+    rest = wall - sum(phases.values())
     print(f"  producer ({'pinned' if pin else 'pageable'}): {wall * 1e3:.0f} ms for "
-          f"{requests * len(chunks)} records, {ring.num_waits} waits for ring space")
+          f"{requests * len(chunks)} records, {ring.num_waits} waits for ring space: "
+          + ", ".join(f"{k} {v * 1e3:.0f} ms" for k, v in phases.items())
+          + f", copies queued and waited for {rest * 1e3:.0f} ms", flush=True)
     bell.close()
     ring.close()
 
 
 def transfer(per_req: int, requests: int, pin: bool, devices: tuple[str, str],
-             ring_bytes: int = RING_BYTES) -> tuple[float, bool]:
+             ring_bytes: int = RING_BYTES, record_bytes: int = DEFAULT_MAX_RECORD
+             ) -> tuple[float, bool]:
     """GB/s of KV installed, and whether the last request's blocks arrived intact."""
     num_blocks = per_req * 2
     ctx = mp.get_context("spawn")
@@ -115,7 +128,8 @@ def transfer(per_req: int, requests: int, pin: bool, devices: tuple[str, str],
     go_ep = f"tcp://127.0.0.1:{go.bind_to_random_port('tcp://127.0.0.1')}"
     name = f"pd_bench_kv_{os.getpid()}_{int(pin)}"
     proc = ctx.Process(target=producer, args=(name, waiter.endpoint, go_ep, num_blocks, per_req,
-                                              requests, pin, devices[0], ring_bytes))
+                                              requests, pin, devices[0], ring_bytes,
+                                              record_bytes))
     proc.start()
     ring = attach_when_created(name)
     if pin:
@@ -297,6 +311,9 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=4096, help="tokens of KV per request")
     p.add_argument("--requests", type=int, default=16)
     p.add_argument("--ring-mib", type=int, default=RING_BYTES >> 20, help="the ring's size")
+    p.add_argument("--record-mib", type=int, nargs="+", default=[DEFAULT_MAX_RECORD >> 20],
+                   help="the largest KV record (the transport's --max-record); several: a pinned "
+                        "ring row each")
     p.add_argument("--devices", default="cuda:0,cuda:0",
                    help="the producer's (prefill) and the consumer's (decode) devices; cpu,cpu "
                         "runs the protocol alone, without the bandwidth figures")
@@ -321,9 +338,11 @@ def main() -> None:
     print(f"at once, D2H on {devices[0]} in one process and H2D on {devices[1]} in another: "
           f"{dd2h:.1f} and {dh2d:.1f} GB/s")
     print(f"{'ring':>10} | {'GB/s':>6} | {'of min(D2H, H2D)':>16} | {'of duplex':>9} | intact")
-    for pin in (True, False):
-        gbs, intact = transfer(per_req, args.requests, pin, devices, ring_bytes)
-        print(f"{'pinned' if pin else 'pageable':>10} | {gbs:>6.1f} | {gbs / min(d2h, h2d):>15.0%} | "
+    rows = [(True, mib << 20) for mib in args.record_mib] + [(False, args.record_mib[0] << 20)]
+    for pin, record in rows:
+        gbs, intact = transfer(per_req, args.requests, pin, devices, ring_bytes, record)
+        name = f"{'pinned' if pin else 'pageable'} {record >> 20}M"
+        print(f"{name:>10} | {gbs:>6.1f} | {gbs / min(d2h, h2d):>15.0%} | "
               f"{gbs / min(dd2h, dh2d):>8.0%} | {intact}")
     a, b = (torch.empty(size, dtype=torch.uint8, device=d) for d in devices)
     copy = _gbps(lambda: b.copy_(a, non_blocking=True), size, 20)
