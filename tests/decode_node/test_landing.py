@@ -15,19 +15,8 @@ from pd.engine.decode_loop import DecodeLoop
 from pd.wire import messages as m
 from shm_ipc.kv import unit_bytes
 from shm_ipc.records import KVRecord
+from tests.shm_ipc.fence import Fence
 from tests.decode_node.test_direct_kv import RING_PEER, hand_over, node, replies  # noqa: F401
-
-
-class Fence:
-    def __init__(self) -> None:
-        self.done, self.waited = False, 0
-
-    def query(self) -> bool:
-        return self.done
-
-    def synchronize(self) -> None:
-        self.waited += 1
-        self.done = True
 
 
 @pytest.fixture

@@ -13,6 +13,7 @@ from shm_ipc.doorbell import DoorbellWaiter
 from shm_ipc.errors import RingFullError
 from shm_ipc.ring import ALIGN, Ring, record_size
 
+from fence import Fence
 from shm_peer import REC, pool_bytes, record, spawn_peer
 
 
@@ -75,17 +76,6 @@ def test_nothing_is_overwritten_before_release(pair):
     with pytest.raises(RingFullError):
         prod.publish(3, b"c" * 1500, timeout=0.05)  # would need the unreleased bytes
     assert bytes(view) == b"a" * 2000
-
-
-class Fence:  # what a CUDA event of the copies reading held records is to the ring
-    def __init__(self) -> None:
-        self.done = False
-
-    def query(self) -> bool:
-        return self.done
-
-    def synchronize(self) -> None:
-        self.done = True
 
 
 def test_held_records_go_back_only_once_their_fences_complete(pair):

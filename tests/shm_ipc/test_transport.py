@@ -25,6 +25,7 @@ from shm_ipc.records import AbortRecord, FirstTokenRecord, KVRecord, TokensRecor
 from shm_ipc.segment import SHM_DIR
 from shm_ipc.transport import Transport, choose_mode, is_local, make_transport
 
+from fence import Fence
 from shm_peer import spawn_peer
 
 
@@ -379,17 +380,6 @@ def test_shm_links_are_named_with_nothing_usable(rx):
         tx.close()
 
 
-class _Fence:  # what a CUDA event of a record's copy is to the receiver
-    def __init__(self) -> None:
-        self.done = False
-
-    def query(self) -> bool:
-        return self.done
-
-    def synchronize(self) -> None:
-        self.done = True
-
-
 def test_held_ring_records_stay_until_their_copies_complete(rx):
     """`hold(peer, fence)` keeps the ring space of the last `recv()`'s records from that peer
     until the fence completes (the decode node's copies on CUDA, which nothing waits for); the
@@ -418,7 +408,7 @@ def test_held_ring_records_stay_until_their_copies_complete(rx):
             for inc in batch:
                 install_kv(inc.item, dst, dst_ids)
                 got += 1
-            fences.append(_Fence())
+            fences.append(Fence())
             rx.hold(batch[0].peer, fences[-1])
             rx.release()
             assert ring.read_pos == start < ring.cursor  # kept until the fence completes
