@@ -13,6 +13,7 @@ and without (copies staged through pageable memory). The installed blocks are co
 producer's (same seed) at the end.
 
     python benchmarks/gpu/bench_kv.py [--tokens 4096] [--requests 16] [--devices cuda:0,cuda:1]
+                                      [--record-mib 16 64] [--profile]
 
 Beside the one-process copy bandwidth, the D2H and H2D bandwidth of two processes copying at
 once (on one GPU their copies share the GPU, so each gets about half): the ring's ceiling.
@@ -26,6 +27,7 @@ process (on one GPU a device-to-device copy, on two a peer copy).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import multiprocessing as mp
 import os
 import sys
@@ -65,8 +67,44 @@ def _add(phases: dict, name: str, since: float) -> float:
     return now
 
 
+def profiled(on: bool):
+    """torch.profiler over the device's activity (copies and kernels of every stream), or a
+    context that does nothing."""
+    if not on:
+        return contextlib.nullcontext()
+    from torch.profiler import ProfilerActivity, profile  # noqa: PLC0415
+
+    return profile(activities=[ProfilerActivity.CUDA])
+
+
+def busy_ms(intervals) -> float:
+    """Milliseconds covered by the union of (start, end) intervals in microseconds."""
+    total, end = 0.0, float("-inf")
+    for a, b in sorted(intervals):
+        if b > end:
+            total += b - max(a, end)
+            end = b
+    return total / 1e3
+
+
+def device_summary(prof) -> str:
+    """How busy the copy engines (copies) and the SMs (kernels) were over the device's span
+    of a profiled transfer: where the ring's time goes."""
+    events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    if not events:
+        return "no device events"
+    spans = [(e.time_range.start, e.time_range.end) for e in events]
+    copies = [(e.time_range.start, e.time_range.end) for e in events if "Memcpy" in e.name]
+    kernels = [(e.time_range.start, e.time_range.end) for e in events
+               if "Memcpy" not in e.name and "Memset" not in e.name]
+    span = (max(b for _, b in spans) - min(a for a, _ in spans)) / 1e3
+    return (f"device span {span:.1f} ms: copies busy {busy_ms(copies):.1f} ms ({len(copies)}), "
+            f"kernels busy {busy_ms(kernels):.1f} ms ({len(kernels)})")
+
+
 def producer(name: str, bell_ep: str, go_ep: str, num_blocks: int, per_req: int, requests: int,
-             pin: bool, device: str, ring_bytes: int, record_bytes: int) -> None:
+             pin: bool, device: str, ring_bytes: int, record_bytes: int,
+             profile: bool = False) -> None:
     if device.startswith("cuda"):
         torch.cuda.set_device(device)
     kv = cache(num_blocks, seed=0, device=device)
@@ -88,6 +126,24 @@ def producer(name: str, bell_ep: str, go_ep: str, num_blocks: int, per_req: int,
         _add(phases, "publish", t)
 
     t0 = time.perf_counter()
+    with profiled(profile) as prof:
+        send_all(kv, ring, word, chunks, num_blocks, per_req, requests, phases, publish)
+    wall = time.perf_counter() - t0
+    while ring.read_pos < ring.write_pos:
+        time.sleep(0.001)
+    rest = wall - sum(phases.values())
+    print(f"  producer ({'pinned' if pin else 'pageable'}): {wall * 1e3:.0f} ms for "
+          f"{requests * len(chunks)} records, {ring.num_waits} waits for ring space: "
+          + ", ".join(f"{k} {v * 1e3:.0f} ms" for k, v in phases.items())
+          + f", copies queued and waited for {rest * 1e3:.0f} ms", flush=True)
+    if profile:
+        print(f"  producer {device_summary(prof)}", flush=True)
+    bell.close()
+    ring.close()
+
+
+def send_all(kv, ring, word, chunks, num_blocks, per_req, requests, phases, publish) -> None:
+    """The producer's requests, each gathered into ring records as the ring transport does."""
     for r in range(requests):
         ids = torch.arange(r * per_req, (r + 1) * per_req) % num_blocks
 
@@ -105,22 +161,13 @@ def producer(name: str, bell_ep: str, go_ep: str, num_blocks: int, per_req: int,
 
         gather_pipelined(kv, ids, chunks, reserve, publish,
                          fits=lambda chunk: ring.fits(size(chunk)))
-    wall = time.perf_counter() - t0
-    while ring.read_pos < ring.write_pos:
-        time.sleep(0.001)
-    rest = wall - sum(phases.values())
-    print(f"  producer ({'pinned' if pin else 'pageable'}): {wall * 1e3:.0f} ms for "
-          f"{requests * len(chunks)} records, {ring.num_waits} waits for ring space: "
-          + ", ".join(f"{k} {v * 1e3:.0f} ms" for k, v in phases.items())
-          + f", copies queued and waited for {rest * 1e3:.0f} ms", flush=True)
-    bell.close()
-    ring.close()
 
 
 def transfer(per_req: int, requests: int, pin: bool, devices: tuple[str, str],
-             ring_bytes: int = RING_BYTES, record_bytes: int = DEFAULT_MAX_RECORD
-             ) -> tuple[float, bool]:
-    """GB/s of KV installed, and whether the last request's blocks arrived intact."""
+             ring_bytes: int = RING_BYTES, record_bytes: int = DEFAULT_MAX_RECORD,
+             profile: bool = False) -> tuple[float, bool]:
+    """GB/s of KV installed, and whether the last request's blocks arrived intact; `profile`:
+    both sides' device activity under torch.profiler, summed up (`device_summary`)."""
     num_blocks = per_req * 2
     ctx = mp.get_context("spawn")
     waiter = DoorbellWaiter(f"ipc://{tempfile.mkdtemp(prefix='pd-bench-kv-')}/bell")
@@ -129,7 +176,7 @@ def transfer(per_req: int, requests: int, pin: bool, devices: tuple[str, str],
     name = f"pd_bench_kv_{os.getpid()}_{int(pin)}"
     proc = ctx.Process(target=producer, args=(name, waiter.endpoint, go_ep, num_blocks, per_req,
                                               requests, pin, devices[0], ring_bytes,
-                                              record_bytes))
+                                              record_bytes, profile))
     proc.start()
     ring = attach_when_created(name)
     if pin:
@@ -155,20 +202,23 @@ def transfer(per_req: int, requests: int, pin: bool, devices: tuple[str, str],
     t0 = time.perf_counter()
     go.send(b"go")
     got = 0
-    while got < total:  # as the decode node's intake: nothing waits for a copy
-        pos = waiter.wait(timeout=0.001 if ring.num_held else 60)
-        start = ring.cursor
-        while pos is not None and (rec := ring.next_record(pos)) is not None:
-            got += install(*rec)
-        t = time.perf_counter()
-        if fence is not None and ring.cursor != start:
-            ring.hold(start, fence)  # its space goes back once the copies have read it
-        ring.release()
-        _add(phases, "release", t)
-    installed(kv)
+    with profiled(profile) as prof:
+        while got < total:  # as the decode node's intake: nothing waits for a copy
+            pos = waiter.wait(timeout=0.001 if ring.num_held else 60)
+            start = ring.cursor
+            while pos is not None and (rec := ring.next_record(pos)) is not None:
+                got += install(*rec)
+            t = time.perf_counter()
+            if fence is not None and ring.cursor != start:
+                ring.hold(start, fence)  # its space goes back once the copies have read it
+            ring.release()
+            _add(phases, "release", t)
+        installed(kv)
     ring.release()  # every copy is done: the last records' space goes back too
     dt = time.perf_counter() - t0
     print(f"  consumer: {dt * 1e3:.0f} ms: " + ", ".join(f"{k} {v * 1e3:.0f} ms" for k, v in phases.items()))
+    if profile:
+        print(f"  consumer {device_summary(prof)}", flush=True)
     proc.join()
     ring.close()
     waiter.close()
@@ -311,6 +361,9 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=4096, help="tokens of KV per request")
     p.add_argument("--requests", type=int, default=16)
     p.add_argument("--ring-mib", type=int, default=RING_BYTES >> 20, help="the ring's size")
+    p.add_argument("--profile", action="store_true",
+                   help="the first pinned row under torch.profiler in both processes: how busy "
+                        "each side's copies and kernels kept the GPU")
     p.add_argument("--record-mib", type=int, nargs="+", default=[DEFAULT_MAX_RECORD >> 20],
                    help="the largest KV record (the transport's --max-record); several: a pinned "
                         "ring row each")
@@ -339,8 +392,9 @@ def main() -> None:
           f"{dd2h:.1f} and {dh2d:.1f} GB/s")
     print(f"{'ring':>10} | {'GB/s':>6} | {'of min(D2H, H2D)':>16} | {'of duplex':>9} | intact")
     rows = [(True, mib << 20) for mib in args.record_mib] + [(False, args.record_mib[0] << 20)]
-    for pin, record in rows:
-        gbs, intact = transfer(per_req, args.requests, pin, devices, ring_bytes, record)
+    for k, (pin, record) in enumerate(rows):
+        gbs, intact = transfer(per_req, args.requests, pin, devices, ring_bytes, record,
+                               profile=args.profile and k == 0)
         name = f"{'pinned' if pin else 'pageable'} {record >> 20}M"
         print(f"{name:>10} | {gbs:>6.1f} | {gbs / min(d2h, h2d):>15.0%} | "
               f"{gbs / min(dd2h, dh2d):>8.0%} | {intact}")
