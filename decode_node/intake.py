@@ -18,8 +18,8 @@ gets an error and the prefill node a KVRefuse. Every record's request id must na
 the state that expects it, from the peer that announced it; anything else is refused and
 counted. The intake talks to its node only through `IntakeOwner`.
 
-On CUDA a record's copy into this node's blocks (`shm_ipc.kv.install_kv`) runs on side streams
-and nothing waits for it while the node decodes: the record's ring space is held until its copy
+A record's copy into this node's blocks (`shm_ipc.kv.install_kv`) runs on side streams (on the
+CPU, a thread of its own) and nothing waits for it while the node decodes: the record's ring space is held until its copy
 has completed (`KVReceiver.hold`), and a request whose KVDone arrives while its last copy still
 runs waits in LANDING until it has (`land`, before every step), so no step reads blocks being
 written and no step waits for a transfer. While nothing is decoding the intake waits for the

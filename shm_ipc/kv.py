@@ -9,14 +9,18 @@ into `kv[l0:l1, :, dst_block_ids[b0:b1]]`. On CUDA each way is one block-copy ke
 (`kernels.block_copy`) between the cache and a device staging buffer, and one DMA copy between
 that buffer and the (page-locked) record: the DMAs on one side stream, the kernels on another,
 and `STAGING_SLOTS` staging buffers used in turn, so one record's kernel overlaps another's DMA.
+A receiver that does not wait for its installs (the decode node while it decodes) gets an event
+per record; on CPU the copies run on a thread of their own instead, with the same contract.
 Geometry agreement between the two nodes is the handshake's job (the node services); here each
 record's size and dtype are checked.
 """
 
 from __future__ import annotations
 
+import functools
 import warnings
 from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -72,6 +76,32 @@ _KERNEL_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
 _STAGING: dict[tuple[torch.device, int], torch.Tensor] = {}
 _SLOT_FREE: dict[tuple[torch.device, int], torch.cuda.Event] = {}  # receiver: slot's scatter done
 _TURN: dict[torch.device, int] = {}
+class CopyDone:
+    """A CPU install's completion, read as a CUDA event is (`query`, `synchronize`)."""
+
+    def __init__(self, future) -> None:
+        self.future = future
+
+    def query(self) -> bool:
+        return self.future.done()
+
+    def synchronize(self) -> None:
+        self.future.result()
+
+
+@functools.cache
+def _cpu_stream() -> ThreadPoolExecutor:
+    """The CPU's side stream for installs without `wait`: one thread, so copies end in order."""
+    return ThreadPoolExecutor(max_workers=1, thread_name_prefix="pd-kv-copy")
+
+
+_cpu_last: CopyDone | None = None  # the last CPU install queued
+
+
+def _cpu_copy(fn, *args) -> CopyDone:
+    global _cpu_last
+    _cpu_last = CopyDone(_cpu_stream().submit(fn, *args))
+    return _cpu_last
 
 
 def copy_stream(device: torch.device) -> torch.cuda.Stream:
@@ -221,7 +251,7 @@ def payload_tensor(rec: KVRecord, kv: torch.Tensor) -> torch.Tensor:
 
 
 def install_kv(rec: KVRecord, kv: torch.Tensor, dst_block_ids, wait: bool = True
-               ) -> torch.cuda.Event | None:
+               ) -> torch.cuda.Event | CopyDone | None:
     """Copy the record into kv[l0:l1, :, dst_block_ids[b0:b0+nb]] (the receiver's own blocks).
 
     On CUDA the record lands by DMA (from a pinned ring) in the next staging buffer on the copy
@@ -231,7 +261,9 @@ def install_kv(rec: KVRecord, kv: torch.Tensor, dst_block_ids, wait: bool = True
     records queue up, and the event returned completes once this record's payload is read and
     its blocks written (the events of a device complete in install order): until then the
     caller keeps the record (`Ring.hold`) and no step reads the blocks, or it waits for every
-    install with `installed(kv)`. None on CPU, where the copy is done on return."""
+    install with `installed(kv)`. On CPU the copy is done on return with `wait` (None is
+    returned); without, it runs on one thread of its own, the CPU's side stream, and a
+    `CopyDone` stands for the event (the payload's tensor keeps a ZMQ frame alive meanwhile)."""
     src = payload_tensor(rec, kv)
     ids = torch.as_tensor(dst_block_ids, dtype=torch.long)
     idx = ids[rec.block_start:rec.block_start + rec.num_blocks]
@@ -240,6 +272,8 @@ def install_kv(rec: KVRecord, kv: torch.Tensor, dst_block_ids, wait: bool = True
                          f"{rec.block_start + rec.num_blocks} but only {ids.numel()} are given")
     dst = kv[rec.layer_start:rec.layer_end]
     if kv.device.type == "cpu":
+        if not wait:
+            return _cpu_copy(dst.index_copy_, 2, idx, src)
         dst.index_copy_(2, idx, src)
         return None
     stream, kstream = copy_stream(kv.device), kernel_stream(kv.device)
@@ -267,3 +301,5 @@ def installed(kv: torch.Tensor) -> None:
     if kv.is_cuda:
         copy_stream(kv.device).synchronize()
         kernel_stream(kv.device).synchronize()
+    elif _cpu_last is not None:
+        _cpu_last.synchronize()  # the copies run in order: the last one done, all are

@@ -3,8 +3,10 @@ into the node's blocks is not waited for; a request whose KVDone arrives while i
 still runs waits in LANDING, out of the batch, until that copy has completed, then joins
 (`Intake.land`, before every step); an abort or timeout while LANDING waits for the copy before
 freeing the blocks it writes; a prefill node gone while one of its requests lands does not fail
-it (all its KV arrived). On the CPU the copies are done on return, so a stand-in fence (what a
-CUDA event is to the intake: `query`, `synchronize`) says when each one completes."""
+it (all its KV arrived). A stand-in fence (what a CUDA event, or a CPU copy's `CopyDone`, is to
+the intake: `query`, `synchronize`) says when each copy completes. The e2e PD tests run the
+real thing on the CPU (copies on a thread of their own: about two thirds of their requests
+land before they join)."""
 
 from __future__ import annotations
 
