@@ -130,16 +130,17 @@ class Intake:
                 self.dispatch(peer, item)
             except m.MessageError as e:
                 self.owner.refuse("kv", e)
-        if self.num_kv_records != num_records and not self.owner.loop.has_work:
-            # NOTE: nothing decodes: wait for the records' copies here, so their requests join
-            # now (while decoding, `land` joins them once the copies are done, between steps)
-            installed(self.engine.runner.kv_cache.kv)
-        self.land()
+        # NOTE: while nothing decodes, wait for the records' copies here, so their requests
+        # join now (while decoding, `land` joins them once the copies are done, between steps)
+        self.land(wait=self.num_kv_records != num_records and not self.owner.loop.has_work)
         self.owner.loop.times.add("intake", t)
 
-    def land(self) -> None:
+    def land(self, wait: bool = False) -> None:
         """Join the LANDING requests whose copies have completed (in KVDone order), and give
-        back the ring space of records whose copies have."""
+        back the ring space of records whose copies have; `wait` (nothing decodes): for every
+        copy first."""
+        if wait and (self.landing or self.receiver.num_held):
+            installed(self.engine.runner.kv_cache.kv)
         while self.landing and (self.landing[0].state is not IncomingState.LANDING
                                 or self.landing[0].fence.query()):
             inc = self.landing.popleft()

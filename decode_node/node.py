@@ -103,9 +103,11 @@ class DecodeNode(NodeService):
         return self.loop.has_work or bool(self.intake.landing)
 
     def step(self) -> None:
-        start = time.perf_counter()
-        self.intake.land()  # requests whose KV copies completed join this step
-        self.loop.times.add("intake", start)
+        t = time.perf_counter()
+        # requests whose KV copies completed join this step (with nothing to decode, once
+        # they have: no empty steps while KV lands)
+        self.intake.land(wait=not self.loop.has_work)
+        start = self.loop.times.add("intake", t)
         emitted = self.loop.step()
         if self.loop.batch_size:
             self.metrics.batch_size.observe(self.loop.batch_size)
