@@ -76,6 +76,8 @@ _KERNEL_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
 _STAGING: dict[tuple[torch.device, int], torch.Tensor] = {}
 _SLOT_FREE: dict[tuple[torch.device, int], torch.cuda.Event] = {}  # receiver: slot's scatter done
 _TURN: dict[torch.device, int] = {}
+
+
 class CopyDone:
     """A CPU install's completion, read as a CUDA event is (`query`, `synchronize`)."""
 
