@@ -12,7 +12,7 @@ import logging
 import os
 
 from pd.service.flags import (add_engine_arguments, add_node_arguments, add_role_arguments,
-                              announce, engine_config)
+                              announce, engine_config, limit_host_threads)
 
 log = logging.getLogger(__name__)
 
@@ -33,6 +33,7 @@ def main(args: argparse.Namespace) -> int:
     configure_from_args(args)
     check_bind(args.host, args.insecure)
     cfg = engine_config(args)
+    limit_host_threads(cfg)
     overlap = not (args.no_overlap or overlap_disabled_by_env(os.environ))
     engine = Engine(cfg, eos_token_ids=Tokenizer.from_dir(cfg.model).eos_token_ids,
                     num_speculative_tokens=args.num_speculative_tokens)
