@@ -112,8 +112,8 @@ class PrefillNode(NodeService):
             if len(self.jobs) >= self.max_queue:
                 raise ValueError(f"prefill node {self.node_id} is full ({self.max_queue} requests)")
             params = SamplingParams.from_dict(msg.params)
-            self.engine.validate_prompt(msg.prompt_ids)
-            req = Req(msg.req_id, list(msg.prompt_ids), params,
+            ids = self.engine.validate_prompt(msg.prompt_ids)
+            req = Req(msg.req_id, list(msg.prompt_ids), params, prompt_ids_np=ids,
                       eos_token_ids=self.engine.eos_token_ids, hold_blocks_on_finish=True)
             try:
                 self.engine.bind_grammar(req)

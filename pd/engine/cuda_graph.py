@@ -215,6 +215,9 @@ class PrefillGraphs:
     its few hundred kernels (a 1k-token prompt of a 1B model: 5.6 ms on the GPU, 16 ms of wall
     time). Padding rows sit after the prompt, write the spare block, and are causally invisible
     to it (`ForwardContext.causal_self`); the graph returns the hidden states of every row.
+    As a decode step's, a prefill's inputs are built on the host straight into a pinned buffer
+    in the graph's layout (`host_inputs`: ids, positions and KV slots of `size` rows each, then
+    the index of the prompt's last row) and reach the device in one copy (`launch`).
     Captured on first use of a size; they share the decode graphs' memory pool."""
 
     def __init__(self, model: torch.nn.Module, decode: DecodeGraphs, max_tokens: int,
@@ -222,55 +225,58 @@ class PrefillGraphs:
         self.model, self.decode, self.device = model, decode, device
         self.sizes = tuple(s for s in PREFILL_SIZES if s < max_tokens) + (
             _round_up(max_tokens, PREFILL_SIZES + (max_tokens,)),)
-        long = dict(dtype=torch.int64, device=device)
-        top = self.sizes[-1]
-        self.input_ids = torch.zeros(top, **long)
-        self.positions = torch.zeros(top, **long)
-        self.slot_mapping = torch.zeros(top, **long)
+        self.staging = torch.zeros(3 * self.sizes[-1] + 1, dtype=torch.int64, device=device)
+        self.host = HostRing(pin=device.type == "cuda")
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.enabled = not any(getattr(m, "sliding_window", None) for m in model.modules())
 
-    def can_run(self, ctx: ForwardContext) -> bool:
-        if not self.enabled or ctx.seq_lens_host is None or len(ctx.seq_lens_host) != 1:
-            return False
-        q_len, kv_len = ctx.seq_lens_host[0]
-        return q_len == kv_len > 1 and q_len <= self.sizes[-1] and ctx.write_index is None
+    def fits(self, num_tokens: int) -> bool:
+        """Whether a graph runs a prompt's first chunk of `num_tokens` tokens prefilled alone."""
+        return self.enabled and 1 < num_tokens <= self.sizes[-1]
+
+    def host_inputs(self, ids: np.ndarray, slots: np.ndarray) -> torch.Tensor:
+        """A pinned buffer (`HostRing`) with a first chunk's inputs in its graph's layout."""
+        n = len(ids)
+        size = _round_up(n, self.sizes)
+        buf = self.host.get((3 * size + 1,))
+        flat = buf.numpy()
+        flat[:n], flat[n:size] = ids, 0
+        flat[size:size + n], flat[size + n:2 * size] = np.arange(n), n
+        flat[2 * size:2 * size + n] = slots
+        flat[2 * size + n:3 * size] = self.decode.dummy_block * self.decode.block_size
+        flat[3 * size] = n - 1
+        return buf
 
     def _forward(self, size: int) -> torch.Tensor:
+        ids, positions, slots = (self.staging[i * size:(i + 1) * size] for i in range(3))
         ctx = ForwardContext(
-            slot_mapping=self.slot_mapping[:size], block_tables=self.decode.block_tables[:1, :1],
+            slot_mapping=slots, block_tables=self.decode.block_tables[:1, :1],
             context_lens=torch.full((1,), size, dtype=torch.int64, device=self.device),
             padded_index=torch.arange(size, device=self.device), attn_mask=None,
             max_q_len=size, max_kv_len=size, causal_self=True)
         with forward_context(ctx):
-            return self.model(self.input_ids[:size], self.positions[:size])
+            return self.model(ids, positions)
 
     def _capture(self, size: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
-        self.input_ids[:size].zero_()
-        self.positions[:size].copy_(torch.arange(size, device=self.device))
-        self.slot_mapping[:size].fill_(self.decode.dummy_block * self.decode.block_size)
+        self.staging[:size].zero_()
+        self.staging[size:2 * size].copy_(torch.arange(size, device=self.device))
+        self.staging[2 * size:3 * size].fill_(self.decode.dummy_block * self.decode.block_size)
         graph, out = capture(lambda: self._forward(size), self.decode, self.device)
         log.info("captured a prefill CUDA graph: %d tokens", size)
         return graph, out
 
     @torch.inference_mode()
-    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        """Hidden states [n, H] of the prompt (a view of the graph's output, valid until the
-        next replay of that size)."""
-        n = ctx.seq_lens_host[0][0]
-        size = _round_up(n, self.sizes)
+    def launch(self, host: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Copy a first chunk's inputs (`host_inputs`) and replay its graph on the current
+        stream; returns the hidden states [n, H] of its rows and the index [1] of the last one
+        on the device (views of static buffers, valid until the next replay of that size)."""
+        size = (host.numel() - 1) // 3
         if size not in self.graphs:
             self.graphs[size] = self._capture(size)
         graph, out = self.graphs[size]
-        self.input_ids[:n].copy_(input_ids, non_blocking=True)
-        self.positions[:n].copy_(positions, non_blocking=True)
-        self.slot_mapping[:n].copy_(ctx.slot_mapping, non_blocking=True)
-        # padding rows: after the prompt, writing the spare block
-        self.input_ids[n:size].zero_()
-        self.positions[n:size].fill_(n)
-        self.slot_mapping[n:size].fill_(self.decode.dummy_block * self.decode.block_size)
+        self.staging[:host.numel()].copy_(host, non_blocking=True)
         graph.replay()
-        return out[:n]
+        return out[:n], self.staging[3 * size:3 * size + 1]
 
 
 VARLEN_TOKENS = (16, 32, 64, 128) + PREFILL_SIZES

@@ -101,7 +101,9 @@ class Engine:
         return {"prefix_cache_queries": stats.queries if stats else 0,
                 "prefix_cache_hits": stats.hits if stats else 0}
 
-    def validate_prompt(self, prompt_token_ids: list[int]) -> None:
+    def validate_prompt(self, prompt_token_ids: list[int]) -> np.ndarray:
+        """Refuse a prompt the model cannot take (ValueError); returns its ids as an int64
+        array (a request keeps it: `Req.prompt_array`)."""
         if not prompt_token_ids:
             raise ValueError("empty prompt: at least one token is needed")
         vocab = self.model_config.vocab_size
@@ -121,16 +123,19 @@ class Engine:
                 f"prompt of {len(prompt_token_ids)} tokens does not fit the context of "
                 f"{self.max_model_len} tokens (at least one must be generated)"
             )
+        return ids.astype(np.int64, copy=False)
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams,
-                    req_id: str | None = None, validated: bool = False) -> Req:
-        """Queue one request (`validated`: the prompt passed `validate_prompt` already)."""
-        if not validated:
-            self.validate_prompt(prompt_token_ids)
+                    req_id: str | None = None, validated: np.ndarray | None = None) -> Req:
+        """Queue one request (`validated`: `validate_prompt`'s result, when the prompt passed
+        it already)."""
+        if validated is None:
+            validated = self.validate_prompt(prompt_token_ids)
         req_id = req_id if req_id is not None else str(next(self._ids))
         if req_id in self.requests:
             raise ValueError(f"duplicate request id {req_id!r}")
-        req = Req(req_id, list(prompt_token_ids), params, eos_token_ids=self.eos_token_ids)
+        req = Req(req_id, list(prompt_token_ids), params, eos_token_ids=self.eos_token_ids,
+                  prompt_ids_np=validated)
         self.bind_grammar(req)
         self.scheduler.add(req)
         self.requests[req_id] = req
@@ -141,12 +146,12 @@ class Engine:
         finished, in order. Every prompt is validated before any request starts."""
         if len(params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling parameter sets")
-        for ids in prompts:
-            self.validate_prompt(ids)
+        arrays = [self.validate_prompt(ids) for ids in prompts]
         for sp in params:  # a spec that does not compile refuses the call before any request
             if sp.structured_output is not None:
                 self.grammars.compile(sp.structured_output)
-        reqs = [self.add_request(ids, sp, validated=True) for ids, sp in zip(prompts, params)]
+        reqs = [self.add_request(ids, sp, validated=arr)
+                for ids, sp, arr in zip(prompts, params, arrays)]
         while self.has_unfinished():
             self.step()
         return reqs

@@ -15,6 +15,8 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 from pd.wire.sampling_params import SamplingParams
 
 
@@ -64,9 +66,18 @@ class Req:
     # structured output: the matcher of params.structured_output, given by the engine
     # (`Engine.bind_grammar`) before any output token is appended
     grammar: "GrammarState | None" = None
+    # the prompt as int64 numpy (`prompt_array`): validation's own, or made on first use
+    prompt_ids_np: np.ndarray | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
+
+    def prompt_array(self) -> np.ndarray:
+        """The prompt's ids as an int64 array, made once: a long prompt's chunks are sliced from
+        it rather than converted from Python ints at every step (8k ids: ~0.4 ms on a GPU host)."""
+        if self.prompt_ids_np is None:
+            self.prompt_ids_np = np.asarray(self.prompt_token_ids, dtype=np.int64)
+        return self.prompt_ids_np
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from pd.config import EngineConfig, dtype_name
-from pd.model.context import ForwardContext, forward_context, host_context
+from pd.model.context import ForwardContext, forward_context, host_context, run_slots
 from pd.engine.host_ring import HostRing, to_device
 from pd.engine.grammar import fill_masks
 from pd.engine.kv_cache import KVCache, num_blocks_for
@@ -72,6 +72,10 @@ class ForwardInput(NamedTuple):
     # a decode step run as a CUDA graph: its key and its inputs in the graph's layout (pinned,
     # `DecodeGraphs.host_inputs`); input_ids, positions, context and logits_index are then None
     decode_graph: tuple[tuple[int, int], torch.Tensor] | None = None
+    # a prompt's first chunk run as a prefill CUDA graph: its token count and its inputs in the
+    # graph's layout (pinned, `PrefillGraphs.host_inputs`); input_ids, positions, context and
+    # logits_index are then None
+    prefill_graph: tuple[int, torch.Tensor] | None = None
     prompt_spans: tuple = ()  # prompt positions whose logprobs are asked (`prompt_spans`)
 
     @property
@@ -146,6 +150,10 @@ class ModelRunner:
             key = self.graphs.key(len(batch.reqs), max(len(r.block_ids) for r in batch.reqs))
             if key is not None:
                 return self.prepare_graphed(batch, key, masks)
+        if (self.prefill_graphs is not None and len(batch.reqs) == 1
+                and batch.reqs[0].num_computed_tokens == 0
+                and self.prefill_graphs.fits(batch.num_new_tokens[0])):
+            return self.prepare_prefill_graphed(batch, masks)
         bs = self.block_size
         id_parts: list = []  # per request: a list (short runs) or an array (long ones)
         pos_parts: list = []
@@ -156,13 +164,15 @@ class ModelRunner:
         num_tokens = 0
         for i, (req, n) in enumerate(zip(batch.reqs, batch.num_new_tokens)):
             start = req.num_computed_tokens
-            id_parts.append(req.token_ids[start:start + n])
             table = req.block_ids
             if n > LONG_RUN:  # a prompt chunk: numpy (Python per token costs ~0.4 us)
-                pos = np.arange(start, start + n, dtype=np.int64)
-                pos_parts.append(pos)
-                slot_parts.append(np.asarray(table, dtype=np.int64)[pos // bs] * bs + pos % bs)
+                in_prompt = start + n <= req.num_prompt_tokens
+                id_parts.append(req.prompt_array()[start:start + n] if in_prompt
+                                else req.token_ids[start:start + n])
+                pos_parts.append(np.arange(start, start + n, dtype=np.int64))
+                slot_parts.append(run_slots(table, start, n, bs))
             else:
+                id_parts.append(req.token_ids[start:start + n])
                 pos_parts.append(range(start, start + n))
                 slot_parts.append([table[p // bs] * bs + p % bs for p in range(start, start + n)])
             context_lens.append(start + n)
@@ -210,33 +220,51 @@ class ModelRunner:
                             num_top=min(max(asked, default=0), self.model_config.vocab_size),
                             decode_graph=(key, self.graphs.host_inputs(batch.reqs, key)))
 
+    def prepare_prefill_graphed(self, batch: ScheduledBatch, masks: bool = True) -> ForwardInput:
+        """A prompt's first chunk alone, for a prefill CUDA graph: its inputs built on the host
+        in the graph's layout (`PrefillGraphs.host_inputs`), copied and replayed by
+        `forward_rows`; no context is built."""
+        req, n = batch.reqs[0], batch.num_new_tokens[0]
+        # NOTE: a chunk past the prompt is a recompute after a preemption (no future ids)
+        ids = (req.prompt_array()[:n] if n <= req.num_prompt_tokens
+               else np.asarray(req.token_ids[:n], dtype=np.int64))
+        slots = run_slots(req.block_ids, 0, n, self.block_size)
+        host = self.prefill_graphs.host_inputs(ids, slots)
+        sample_reqs = [0] if batch.samples(0) else []
+        rows = self.sampling_rows([req] if sample_reqs else [], masks)
+        asked = [r.params.logprobs for r in rows if r.params.logprobs is not None]
+        return ForwardInput(None, None, None, None, sample_reqs, rows,
+                            num_top=min(max(asked, default=0), self.model_config.vocab_size),
+                            prefill_graph=(n, host),
+                            prompt_spans=tuple(prompt_spans(batch.reqs, batch.num_new_tokens)))
+
     def to_device(self, t: torch.Tensor) -> torch.Tensor:
         """A host tensor on the runner's device; on CUDA through pinned memory without blocking,
         on the current stream, so building a step never waits for the one in flight."""
         return to_device(t, self.device)
 
     def to_device_all(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """`to_device` for a step's host tensors at once: the int64 ones travel packed in one
-        page-locked buffer of the host ring (its size rounded up to a power of two, so a few
-        sizes serve every step: no page-locked allocation per step, which cost a long prompt's
-        step a millisecond of host time) and one copy, as views."""
+        """`to_device` for a step's host tensors at once: they travel packed in one page-locked
+        buffer of the host ring (its size rounded up to a power of two, so a few sizes serve
+        every step: no page-locked allocation per step, which cost a long prompt's step a
+        millisecond of host time) and one copy, as views of it (each at an 8-byte offset).
+        NOTE: packed with numpy: a torch copy of over 32k elements on the host wakes torch's
+        thread pool, which took 2 ms for 40,960 ints on the H100 host (13 us on one thread)."""
         if self.device.type != "cuda":
             return tensors
-        ints = {k: t for k, t in tensors.items() if t.dtype == torch.int64}
-        out = {k: self.to_device(t) for k, t in tensors.items() if k not in ints}
-        total = sum(t.numel() for t in ints.values())
-        staging = self.host_buffers.get((1 << max(10, (total - 1).bit_length()),), torch.int64,
-                                        "inputs")[:total]
-        offset = 0
-        for t in ints.values():
-            staging[offset:offset + t.numel()].copy_(t.reshape(-1))
-            offset += t.numel()
-        flat = staging.to(self.device, non_blocking=True)
-        offset = 0
-        for k, t in ints.items():
-            out[k] = flat[offset:offset + t.numel()].view(t.shape)
-            offset += t.numel()
-        return out
+        offsets, total = {}, 0
+        for k, t in tensors.items():
+            offsets[k] = total
+            total += -(-t.numel() * t.element_size() // 8) * 8
+        staging = self.host_buffers.get((1 << max(13, (total - 1).bit_length()),), torch.uint8,
+                                        "inputs")
+        raw = staging.numpy()
+        for k, t in tensors.items():
+            arr = t.numpy().reshape(-1).view(np.uint8)
+            raw[offsets[k]:offsets[k] + arr.size] = arr
+        flat = staging[:total].to(self.device, non_blocking=True)
+        return {k: flat[o:o + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
+                for (k, t), o in zip(tensors.items(), offsets.values())}
 
     @staticmethod
     def sampling_row(req: Req, allowed: torch.Tensor | None = None, mask: bool = True) -> SamplingRow:
@@ -277,11 +305,10 @@ class ModelRunner:
     def forward(self, inp: ForwardInput) -> torch.Tensor:
         """Run the target model on a step that is not a graphed decode step (`sample` replays
         those, LM head and argmax included); returns the pre-norm hidden states of every token
-        [T, H]. On CUDA, unless --enforce-eager, a prompt's first chunk prefilled alone and (in
-        16 bits) every other step of prompt chunks up to `VARLEN_MAX_KEYS` keys replay a CUDA
-        graph (`pd.engine.cuda_graph`)."""
-        if self.prefill_graphs is not None and self.prefill_graphs.can_run(inp.context):
-            return self.prefill_graphs.run(inp.input_ids, inp.positions, inp.context)
+        [T, H]. On CUDA, unless --enforce-eager, a step of prompt chunks up to `VARLEN_MAX_KEYS`
+        keys (in 16 bits) replays a CUDA graph (`pd.engine.cuda_graph`); a prompt's first chunk
+        prefilled alone was built for its own graph (`prepare_prefill_graphed`), which
+        `forward_rows` replays."""
         if self.varlen_graphs is not None and self.varlen_graphs.can_run(inp.context):
             return self.varlen_graphs.run(inp.input_ids, inp.positions, inp.context)
         with forward_context(inp.context):
@@ -303,12 +330,17 @@ class ModelRunner:
             if all(r.is_plain_greedy for r in inp.rows):
                 return SamplerOutput(graphs.tokens[:n], None, None, None, None)
             return graphs.logits[:n].float()
-        if inp.future_index is not None:
-            if prev_tokens is None:
-                raise ValueError("the batch has future token ids but no previous step's tokens")
-            ids = inp.input_ids.index_put((inp.future_index,), prev_tokens[inp.future_slots])
-            inp = inp._replace(input_ids=ids)
-        hidden = self.forward(inp)
+        if inp.prefill_graph is not None:
+            hidden, last = self.prefill_graphs.launch(inp.prefill_graph[1], inp.prefill_graph[0])
+            inp = inp._replace(logits_index=last)
+        else:
+            if inp.future_index is not None:
+                if prev_tokens is None:
+                    raise ValueError("the batch has future token ids but no previous step's "
+                                     "tokens")
+                ids = inp.input_ids.index_put((inp.future_index,), prev_tokens[inp.future_slots])
+                inp = inp._replace(input_ids=ids)
+            hidden = self.forward(inp)
         if inp.prompt_spans:
             record_prompt_logprobs(self.model.compute_logits, hidden, inp.prompt_spans)
         if not inp.rows:

@@ -106,6 +106,15 @@ def build_context(
                      lambda t: t.to(device))
 
 
+def run_slots(table, start: int, n: int, block: int) -> np.ndarray:
+    """The cache slots of positions start .. start + n - 1 of a sequence whose blocks are
+    `table` (int64): whole blocks' slots cut to the run, with no division per token."""
+    b0, b1 = start // block, (start + n - 1) // block + 1
+    blocks = np.asarray(table[b0:b1], dtype=np.int64)
+    first = start - b0 * block
+    return (blocks[:, None] * block + np.arange(block)).reshape(-1)[first:first + n]
+
+
 def host_context(query_lens: list[int], context_lens: list[int], block_tables: list[list[int]],
                  slot_mapping: list[int], block: int | None = None) -> ForwardContext:
     """The context with every tensor on the host (CPU): what `build_context` moves. With the
@@ -124,8 +133,7 @@ def host_context(query_lens: list[int], context_lens: list[int], block_tables: l
     else:
         if block:
             kv_slots = torch.from_numpy(np.concatenate([
-                bt[i, np.arange(kv) // block] * block + np.arange(kv) % block
-                for i, kv in enumerate(kv_lens)]).astype(np.int64))
+                run_slots(bt[i], 0, int(kv), block) for i, kv in enumerate(kv_lens)]))
             cu_q = torch.from_numpy(np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32))
             cu_k = torch.from_numpy(np.concatenate([[0], np.cumsum(kv_lens)]).astype(np.int32))
         seq_of_token = np.repeat(np.arange(num_seqs), q_lens)

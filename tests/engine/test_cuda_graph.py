@@ -124,17 +124,46 @@ def test_prefill_graphs_equal_eager_float32(tiny_model_dir):
     rng = random.Random(2)
     prompts = [[rng.randrange(3, 200) for _ in range(n)] for n in (2, 37, 255, 256, 300, 450)]
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=2)
+    with_prompt = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True,
+                                 prompt_logprobs=2)
     outs = {}
     for eager in (True, False):
         engine = Engine(EngineConfig(model=str(tiny_model_dir), device="cuda", dtype="float32",
                                      num_blocks=512, max_num_batched_tokens=1024,
                                      enforce_eager=eager))
         outs[eager] = [engine.generate([p], [params])[0] for p in prompts]
+        outs[eager] += [engine.generate([prompts[2]], [with_prompt])[0]]
         if not eager:
             assert set(engine.runner.prefill_graphs.graphs) == {256, 384, 512}
     for a, b in zip(outs[False], outs[True]):
         assert a.output_token_ids == b.output_token_ids
         assert a.output_logprobs == pytest.approx(b.output_logprobs, abs=1e-4)
+    got, want = outs[False][-1].prompt_logprobs, outs[True][-1].prompt_logprobs
+    assert len(got) == len(prompts[2]) - 1 and [r for _, r, _ in got] == [r for _, r, _ in want]
+    assert [lp for lp, _, _ in got] == pytest.approx([lp for lp, _, _ in want], abs=1e-4)
+
+
+def test_prefill_graph_inputs_layout():
+    """`PrefillGraphs.host_inputs`: ids, positions and slots of the padded size, padding rows
+    after the prompt (id 0, position n, the spare block's slot), then the last row's index."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from pd.engine.cuda_graph import PrefillGraphs
+
+    decode = SimpleNamespace(dummy_block=9, block_size=16)
+    graphs = PrefillGraphs(torch.nn.Linear(1, 1), decode, 1024, torch.device("cpu"))
+    assert graphs.fits(1024) and graphs.fits(2) and not graphs.fits(1) and not graphs.fits(1025)
+    ids, slots = np.arange(100, 400), np.arange(1000, 1300)
+    flat = graphs.host_inputs(ids, slots).numpy()
+    size = 384
+    assert flat.shape == (3 * size + 1,)
+    assert flat[:300].tolist() == ids.tolist() and not flat[300:size].any()
+    assert flat[size:size + 300].tolist() == list(range(300))
+    assert (flat[size + 300:2 * size] == 300).all()
+    assert flat[2 * size:2 * size + 300].tolist() == slots.tolist()
+    assert (flat[2 * size + 300:3 * size] == 9 * 16).all() and flat[3 * size] == 299
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
@@ -183,3 +212,25 @@ def test_logit_bias_through_the_graphs(tiny_model_dir, k):
     both = engine.generate([prompt, prompt], [forced, free])
     assert both[0].output_token_ids == [77] * 12
     assert both[1].output_token_ids == alone
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_step_inputs_travel_packed_in_one_copy():
+    """`ModelRunner.to_device_all`: tensors of every dtype and shape a step has, packed into
+    one page-locked buffer at 8-byte offsets, arrive whole on the device."""
+    from types import SimpleNamespace
+
+    from pd.engine.host_ring import HostRing
+    from pd.engine.runner import ModelRunner
+
+    runner = SimpleNamespace(device=torch.device("cuda"), host_buffers=HostRing(pin=True))
+    host = {"ids": torch.arange(8193), "lens": torch.tensor([5, 7], dtype=torch.int32),
+            "odd": torch.arange(3, dtype=torch.int32), "pos": torch.arange(12).view(3, 4),
+            "ok": torch.tensor([True, False, True]), "none": torch.empty(0, dtype=torch.int64),
+            "w": torch.rand(5)}
+    for _ in range(4):  # the ring's buffers come round again
+        dev = ModelRunner.to_device_all(runner, host)
+        assert list(dev) == list(host)
+        for k, t in host.items():
+            assert dev[k].device.type == "cuda" and dev[k].dtype == t.dtype
+            assert torch.equal(dev[k].cpu(), t), k

@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
 
 from pd.engine.llm import LLM
+from pd.engine.request import Req
 from pd.wire.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
@@ -53,6 +55,29 @@ def test_preemption_gives_same_tokens(tiny_model_dir, llm):
         assert o.logprobs == pytest.approx(r.logprobs, abs=1e-5)
     small.engine.allocator.check_integrity()
     assert small.engine.allocator.num_free == 12
+
+
+def test_long_prompt_chunks_and_recomputes_match_whole(tiny_model_dir, llm):
+    """Chunks of over 64 prompt tokens are sliced from the request's prompt array; a recompute
+    after a preemption spans prompt and output (the token list): the tokens stay the same."""
+    rng = random.Random(9)
+    batch = [[rng.randrange(512) for _ in range(rng.randint(150, 300))] for _ in range(6)]
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    ref = [llm.generate([p], params)[0].token_ids for p in batch]
+    small = LLM(tiny_model_dir, num_blocks=40, max_num_batched_tokens=96)
+    out = small.generate(batch, params)
+    assert small.engine.scheduler.num_preemptions > 0
+    assert [o.token_ids for o in out] == ref
+
+
+def test_validation_hands_its_array_to_the_request(llm):
+    engine = llm.engine
+    ids = engine.validate_prompt([5, 6, 7])
+    assert ids.dtype == np.int64 and ids.tolist() == [5, 6, 7]
+    req = engine.add_request([5, 6, 7], GREEDY, validated=ids)
+    assert req.prompt_array() is ids
+    engine.abort(req.req_id)
+    assert Req("r", [8, 9], GREEDY).prompt_array().tolist() == [8, 9]
 
 
 def test_seeded_sampling_is_batch_independent(llm):

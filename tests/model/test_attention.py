@@ -74,3 +74,22 @@ def test_causal_self_over_a_padded_prompt_equals_the_padded_batch():
         out = paged_attention(q, k_cache, v_cache, head_dim ** -0.5)
     assert out.shape == q.shape
     assert (out[:n] - ref).abs().max() < 1e-5
+
+
+def test_run_slots_equal_the_per_token_formula():
+    import random
+
+    import numpy as np
+
+    from pd.model.context import run_slots
+
+    rng = random.Random(0)
+    for _ in range(500):
+        block = rng.choice([1, 2, 16, 32])
+        table = rng.sample(range(1000), rng.randint(1, 40))
+        start = rng.randrange(len(table) * block)
+        n = rng.randint(1, len(table) * block - start)
+        pos = np.arange(start, start + n)
+        got = run_slots(table, start, n, block)
+        assert got.dtype == np.int64
+        assert got.tolist() == (np.asarray(table)[pos // block] * block + pos % block).tolist()
