@@ -21,6 +21,7 @@ the run, each process's threads and its hottest frames (py-spy barely slows them
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import pstats
 import shlex
@@ -69,6 +70,9 @@ def main() -> None:
                    help="profile the router and print its N hottest functions")
     p.add_argument("--spy", type=float, default=0, metavar="S",
                    help="sample the router and the nodes with py-spy for S seconds")
+    p.add_argument("--result-json", default=None, metavar="PATH",
+                   help="write the measured run's pd bench result there (per-request TTFTs and "
+                        "inter-token gaps)")
     p.add_argument("--no-engine", action="store_true",
                    help="skip the engine-alone run (pd.LLM, batch = --concurrency) it is held against")
     args = p.parse_args()
@@ -102,6 +106,9 @@ def main() -> None:
                       "--max-concurrency", str(args.concurrency), "--seed", "3",
                       "--random-range-ratio", str(args.range_ratio))
         wall = time.perf_counter() - wall
+        if args.result_json:
+            with open(args.result_json, "w") as f:
+                json.dump(r, f)
         busy = {k: (cpu_seconds(pid) - before[k]) / wall for k, pid in pids.items()}
         busy["client"] = (time.process_time() - own) / wall
         for t in spies:
