@@ -13,6 +13,7 @@ import os
 
 from pd.service.flags import (add_engine_arguments, add_node_arguments, add_role_arguments,
                               announce, engine_config, limit_host_threads)
+from pd.service.procs import freeze_heap
 
 log = logging.getLogger(__name__)
 
@@ -47,5 +48,6 @@ def main(args: argparse.Namespace) -> int:
              metrics_port=node.probe.port if node.probe else None)
     log.info("decode node %s serving on %s:%d, KV ingest %s", node.node_id, args.host,
              node.port, node.kv_addr)
+    freeze_heap()  # the node's own process: its start-up heap stays out of collections
     node.run()
     return 0

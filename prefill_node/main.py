@@ -14,6 +14,7 @@ import os
 
 from pd.service.flags import (add_engine_arguments, add_node_arguments, add_role_arguments,
                               announce, engine_config, limit_host_threads)
+from pd.service.procs import freeze_heap
 
 log = logging.getLogger(__name__)
 
@@ -44,5 +45,6 @@ def main(args: argparse.Namespace) -> int:
     announce("prefill", node.node_id, port=node.port,
              metrics_port=node.probe.port if node.probe else None)
     log.info("prefill node %s serving on %s:%d", node.node_id, args.host, node.port)
+    freeze_heap()  # the node's own process: its start-up heap stays out of collections
     node.run()
     return 0

@@ -213,6 +213,7 @@ async def wait_healthy(backend: Backend, prefill: list[str], decode: list[str],
 
 
 def run(args: argparse.Namespace, backend: Backend) -> None:
+    from pd.service.procs import freeze_heap
     from pd.text.tokenizer import Tokenizer
 
     logging.basicConfig(level=args.log_level.upper(),
@@ -221,6 +222,7 @@ def run(args: argparse.Namespace, backend: Backend) -> None:
 
     async def main() -> None:
         runner = await start(server, args.host, args.port)
+        freeze_heap()
         logging.getLogger("router").info("serving %s on http://%s:%d/v1",
                                          server.config.served_model_name, args.host, args.port)
         try:

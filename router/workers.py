@@ -114,7 +114,7 @@ def _worker(args: argparse.Namespace, prefill: list[str], decode: list[str], ind
     import asyncio
     import signal
 
-    from pd.service.procs import _die_with_parent
+    from pd.service.procs import _die_with_parent, freeze_heap
     from pd.text.tokenizer import Tokenizer
     from pd.wire.security import configure_from_args
     from router.command import make_backend
@@ -144,6 +144,7 @@ def _worker(args: argparse.Namespace, prefill: list[str], decode: list[str], ind
         except OSError as e:
             ready.put((name, f"cannot serve on {args.host}:{args.port}: {e.strerror or e}"))
             return
+        freeze_heap()
         # ready_timeout 0: ready once serving
         ready.put((name, await wait_healthy(backend, prefill, decode, ready_timeout)
                    if ready_timeout else None))

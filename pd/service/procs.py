@@ -3,11 +3,13 @@ the benchmarks.
 
 A node prints one `PD_READY {json}` line on stdout when it serves; `start_node` waits for it
 (with a timeout, and an error carrying the node's last log lines if it dies first). `Launch`
-runs a whole `pd launch` and waits for its URL line.
+runs a whole `pd launch` and waits for its URL line. A long-running process that is ready to
+serve takes its start-up objects out of the garbage collector's walks (`freeze_heap`).
 """
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import re
@@ -21,6 +23,16 @@ import time
 from dataclasses import dataclass, field
 
 _PR_SET_PDEATHSIG = 1
+
+
+def freeze_heap() -> None:
+    """Collect once, then keep every object alive now (modules, model, tokenizer, graphs) out of
+    every later collection (`gc.freeze`): a full collection of a node's start-up heap (~330k
+    objects) took 144 ms on a 2-core CPU, and one ran now and then while serving, holding
+    every stream of the process that long (TTFTs of 0.3-0.45 s and inter-token gaps of over
+    100 ms on the H100 host). Later collections walk only what serving made."""
+    gc.collect()
+    gc.freeze()
 
 
 def _die_with_parent():
