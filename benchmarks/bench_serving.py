@@ -96,6 +96,7 @@ def main() -> None:
                       str(args.input_len), "--random-output-len", "16", "--max-concurrency",
                       str(args.concurrency), "--seed", "4")
         first = snapshot(lau)
+        lines_before = len(lau.lines)
         before, wall = {k: cpu_seconds(pid) for k, pid in pids.items()}, time.perf_counter()
         own = time.process_time()
         spies = spy(args.spy, {k: pids[k] for k in (
@@ -106,6 +107,9 @@ def main() -> None:
                       "--max-concurrency", str(args.concurrency), "--seed", "3",
                       "--random-range-ratio", str(args.range_ratio))
         wall = time.perf_counter() - wall
+        # NOTE: counted from the nodes' log lines, so only with --launch-args '--log-level info'
+        captures = Counter(line.split("captured a ")[1].split(" CUDA graph")[0]
+                           for line in lau.lines[lines_before:] if "captured a " in line)
         if args.result_json:
             with open(args.result_json, "w") as f:
                 json.dump(r, f)
@@ -163,6 +167,9 @@ def main() -> None:
         f"over {float(b) * 1e3:g} ms {node:.2%} of the decode node's steps, {client:.2%} of the "
         f"client's gaps" for b, (node, client) in tail.items()), flush=True)
     print("busy (CPU s per s): " + ", ".join(f"{k} {v:.2f}" for k, v in busy.items()), flush=True)
+    if captures:
+        print("CUDA graphs captured during the measured run: " + ", ".join(
+            f"{n} {kind}" for kind, n in captures.items()), flush=True)
     for t in spies:
         print(t.summary, flush=True)
 
