@@ -24,6 +24,7 @@ import argparse
 import json
 import os
 import pstats
+import resource
 import shlex
 import shutil
 import subprocess
@@ -70,6 +71,9 @@ def main() -> None:
                    help="profile the router and print its N hottest functions")
     p.add_argument("--spy", type=float, default=0, metavar="S",
                    help="sample the router and the nodes with py-spy for S seconds")
+    p.add_argument("--client-processes", type=int, default=1, metavar="N",
+                   help="pd bench --client-processes: the measured run's client split among N "
+                        "processes (its CPU use, summed, is the client's)")
     p.add_argument("--result-json", default=None, metavar="PATH",
                    help="write the measured run's pd bench result there (per-request TTFTs and "
                         "inter-token gaps)")
@@ -98,14 +102,15 @@ def main() -> None:
         first = snapshot(lau)
         lines_before = len(lau.lines)
         before, wall = {k: cpu_seconds(pid) for k, pid in pids.items()}, time.perf_counter()
-        own = time.process_time()
+        own = time.process_time() + children_cpu()
         spies = spy(args.spy, {k: pids[k] for k in (
             "router" if not lau.router_pids else "router-0", "prefill-0", "decode-0")}) if args.spy else []
         r = run_bench(lau, args, "--num-prompts", str(args.num_prompts),
                       "--random-input-len", str(args.input_len),
                       "--random-output-len", str(args.output_len),
                       "--max-concurrency", str(args.concurrency), "--seed", "3",
-                      "--random-range-ratio", str(args.range_ratio))
+                      "--random-range-ratio", str(args.range_ratio),
+                      "--client-processes", str(args.client_processes))
         wall = time.perf_counter() - wall
         # NOTE: counted from the nodes' log lines, so only with --launch-args '--log-level info'
         captures = Counter(line.split("captured a ")[1].split(" CUDA graph")[0]
@@ -114,7 +119,8 @@ def main() -> None:
             with open(args.result_json, "w") as f:
                 json.dump(r, f)
         busy = {k: (cpu_seconds(pid) - before[k]) / wall for k, pid in pids.items()}
-        busy["client"] = (time.process_time() - own) / wall
+        # the client: this process, and its client processes once they have ended
+        busy["client"] = (time.process_time() + children_cpu() - own) / wall
         for t in spies:
             t.join()
         last = snapshot(lau)
@@ -176,6 +182,13 @@ def main() -> None:
     if profile:
         pstats.Stats(profile).sort_stats("tottime").print_stats(args.profile_router)
         os.unlink(profile)
+
+
+def children_cpu() -> float:
+    """CPU seconds of this process's children that have ended and been waited for (the pd bench
+    client processes, and py-spy's with --spy; not `pd launch`, which runs to the end)."""
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r.ru_utime + r.ru_stime
 
 
 class Spy(threading.Thread):

@@ -11,7 +11,8 @@ arrivals, gamma-distributed with `--burstiness`; inf sends all at once) under
 requests, duration, request and token throughput, TTFT/TPOT/ITL/E2EL mean, median and
 percentiles, and goodput against `--goodput ttft:MS tpot:MS`. `--result-json` keeps every
 figure and per-request arrays; `--plot` draws the latency CDFs (matplotlib). The meanings and
-the table are `bench_report.py`'s.
+the table are `bench_report.py`'s. `--client-processes N` splits the run among N client
+processes (`bench_clients.py`), for token rates one Python process cannot read.
 """
 
 from __future__ import annotations
@@ -75,6 +76,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--ignore-eos", action="store_true", help="ask the server to ignore EOS")
     g.add_argument("--temperature", type=float, default=0.0, help="(default: 0, greedy)")
     g.add_argument("--request-timeout", type=float, default=600.0, help="seconds per request")
+    g.add_argument("--client-processes", type=int, default=1, metavar="N",
+                   help="split the run among N client processes (prompts, concurrency and rate "
+                        "shared round-robin), so that one process reading every stream is not "
+                        "what is measured at high token rates (default: 1)")
     g.add_argument("--no-test-request", action="store_true",
                    help="skip the one short request sent (and not counted) before the run")
     g = p.add_argument_group("report")
@@ -219,7 +224,11 @@ class Progress:
             sys.stderr.flush()
 
 
-async def run(args: argparse.Namespace, prompts: list[Prompt], tok) -> tuple[list, float, str]:
+async def run(args: argparse.Namespace, prompts: list[Prompt], tok,
+              ready=None) -> tuple[list, float, str]:
+    """Send every prompt; (outputs in prompt order, duration, model). `ready()` (optional) is
+    called once set up, just before the clock starts (`bench_clients` starts its processes
+    together with it)."""
     import aiohttp
 
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
@@ -263,6 +272,8 @@ async def run(args: argparse.Namespace, prompts: list[Prompt], tok) -> tuple[lis
                              {"role": "user", "content": message}]
             return outs
 
+        if ready is not None:
+            ready()
         t0 = time.perf_counter()
         if args.multi_turn > 1:
             starts = arrivals(prompts, args.request_rate, args.burstiness, args.seed)
@@ -292,6 +303,10 @@ def main(args: argparse.Namespace) -> int:
             raise ValueError("--num-prompts, --burstiness and --request-rate must be positive")
         if args.multi_turn < 1:
             raise ValueError(f"--multi-turn must be at least 1, got {args.multi_turn}")
+        if args.client_processes < 1:
+            raise ValueError(f"--client-processes must be at least 1, got {args.client_processes}")
+        if args.client_processes > 1 and args.multi_turn > 1:
+            raise ValueError("--client-processes takes single requests, not --multi-turn")
         tok = load_tokenizer(args)
         if args.dataset == "jsonl":
             if not args.dataset_path:
@@ -304,7 +319,12 @@ def main(args: argparse.Namespace) -> int:
                                      args.random_num_prefixes)
         # NOTE: on uvloop where installed: the client reads every stream's events, and the
         # faster loop keeps its own cost off the figures
-        outputs, duration, model = run_loop(run(args, prompts, tok))
+        if args.client_processes > 1:
+            from pd.cli.bench_clients import run_processes
+
+            outputs, duration, model = run_processes(args, prompts, args.client_processes)
+        else:
+            outputs, duration, model = run_loop(run(args, prompts, tok))
     except (ValueError, OSError, RuntimeError) as e:
         print(f"pd bench: {e}", file=sys.stderr)
         return 1
@@ -317,6 +337,7 @@ def main(args: argparse.Namespace) -> int:
                   "endpoint": args.endpoint, "model_id": model, "num_prompts": args.num_prompts,
                   "request_rate": args.request_rate, "burstiness": args.burstiness,
                   "max_concurrency": args.max_concurrency, "goodput_slos_ms": goodput,
+                  "client_processes": args.client_processes,
                   **s, **per_request(outputs)}
         with open(args.result_json, "w") as f:
             json.dump(result, f, indent=1)

@@ -75,6 +75,51 @@ def test_bench_agrees_with_router_histograms(launch, tiny_model_dir, tmp_path):
     assert (tmp_path / "cdf.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_bench_split_among_client_processes(launch, tiny_model_dir, tmp_path):
+    """--client-processes 2: every request once, concurrency shared, the same totals, and the
+    per-request arrays in prompt order (lengths drawn from one seed, as one process has them)."""
+    flags = ["--num-prompts", str(N), "--random-input-len", str(INPUT_LEN),
+             "--random-output-len", str(OUTPUT_LEN), "--random-range-ratio", "0.5",
+             "--ignore-eos", "--max-concurrency", "3"]
+    one = bench(launch, tiny_model_dir, tmp_path, *flags, "--result-json", "one.json")
+    assert one.returncode == 0, one.stdout + one.stderr
+    before = router_totals(launch.url)
+    r = bench(launch, tiny_model_dir, tmp_path, *flags, "--client-processes", "2",
+              "--result-json", "two.json")
+    assert r.returncode == 0, r.stdout + r.stderr
+    after = router_totals(launch.url)
+    res = json.loads((tmp_path / "two.json").read_text())
+    ref = json.loads((tmp_path / "one.json").read_text())
+    assert (res["completed"], res["failed"], res["client_processes"]) == (N, 0, 2)
+    assert res["input_lens"] == ref["input_lens"] and res["output_lens"] == ref["output_lens"]
+    assert len(set(res["input_lens"])) > 1
+    # the first process's test request (at most 4 tokens) is the only other traffic
+    assert 0 <= after["pd_generation_tokens_total"] - before["pd_generation_tokens_total"] - (
+        res["total_output_tokens"]) <= 4
+    assert 0 < res["duration"] < sum(res["e2els"])
+
+
+def test_bench_client_processes_share_the_load():
+    import argparse
+
+    from pd.cli.bench import add_arguments
+    from pd.cli.bench_clients import split
+
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    args = p.parse_args(["--max-concurrency", "7", "--request-rate", "9", "--seed", "5"])
+    parts = split(args, list(range(10)), 3)
+    assert [a.max_concurrency for a, _ in parts] == [3, 2, 2]
+    assert [a.request_rate for a, _ in parts] == [3.0, 3.0, 3.0]
+    assert [ps for _, ps in parts] == [[0, 3, 6, 9], [1, 4, 7], [2, 5, 8]]
+    assert [a.no_test_request for a, _ in parts] == [False, True, True]
+    assert len({a.seed for a, _ in parts}) == 3 and args.max_concurrency == 7
+    with pytest.raises(ValueError, match="cannot be shared"):
+        split(args, list(range(10)), 8)
+    with pytest.raises(ValueError, match="more than the 10 prompts"):
+        split(p.parse_args([]), list(range(10)), 11)
+
+
 def test_bench_jsonl_dataset_and_failures_counted(launch, tiny_model_dir, tmp_path):
     rows = [{"prompt": "def add(a, b):", "output_len": 3}, {"prompt": "import os\n"}]
     (tmp_path / "p.jsonl").write_text("\n".join(json.dumps(x) for x in rows) + "\n")
