@@ -47,7 +47,10 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=str(default_model_dir()))
     p.add_argument("--device", default="cpu")
-    p.add_argument("--num-blocks", type=int, default=4096)
+    p.add_argument("--num-blocks", type=int, default=None,
+                   help="KV blocks of each node and of the engine alone (default: 4096, or room "
+                        "for every request in flight at once with a quarter to spare: at "
+                        "concurrency 256, 272-token requests need 4352 16-token blocks)")
     p.add_argument("--synthetic-1b", action="store_true",
                    help="a random bf16 Llama-3.2-1B-shaped checkpoint with the tiny tokenizer's "
                         "512-token vocabulary")
@@ -80,6 +83,10 @@ def main() -> None:
     p.add_argument("--no-engine", action="store_true",
                    help="skip the engine-alone run (pd.LLM, batch = --concurrency) it is held against")
     args = p.parse_args()
+    if args.num_blocks is None:
+        longest = (args.input_len + args.output_len) * (1 + args.range_ratio)
+        per_request = -(-int(longest) // 16)
+        args.num_blocks = max(4096, args.concurrency * per_request * 5 // 4)
     if args.synthetic_1b:
         from bench_decode import LLAMA_1B
 
