@@ -67,11 +67,11 @@ TAIL=24 step prefix_cache python3 benchmarks/bench_prefix_cache.py --device cuda
     --prefix-len 2048 --input-len 128 --output-len 16 --num-prompts 64 --concurrency 8 \
     --first-turn-len 1024 --routing-prompts 320
 TAIL=7 step serving python3 benchmarks/bench_serving.py --device cuda --synthetic-1b \
-    --num-prompts 1024 --router-workers 4 --result-json "$OUT/serving.json"
+    --num-prompts 1024 --router-workers 4 --client-processes 4 --result-json "$OUT/serving.json"
 TAIL=6 step serving_one_router python3 benchmarks/bench_serving.py --device cuda --synthetic-1b \
     --num-prompts 1024 --no-engine
 TAIL=7 step serving_256 python3 benchmarks/bench_serving.py --device cuda --synthetic-1b \
-    --concurrency 256 --num-prompts 1536 --router-workers 4
+    --concurrency 256 --num-prompts 1536 --router-workers 4 --client-processes 4
 fi
 if [[ $PART == 3 ]]; then  # needs two GPUs: P on cuda:0, D on cuda:1
 TAIL=12 step kv_two_gpus timeout 300 python3 benchmarks/gpu/bench_kv.py --devices cuda:0,cuda:1
