@@ -8,7 +8,10 @@ metrics, so that the serving path can be held against the engine.
 A warm-up run comes first (--warmup prompts); the nodes' figures (decode step and batch, a
 request's way in, the decode loop's host time per step by phase, the device's step gap, the
 share of the decode node's steps and of the client's token gaps over 2.5 and 5 ms: where the
-inter-token tail comes from) are the measured run's alone. --router-workers N serves through N router processes.
+inter-token tail comes from; the share of first tokens and of gaps over 100 ms as the client,
+the router and the prefill node saw them: where the far tail arises) are the measured run's
+alone. --router-workers N serves through N router processes, --client-processes N measures
+with N client processes.
 
 Beside the figures: how busy each process was over the run (CPU seconds per second of wall:
 1.0 is one core flat out), the router (inside `pd launch`, or each worker), each node and this
@@ -159,6 +162,18 @@ def main() -> None:
         flat = [g for one in r["itls"] for g in one]
         tail = {b: (steps_over(b), sum(g > float(b) for g in flat) / max(1, len(flat)))
                 for b in ("0.0025", "0.005")}
+
+        def over(role: str, name: str, bound: str) -> float:  # share of a histogram's samples
+            return 1 - delta(role, f'{name}_le="{bound}"') / max(delta(role, name + "_count"), 1.0)
+
+        # where the slowest first tokens and gaps arise: the client's against the router's own
+        # (arrival to the first token written; its gaps between tokens written) and the
+        # prefill node's (arrival to the first token sent)
+        slow = (sum(t > 0.1 for t in r["ttfts"]) / max(1, len(r["ttfts"])),
+                over("router", "pd_time_to_first_token_seconds", "0.1"),
+                over("prefill", "pd_first_token_send_seconds", "0.1"),
+                sum(g > 0.1 for g in flat) / max(1, len(flat)),
+                over("router", "pd_inter_token_latency_seconds", "0.1"))
     finally:
         lau.stop()
     print(f"{args.device}: {args.num_prompts} prompts of {args.input_len} tokens, "
@@ -179,6 +194,9 @@ def main() -> None:
     print("the tail: " + ", ".join(
         f"over {float(b) * 1e3:g} ms {node:.2%} of the decode node's steps, {client:.2%} of the "
         f"client's gaps" for b, (node, client) in tail.items()), flush=True)
+    print(f"over 100 ms: first tokens {slow[0]:.2%} at the client, {slow[1]:.2%} at the router, "
+          f"{slow[2]:.2%} at the prefill node; gaps {slow[3]:.3%} at the client, {slow[4]:.3%} at "
+          f"the router", flush=True)
     print("busy (CPU s per s): " + ", ".join(f"{k} {v:.2f}" for k, v in busy.items()), flush=True)
     if captures:
         print("CUDA graphs captured during the measured run: " + ", ".join(
@@ -283,20 +301,28 @@ def gaps(itls: list[list[float]]) -> str:
 
 
 def snapshot(lau) -> dict[tuple[str, str], float]:
-    """The nodes' histogram sums and counts and the decode node's host time by phase, summed
-    over the nodes of each role: {(role, name): value}; a phase is keyed 'phase="NAME"'."""
+    """The nodes' and the router's histogram sums and counts and the decode node's host time by
+    phase, summed over the nodes of each role: {(role, name): value}; a phase is keyed
+    'phase="NAME"'."""
     out: dict[tuple[str, str], float] = {}
     for node_name, n in lau.nodes.items():
         role = node_name.split("-")[0]
         for key, value in node_sums(n["metrics"]).items():
             out[(role, key)] = out.get((role, key), 0.0) + value
+    for key, value in node_sums(lau.url.split("//", 1)[1]).items():
+        out[("router", key)] = value
     return out
 
 
+TAIL_BUCKETS = ("pd_time_to_first_token_seconds_bucket", "pd_inter_token_latency_seconds_bucket",
+                "pd_first_token_send_seconds_bucket")
+
+
 def node_sums(address: str) -> dict[str, float]:
-    """One node's histogram sums and counts, host time by phase and step-duration buckets, from
-    its /metrics at `address` (host:port): {name: value}, a phase keyed 'phase="NAME"', a
-    bucket 'step_le="BOUND"' (steps that took at most BOUND seconds)."""
+    """One node's (or the router's) histogram sums and counts, host time by phase and
+    step-duration buckets, from its /metrics at `address` (host:port): {name: value}, a phase
+    keyed 'phase="NAME"', a bucket 'step_le="BOUND"' (steps that took at most BOUND seconds),
+    and the `TAIL_BUCKETS`' buckets as 'NAME_le="BOUND"' (NAME without `_bucket`)."""
     out: dict[str, float] = {}
     for line in urllib.request.urlopen(f"http://{address}/metrics", timeout=10).read().decode().splitlines():
         name, _, rest = line.partition("{")
@@ -304,6 +330,8 @@ def node_sums(address: str) -> dict[str, float]:
             key = 'phase="' + line.split('phase="', 1)[1].split('"', 1)[0] + '"'
         elif name == "pd_step_duration_seconds_bucket":
             key = 'step_le="' + line.split('le="', 1)[1].split('"', 1)[0] + '"'
+        elif name in TAIL_BUCKETS:
+            key = name[:-len("_bucket")] + '_le="' + line.split('le="', 1)[1].split('"', 1)[0] + '"'
         elif name.endswith(("_sum", "_count")) and rest:
             key = name
         else:
