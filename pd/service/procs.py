@@ -28,9 +28,9 @@ _PR_SET_PDEATHSIG = 1
 def freeze_heap() -> None:
     """Collect once, then keep every object alive now (modules, model, tokenizer, graphs) out of
     every later collection (`gc.freeze`): a full collection of a node's start-up heap (~330k
-    objects) took 144 ms on a 2-core CPU, and one ran now and then while serving, holding
-    every stream of the process that long (TTFTs of 0.3-0.45 s and inter-token gaps of over
-    100 ms on the H100 host). Later collections walk only what serving made."""
+    objects) took 144 ms on a 2-core CPU, and Python may start one at any allocation while
+    serving, holding every stream of the process that long. Later collections walk only what
+    serving made."""
     gc.collect()
     gc.freeze()
 
