@@ -13,7 +13,7 @@ and without (copies staged through pageable memory). The installed blocks are co
 producer's (same seed) at the end.
 
     python benchmarks/gpu/bench_kv.py [--tokens 4096] [--requests 16] [--devices cuda:0,cuda:1]
-                                      [--record-mib 16 64] [--profile]
+                                      [--record-mib 16 64] [--profile [--trace-dir DIR]]
 
 Beside the one-process copy bandwidth, the D2H and H2D bandwidth of two processes copying at
 once (on one GPU their copies share the GPU, so each gets about half): the ring's ceiling.
@@ -67,14 +67,23 @@ def _add(phases: dict, name: str, since: float) -> float:
     return now
 
 
-def profiled(on: bool):
-    """torch.profiler over the device's activity (copies and kernels of every stream), or a
-    context that does nothing."""
+def profiled(on: bool, host: bool = False):
+    """torch.profiler over the device's activity (copies and kernels of every stream), and with
+    `host` the host's (torch operations, CUDA runtime calls), or a context that does nothing."""
     if not on:
         return contextlib.nullcontext()
     from torch.profiler import ProfilerActivity, profile  # noqa: PLC0415
 
-    return profile(activities=[ProfilerActivity.CUDA])
+    return profile(activities=[ProfilerActivity.CUDA] + [ProfilerActivity.CPU] * host)
+
+
+def write_trace(prof, trace_dir: str | None, side: str) -> None:
+    """A profiled side's chrome trace as `trace_dir`/kv_`side`.json (chrome://tracing,
+    Perfetto): when each record's copies ran against what its host was doing."""
+    if trace_dir:
+        path = os.path.join(trace_dir, f"kv_{side}.json")
+        prof.export_chrome_trace(path)
+        print(f"  {side} trace: {path}", flush=True)
 
 
 def busy_ms(intervals) -> float:
@@ -104,7 +113,7 @@ def device_summary(prof) -> str:
 
 def producer(name: str, bell_ep: str, go_ep: str, num_blocks: int, per_req: int, requests: int,
              pin: bool, device: str, ring_bytes: int, record_bytes: int,
-             profile: bool = False) -> None:
+             profile: bool = False, trace_dir: str | None = None) -> None:
     if device.startswith("cuda"):
         torch.cuda.set_device(device)
     kv = cache(num_blocks, seed=0, device=device)
@@ -126,7 +135,7 @@ def producer(name: str, bell_ep: str, go_ep: str, num_blocks: int, per_req: int,
         _add(phases, "publish", t)
 
     t0 = time.perf_counter()
-    with profiled(profile) as prof:
+    with profiled(profile, host=trace_dir is not None) as prof:
         send_all(kv, ring, word, chunks, num_blocks, per_req, requests, phases, publish)
     wall = time.perf_counter() - t0
     while ring.read_pos < ring.write_pos:
@@ -138,6 +147,7 @@ def producer(name: str, bell_ep: str, go_ep: str, num_blocks: int, per_req: int,
           + f", copies queued and waited for {rest * 1e3:.0f} ms", flush=True)
     if profile:
         print(f"  producer {device_summary(prof)}", flush=True)
+        write_trace(prof, trace_dir, "producer")
     bell.close()
     ring.close()
 
@@ -165,9 +175,10 @@ def send_all(kv, ring, word, chunks, num_blocks, per_req, requests, phases, publ
 
 def transfer(per_req: int, requests: int, pin: bool, devices: tuple[str, str],
              ring_bytes: int = RING_BYTES, record_bytes: int = DEFAULT_MAX_RECORD,
-             profile: bool = False) -> tuple[float, bool]:
+             profile: bool = False, trace_dir: str | None = None) -> tuple[float, bool]:
     """GB/s of KV installed, and whether the last request's blocks arrived intact; `profile`:
-    both sides' device activity under torch.profiler, summed up (`device_summary`)."""
+    both sides' device activity under torch.profiler, summed up (`device_summary`), and with
+    `trace_dir` both sides' chrome traces there (`write_trace`)."""
     num_blocks = per_req * 2
     ctx = mp.get_context("spawn")
     waiter = DoorbellWaiter(f"ipc://{tempfile.mkdtemp(prefix='pd-bench-kv-')}/bell")
@@ -176,7 +187,7 @@ def transfer(per_req: int, requests: int, pin: bool, devices: tuple[str, str],
     name = f"pd_bench_kv_{os.getpid()}_{int(pin)}"
     proc = ctx.Process(target=producer, args=(name, waiter.endpoint, go_ep, num_blocks, per_req,
                                               requests, pin, devices[0], ring_bytes,
-                                              record_bytes, profile))
+                                              record_bytes, profile, trace_dir))
     proc.start()
     ring = attach_when_created(name)
     if pin:
@@ -202,7 +213,7 @@ def transfer(per_req: int, requests: int, pin: bool, devices: tuple[str, str],
     t0 = time.perf_counter()
     go.send(b"go")
     got = 0
-    with profiled(profile) as prof:
+    with profiled(profile, host=trace_dir is not None) as prof:
         while got < total:  # as the decode node's intake: nothing waits for a copy
             pos = waiter.wait(timeout=0.001 if ring.num_held else 60)
             start = ring.cursor
@@ -219,6 +230,7 @@ def transfer(per_req: int, requests: int, pin: bool, devices: tuple[str, str],
     print(f"  consumer: {dt * 1e3:.0f} ms: " + ", ".join(f"{k} {v * 1e3:.0f} ms" for k, v in phases.items()))
     if profile:
         print(f"  consumer {device_summary(prof)}", flush=True)
+        write_trace(prof, trace_dir, "consumer")
     proc.join()
     ring.close()
     waiter.close()
@@ -364,6 +376,9 @@ def main() -> None:
     p.add_argument("--profile", action="store_true",
                    help="the first pinned row once more, under torch.profiler in both processes: "
                         "how busy each side's copies and kernels kept the GPU")
+    p.add_argument("--trace-dir", default=None, metavar="DIR",
+                   help="with --profile: both sides' chrome traces there (kv_producer.json, "
+                        "kv_consumer.json), host activity included")
     p.add_argument("--record-mib", type=int, nargs="+", default=[DEFAULT_MAX_RECORD >> 20],
                    help="the largest KV record (the transport's --max-record); several: a pinned "
                         "ring row each")
@@ -402,7 +417,7 @@ def main() -> None:
         # first pinned row read 0.4 GB/s under it); its device summaries are what it is for
         print("the first pinned row again under torch.profiler (its GB/s is not a figure):")
         transfer(per_req, args.requests, True, devices, ring_bytes, args.record_mib[0] << 20,
-                 profile=True)
+                 profile=True, trace_dir=args.trace_dir)
     a, b = (torch.empty(size, dtype=torch.uint8, device=d) for d in devices)
     copy = _gbps(lambda: b.copy_(a, non_blocking=True), size, 20)
     gbs, queued, host, intact = ipc_transfer(per_req, args.requests, devices)

@@ -40,7 +40,8 @@ TAIL=4 step pd_path env PD_TEST_DEVICE=cuda python3 -m pytest -q -p no:cacheprov
     tests/e2e/test_pd_path.py -k equals_single_process
 TAIL=4 step grammar_logprobs env PD_TEST_DEVICE=cuda python3 -m pytest -q -p no:cacheprovider \
     tests/engine/test_grammar.py tests/engine/test_logprobs.py
-TAIL=15 step kv timeout 300 python3 benchmarks/gpu/bench_kv.py --record-mib 16 64 --profile
+TAIL=15 step kv timeout 300 python3 benchmarks/gpu/bench_kv.py --record-mib 16 64 --profile \
+    --trace-dir "$OUT"
 TAIL=8 step attention python3 benchmarks/gpu/bench_attention.py
 TAIL=12 step skinny python3 benchmarks/gpu/bench_skinny.py --quick --rows 1 64
 TAIL=14 step decode python3 benchmarks/gpu/bench_decode.py
