@@ -103,6 +103,6 @@ class PrefixCache:
         if done <= req.num_registered_blocks:
             return
         hashes = self.hashes(req)
-        for b in range(req.num_registered_blocks, min(done, len(hashes))):
-            self.allocator.register(req.block_ids[b], hashes[b])
-        req.num_registered_blocks = min(done, len(hashes))
+        first, end = req.num_registered_blocks, min(done, len(hashes))
+        self.allocator.register_all(req.block_ids[first:end], hashes[first:end])
+        req.num_registered_blocks = end
