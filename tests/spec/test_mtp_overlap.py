@@ -147,7 +147,7 @@ def test_seeded_sampling_is_the_same_with_and_without_overlap(reference):
 
 
 def test_spec_choice_follows_the_measurement():
-    from pd.engine.decode_loop import SpecChoice
+    from pd.engine.loop_stats import SpecChoice
 
     c = SpecChoice(probe=2, explore=10, window=4)
     assert c.use_mtp(5) and c.bucket(5) == c.bucket(8) == 8 and c.bucket(1) == 1
@@ -170,7 +170,7 @@ def test_switching_between_mtp_and_plain_steps_keeps_the_tokens(reference):
     prompts, params, arrivals = workload(24, seed=8, reference=reference)
     expected = reference.generate(prompts, params)
     lp = Loop(3, overlap)
-    from pd.engine.decode_loop import SpecChoice
+    from pd.engine.loop_stats import SpecChoice
 
     lp.loop.choice = SpecChoice(probe=2, explore=5, window=4)  # switch often
     reqs = [Req(str(i), p, sp, eos_token_ids=lp.eos) for i, (p, sp) in enumerate(zip(prompts, params))]
