@@ -9,7 +9,8 @@ tokenizer padded to that many ids made each grammar walk cost 20 us instead of 1
 
 A grammar's mask is filled on the host per request per step and applied by the sampler, and
 the overlap loop waits for each step's tokens before the next mask (its forward runs
-meanwhile): the table shows that cost beside the plain rate. Timings only, no assertions; best of `--repeats`.
+meanwhile): the table shows that cost beside the plain rate. Timings only, no assertions; best
+of `--repeats`.
 """
 
 from __future__ import annotations

@@ -19,11 +19,11 @@ the state that expects it, from the peer that announced it; anything else is ref
 counted. The intake talks to its node only through `IntakeOwner`.
 
 A record's copy into this node's blocks (`shm_ipc.kv.install_kv`) runs on side streams (on the
-CPU, a thread of its own) and nothing waits for it while the node decodes: the record's ring space is held until its copy
-has completed (`KVReceiver.hold`), and a request whose KVDone arrives while its last copy still
-runs waits in LANDING until it has (`land`, before every step), so no step reads blocks being
-written and no step waits for a transfer. While nothing is decoding the intake waits for the
-copies at once.
+CPU, a thread of its own) and nothing waits for it while the node decodes: the record's ring
+space is held until its copy has completed (`KVReceiver.hold`), and a request whose KVDone
+arrives while its last copy still runs waits in LANDING until it has (`land`, before every
+step), so no step reads blocks being written and no step waits for a transfer. While nothing
+is decoding the intake waits for the copies at once.
 """
 
 from __future__ import annotations
