@@ -458,10 +458,13 @@ class RouterServer:
             await resp.prepare(request)
             while d is not None:
                 # NOTE: the deltas already here go out in one write (several only when this
-                # loop fell behind the stream); then wait for the next
+                # loop fell behind the stream); then wait for the next. A delta whose tokens
+                # show no text yet (part of a character, a possible stop string, held tool
+                # text) still goes out, with empty text: the client sees every step as it
+                # comes, not a burst once the text completes (as vLLM streams).
                 for d in (d, *gen.ready()):
                     timer.observe(d)
-                    if d.text or d.finish_reason or d.logprobs:
+                    if d.num_tokens or d.text or d.finish_reason or d.logprobs:
                         out.append(fmt.sse_chunk(d, so_far(d.index)))
                     if d.error:
                         out.append(sse(_generation_failed(d).body()))

@@ -116,8 +116,15 @@ def test_utf8_split_across_tokens(tokenizer, make_server):
     parts = [c.choices[0].text for c in chunks]
     assert all("\ufffd" not in p for p in parts)
     assert "".join(parts) == text
+    # every token event streams as it comes, a held part of a character as empty text
+    assert len(chunks) == len(ids) + 1 and "" in parts[:-1]  # + the EOS's closing chunk
     r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}])
     assert r.choices[0].message.content == text
+    chunks = list(client.chat.completions.create(model=MODEL, stream=True,
+                                                 messages=[{"role": "user", "content": "x"}]))
+    contents = [c.choices[0].delta.content for c in chunks[1:]]  # after the role chunk
+    assert len(contents) == len(ids) + 1 and "" in contents[:-1]
+    assert "".join(c or "" for c in contents) == text
 
 
 def test_completion_logprobs_shape(client, tokenizer):
