@@ -285,7 +285,7 @@ class Intake:
             raise m.MessageError(str(e)) from None
         if fence is not None:
             inc.fence = fence
-            self.receiver.hold(inc.peer, fence)
+            self.receiver.hold(inc.peer, fence, rec.ring_pos)
         inc.num_records += 1
         inc.kv_bytes += rec.payload.nbytes
         self.num_kv_records += 1

@@ -5,8 +5,8 @@ over it, by ZMQ frames or through a shared-memory ring rung by doorbells. `recv(
 what arrived, in each peer's send order, as `Incoming(peer, item)` where `item` is a control
 dict, a record (`records.py`) or `PeerGone`. Record payloads that view a ring (KV) stay valid
 until the next `recv()` call (or `release()`), which releases the ring space: install or copy
-them before, or `hold(peer, fence)` the records of the last `recv()` from that peer until a
-copy reading them has completed (the decode node's KV copies on CUDA, which no step waits for).
+them before, or `hold(peer, fence, rec.ring_pos)` a KV record (and those after it) until a
+copy reading it has completed (the decode node's KV copies on CUDA, which no step waits for).
 Malformed records and control messages are counted (`metrics.py`), logged and dropped.
 A ring producer whose process dies is reported as `PeerGone` once its published records are
 delivered, and its segment is removed; a peer on the ZMQ transport that dies is left to the
@@ -105,12 +105,16 @@ class KVReceiver:
         for ring in self.rings.values():
             ring.release()
 
-    def hold(self, peer: bytes, fence) -> None:
-        """Keep `peer`'s ring records from the last `recv()` on until `fence.query()` (see
-        `Ring.hold`); nothing to keep for a peer without a ring (ZMQ frames are its own)."""
+    def hold(self, peer: bytes, fence, at: int | None = None) -> None:
+        """Keep `peer`'s ring records from position `at` on (a KV record's `ring_pos`; None:
+        every record of the last `recv()`) until `fence.query()` (see `Ring.hold`); nothing to
+        keep for a peer without a ring (ZMQ frames are its own). Held record by record, a
+        record's space goes back as soon as its own copy (and those before it) completed, so
+        the sender refills the ring while the later copies run."""
         ring = self.rings.get(peer)
         if ring is not None:
-            ring.hold(self._read_from.get(peer, 0), fence)  # 0: attached during that recv()
+            # NOTE: 0: the ring was attached during that recv()
+            ring.hold(self._read_from.get(peer, 0) if at is None else at, fence)
 
     @property
     def num_held(self) -> int:
@@ -206,12 +210,18 @@ class KVReceiver:
             refuse("ring_position", f"ring {ring.name!r}: doorbell at {limit}, past the "
                                     f"published {ring.write_pos}")
             limit = ring.write_pos
+        start = ring.cursor
         while (rec := ring.next_record(limit)) is not None:
             word, body = rec
             try:
-                out.append(Incoming(peer, records.decode(word, body, None, self.max_topk)))
+                item = records.decode(word, body, None, self.max_topk)
             except RecordError as e:
                 refuse(e.reason, f"ring {ring.name!r}: {e}")
+            else:
+                if isinstance(item, records.KVRecord):
+                    item.ring_pos = start
+                out.append(Incoming(peer, item))
+            start = ring.cursor
 
     def _on_wake(self, out: list[Incoming]) -> None:
         for ring_id, pos in self.wake.drain().items():

@@ -73,6 +73,7 @@ class KVRecord:
     payload: memoryview
     block_start: int = 0  # index into the request's block list of the first block carried
     dtype: str = "float32"
+    ring_pos: int | None = None  # where its record starts in a ring (`KVReceiver.hold`)
 
 
 @dataclass

@@ -219,9 +219,10 @@ def transfer(per_req: int, requests: int, pin: bool, devices: tuple[str, str],
             start = ring.cursor
             while pos is not None and (rec := ring.next_record(pos)) is not None:
                 got += install(*rec)
+                # NOTE: record by record: its space goes back once its own copy has read it
+                ring.hold(start, fence)
+                start = ring.cursor
             t = time.perf_counter()
-            if fence is not None and ring.cursor != start:
-                ring.hold(start, fence)  # its space goes back once the copies have read it
             ring.release()
             _add(phases, "release", t)
         installed(kv)

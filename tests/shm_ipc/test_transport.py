@@ -380,6 +380,42 @@ def test_shm_links_are_named_with_nothing_usable(rx):
         tx.close()
 
 
+def test_ring_records_held_one_by_one_go_back_as_each_copy_completes(rx):
+    """A KV record held from its own position (`hold(peer, fence, rec.ring_pos)`, as the decode
+    node does) gives its space back once its copy and those before it completed, while later
+    records stay held: the sender refills the ring while the later copies run."""
+    kv = torch.randn(2, 2, 12, 8, 2, 16, dtype=torch.bfloat16)
+    tx = make_transport(rx.endpoint, "p-one-by-one", mode="shm", ring_bytes=64 << 10,
+                        max_record_bytes=8 << 10)
+    try:
+        tx.send_kv("r", kv, list(range(12)))  # four records of two layers' halves
+        recs, deadline = [], time.monotonic() + 10
+        while len(recs) < 4:
+            assert time.monotonic() < deadline
+            recs += [i for i in rx.recv(timeout=0.2) if isinstance(i.item, KVRecord)]
+        peer = recs[0].peer
+        ring = rx.rings[peer]
+        positions = [i.item.ring_pos for i in recs]
+        assert positions == sorted(set(positions)) and len(positions) == 4
+        fences = [Fence() for _ in recs]
+        for pos, fence in zip(positions, fences):
+            rx.hold(peer, fence, pos)
+        rx.release()
+        assert ring.read_pos == positions[0]
+        fences[1].done = True  # out of order: the first still holds everything after it
+        rx.release()
+        assert ring.read_pos == positions[0]
+        fences[0].done = True
+        rx.release()
+        assert ring.read_pos == positions[2]  # the first two records' space is back
+        for fence in fences:
+            fence.done = True
+        rx.release()
+        assert ring.read_pos == ring.cursor and rx.num_held == 0
+    finally:
+        tx.close()
+
+
 def test_held_ring_records_stay_until_their_copies_complete(rx):
     """`hold(peer, fence)` keeps the ring space of the last `recv()`'s records from that peer
     until the fence completes (the decode node's copies on CUDA, which nothing waits for); the
