@@ -5,10 +5,13 @@ The cache is one tensor `kv[num_layers, 2, num_blocks, block_size, num_kv_heads,
 one layer alone is too big, by block range) so that no record exceeds `max_record_bytes`; each
 chunk's bytes are `kv[l0:l1, :, block_ids[b0:b1]]`, contiguous, in that order. The sender
 gathers into ring memory (or a fresh tensor for ZMQ); the receiver copies a record's payload
-into `kv[l0:l1, :, dst_block_ids[b0:b1]]`. On CUDA each way is one block-copy kernel
-(`kernels.block_copy`) between the cache and a device staging buffer, and one DMA copy between
-that buffer and the (page-locked) record: the DMAs on one side stream, the kernels on another,
-and `STAGING_SLOTS` staging buffers used in turn, so one record's kernel overlaps another's DMA.
+into `kv[l0:l1, :, dst_block_ids[b0:b1]]`. On CUDA, with a page-locked record, each way is DMA
+alone where the chunk's blocks form few runs of consecutive ids (`dma_plan`): one 2-D copy per
+run between the cache and the record (a row per layer and K/V), on a side stream, with no
+kernel and no staging. Otherwise each way is one block-copy kernel (`kernels.block_copy`)
+between the cache and a device staging buffer, and one DMA copy between that buffer and the
+record: the DMAs on one side stream, the kernels on another, and `STAGING_SLOTS` staging buffers
+used in turn, so one record's kernel overlaps another's DMA.
 A receiver that does not wait for its installs (the decode node while it decodes) gets an event
 per record; on CPU the copies run on a thread of their own instead, with the same contract.
 Geometry agreement between the two nodes is the handshake's job (the node services); here each
@@ -18,10 +21,13 @@ record's size and dtype are checked.
 from __future__ import annotations
 
 import functools
+import os
 import warnings
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
+from typing import NamedTuple
 
+import numpy as np
 import torch
 
 from kernels.block_copy import compile_kernel, copy_blocks
@@ -68,6 +74,68 @@ def plan_chunks(num_layers: int, num_blocks: int, unit: int, max_bytes: int
 
 def chunk_shape(kv: torch.Tensor, l0: int, l1: int, nb: int) -> tuple[int, ...]:
     return (l1 - l0, 2, nb) + tuple(kv.shape[3:])
+
+
+class Copy2D(NamedTuple):
+    """One 2-D copy of `dma_plan`: `height` rows of `width` bytes, `cache_pitch` bytes apart
+    from `cache` (a byte offset into the cache) and `chunk_pitch` apart from `chunk` (a byte
+    offset into the chunk's contiguous bytes)."""
+
+    cache: int
+    chunk: int
+    width: int
+    height: int
+    cache_pitch: int
+    chunk_pitch: int
+
+
+MAX_DMA_RUNS = 32  # runs of consecutive blocks a chunk may have to move by DMA alone
+DMA_ENV = "PD_KV_DMA"  # 0: every CUDA copy through the block-copy kernel (to compare)
+
+
+def dma_plan(kv: torch.Tensor, l0: int, l1: int, block_ids) -> list[Copy2D] | None:
+    """The copies that move `kv[l0:l1, :, block_ids]` to or from a chunk's contiguous bytes
+    ([l1 - l0, 2, n, ...], `chunk_shape`), one per run of consecutive ids: each run is the
+    same bytes in every (layer, K/V) plane of the cache, so one 2-D copy with a row per plane
+    takes it. None when there are more than `MAX_DMA_RUNS` runs (too many small copies: the
+    block-copy kernel gathers them)."""
+    ids = np.asarray(block_ids, dtype=np.int64)
+    if ids.size == 0 or not kv.is_contiguous():
+        return None
+    starts = np.concatenate(([0], np.flatnonzero(np.diff(ids) != 1) + 1))
+    if starts.size > MAX_DMA_RUNS:
+        return None
+    ends = np.append(starts[1:], ids.size)
+    unit = kv[0, 0, 0].numel() * kv.element_size()  # one block of one plane
+    plane = kv.stride(1) * kv.element_size()  # (layer, K) to (layer, V) to (layer + 1, K)
+    base = l0 * kv.stride(0) * kv.element_size()
+    rows, chunk_pitch = (l1 - l0) * 2, ids.size * unit
+    return [Copy2D(base + int(ids[a]) * unit, int(a) * unit, int(b - a) * unit, rows, plane,
+                   chunk_pitch) for a, b in zip(starts, ends)]
+
+
+def _dma(plan: list[Copy2D], kv: torch.Tensor, chunk: torch.Tensor, to_chunk: bool) -> None:
+    """Run `plan` between the CUDA cache and a page-locked chunk on torch's current stream."""
+    from kernels.launch import _cupy  # noqa: PLC0415
+
+    runtime = _cupy().cuda.runtime
+    stream = torch.cuda.current_stream(kv.device).cuda_stream
+    cache, host = kv.data_ptr(), chunk.data_ptr()
+    for c in plan:
+        if to_chunk:
+            runtime.memcpy2DAsync(host + c.chunk, c.chunk_pitch, cache + c.cache, c.cache_pitch,
+                                  c.width, c.height, runtime.memcpyDefault, stream)
+        else:
+            runtime.memcpy2DAsync(cache + c.cache, c.cache_pitch, host + c.chunk, c.chunk_pitch,
+                                  c.width, c.height, runtime.memcpyDefault, stream)
+
+
+def _dma_plan_for(kv: torch.Tensor, l0: int, l1: int, block_ids, chunk: torch.Tensor):
+    """`dma_plan` where the CUDA copy may be DMA alone (a page-locked chunk, not turned off by
+    `PD_KV_DMA=0`), else None."""
+    if os.environ.get(DMA_ENV, "1") == "0" or not chunk.is_pinned():
+        return None
+    return dma_plan(kv, l0, l1, block_ids)
 
 
 STAGING_SLOTS = 3  # staging buffers per device, used in turn: records in flight at once
@@ -184,8 +252,8 @@ def gather_pipelined(kv: torch.Tensor, block_ids: torch.Tensor, chunks, reserve,
         if stream is not None:
             kstream = kernel_stream(kv.device)
             kstream.wait_stream(torch.cuda.current_stream(kv.device))  # the KV's writes
-            with torch.cuda.stream(kstream):
-                ids = ids_on_device(block_ids, kv.device)
+            stream.wait_stream(torch.cuda.current_stream(kv.device))
+            ids = None  # on the device once a chunk needs the kernel
         for i, (l0, l1, b0, b1) in enumerate(chunks):
             full = fits is not None and not fits((l0, l1, b0, b1))
             while len(in_flight) == depth or (full and in_flight):
@@ -199,6 +267,17 @@ def gather_pipelined(kv: torch.Tensor, block_ids: torch.Tensor, chunks, reserve,
                 torch.index_select(kv[l0:l1], 2, block_ids[b0:b1], out=dst)
                 in_flight.append(None)
                 continue
+            plan = _dma_plan_for(kv, l0, l1, block_ids[b0:b1], dst)
+            if plan is not None:
+                with torch.cuda.stream(stream):
+                    _dma(plan, kv, dst, to_chunk=True)
+                    done = torch.cuda.Event()
+                    done.record(stream)
+                in_flight.append(done)
+                continue
+            if ids is None:
+                with torch.cuda.stream(kstream):
+                    ids = ids_on_device(block_ids, kv.device)
             # NOTE: slot i % depth was last used by chunk i - depth, whose copy is done (waited
             # for above before this chunk could be reserved)
             with torch.cuda.stream(kstream):
@@ -256,8 +335,9 @@ def install_kv(rec: KVRecord, kv: torch.Tensor, dst_block_ids, wait: bool = True
                ) -> torch.cuda.Event | CopyDone | None:
     """Copy the record into kv[l0:l1, :, dst_block_ids[b0:b0+nb]] (the receiver's own blocks).
 
-    On CUDA the record lands by DMA (from a pinned ring) in the next staging buffer on the copy
-    stream, and the block-copy kernel scatters it on the kernel stream, so one record's scatter
+    On CUDA a page-locked record whose blocks form few runs (`dma_plan`) lands by DMA straight
+    in them on the copy stream; otherwise by DMA in the next staging buffer on the copy stream,
+    and the block-copy kernel scatters it on the kernel stream, so one record's scatter
     overlaps the next one's DMA. With `wait` this returns once it is done, so the record may be
     released and any step launched later reads the blocks; without, the copies of several
     records queue up, and the event returned completes once this record's payload is read and
@@ -279,6 +359,16 @@ def install_kv(rec: KVRecord, kv: torch.Tensor, dst_block_ids, wait: bool = True
         dst.index_copy_(2, idx, src)
         return None
     stream, kstream = copy_stream(kv.device), kernel_stream(kv.device)
+    plan = _dma_plan_for(kv, rec.layer_start, rec.layer_end, idx, src)
+    if plan is not None:  # straight into the blocks: no staging, no kernel
+        with torch.cuda.stream(stream):
+            stream.wait_stream(kstream)  # after any earlier scatter: events end in install order
+            _dma(plan, kv, src, to_chunk=False)
+            done = torch.cuda.Event()
+            done.record(stream)
+        if wait:
+            installed(kv)
+        return done
     slot = _next_slot(kv.device)
     free = _SLOT_FREE.get((kv.device, slot))
     with torch.cuda.stream(stream):

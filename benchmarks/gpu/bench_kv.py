@@ -41,7 +41,8 @@ from shm_ipc import records
 from shm_ipc.doorbell import Doorbell, DoorbellWaiter
 from shm_ipc.header import Flag, pack
 from kernels.block_copy import copy_blocks
-from shm_ipc.kv import dtype_name, gather_pipelined, install_kv, installed, plan_chunks, prepare, unit_bytes
+from shm_ipc.kv import (DMA_ENV, dtype_name, gather_pipelined, install_kv, installed, plan_chunks,
+                        prepare, unit_bytes)
 from shm_ipc.records import KV_DATA_OFFSET
 from shm_ipc.ring import Ring
 from shm_ipc.transport import DEFAULT_MAX_RECORD
@@ -59,6 +60,14 @@ def cache(num_blocks: int, seed: int | None, device: str = "cuda") -> torch.Tens
         return torch.zeros(shape, dtype=torch.bfloat16, device=device)
     gen = torch.Generator(device=device).manual_seed(seed)
     return torch.randn(shape, generator=gen, device=device).to(torch.bfloat16)
+
+
+def request_blocks(r: int, per_req: int, num_blocks: int, run: int, shift: int = 0) -> torch.Tensor:
+    """Request r's block ids on one side (`shift`: the consumer's are per_req further on): in
+    runs of `run` consecutive ids taken in reverse order (0: one run), as a cache whose free
+    blocks are scattered hands them out."""
+    ids = (torch.arange(r * per_req, (r + 1) * per_req) + shift) % num_blocks
+    return ids.view(-1, run).flip(0).reshape(-1) if run else ids
 
 
 def _add(phases: dict, name: str, since: float) -> float:
@@ -112,7 +121,7 @@ def device_summary(prof) -> str:
 
 
 def producer(name: str, bell_ep: str, go_ep: str, num_blocks: int, per_req: int, requests: int,
-             pin: bool, device: str, ring_bytes: int, record_bytes: int,
+             pin: bool, device: str, ring_bytes: int, record_bytes: int, run: int = 0,
              profile: bool = False, trace_dir: str | None = None) -> None:
     if device.startswith("cuda"):
         torch.cuda.set_device(device)
@@ -136,7 +145,7 @@ def producer(name: str, bell_ep: str, go_ep: str, num_blocks: int, per_req: int,
 
     t0 = time.perf_counter()
     with profiled(profile, host=trace_dir is not None) as prof:
-        send_all(kv, ring, word, chunks, num_blocks, per_req, requests, phases, publish)
+        send_all(kv, ring, word, chunks, num_blocks, per_req, requests, phases, publish, run)
     wall = time.perf_counter() - t0
     while ring.read_pos < ring.write_pos:
         time.sleep(0.001)
@@ -152,10 +161,10 @@ def producer(name: str, bell_ep: str, go_ep: str, num_blocks: int, per_req: int,
     ring.close()
 
 
-def send_all(kv, ring, word, chunks, num_blocks, per_req, requests, phases, publish) -> None:
+def send_all(kv, ring, word, chunks, num_blocks, per_req, requests, phases, publish, run) -> None:
     """The producer's requests, each gathered into ring records as the ring transport does."""
     for r in range(requests):
-        ids = torch.arange(r * per_req, (r + 1) * per_req) % num_blocks
+        ids = request_blocks(r, per_req, num_blocks, run)
 
         def size(chunk) -> int:
             l0, l1, b0, b1 = chunk
@@ -175,8 +184,11 @@ def send_all(kv, ring, word, chunks, num_blocks, per_req, requests, phases, publ
 
 def transfer(per_req: int, requests: int, pin: bool, devices: tuple[str, str],
              ring_bytes: int = RING_BYTES, record_bytes: int = DEFAULT_MAX_RECORD,
-             profile: bool = False, trace_dir: str | None = None) -> tuple[float, bool]:
-    """GB/s of KV installed, and whether the last request's blocks arrived intact; `profile`:
+             profile: bool = False, trace_dir: str | None = None, run: int = 0,
+             dma: bool = True) -> tuple[float, bool]:
+    """GB/s of KV installed, and whether the last request's blocks arrived intact; `run`: the
+    requests' blocks in runs of that many (`request_blocks`); `dma` False: both sides through
+    the block-copy kernel (`PD_KV_DMA=0`) rather than DMA alone where the runs allow; `profile`:
     both sides' device activity under torch.profiler, summed up (`device_summary`), and with
     `trace_dir` both sides' chrome traces there (`write_trace`)."""
     num_blocks = per_req * 2
@@ -185,16 +197,17 @@ def transfer(per_req: int, requests: int, pin: bool, devices: tuple[str, str],
     go = zmq.Context.instance().socket(zmq.PUSH)
     go_ep = f"tcp://127.0.0.1:{go.bind_to_random_port('tcp://127.0.0.1')}"
     name = f"pd_bench_kv_{os.getpid()}_{int(pin)}"
+    os.environ[DMA_ENV] = "1" if dma else "0"  # the producer inherits it
     proc = ctx.Process(target=producer, args=(name, waiter.endpoint, go_ep, num_blocks, per_req,
                                               requests, pin, devices[0], ring_bytes,
-                                              record_bytes, profile, trace_dir))
+                                              record_bytes, run, profile, trace_dir))
     proc.start()
     ring = attach_when_created(name)
     if pin:
         ring.seg.pin()
     kv = cache(num_blocks, seed=None, device=devices[1])
     prepare(kv)
-    dst = {f"r{r}": (torch.arange(r * per_req, (r + 1) * per_req) + per_req) % num_blocks
+    dst = {f"r{r}": request_blocks(r, per_req, num_blocks, run, shift=per_req)
            for r in range(requests)}
     total = requests * per_req * LAYERS * unit_bytes(kv)
 
@@ -238,7 +251,7 @@ def transfer(per_req: int, requests: int, pin: bool, devices: tuple[str, str],
     go.close()
     src = cache(num_blocks, seed=0, device=devices[0]).to(devices[1])
     last = requests - 1
-    src_ids = torch.arange(last * per_req, (last + 1) * per_req) % num_blocks
+    src_ids = request_blocks(last, per_req, num_blocks, run)
     intact = torch.equal(src[:, :, src_ids.to(devices[1])], kv[:, :, dst[f"r{last}"].to(devices[1])])
     return total / dt / 1e9, intact
 
@@ -383,6 +396,9 @@ def main() -> None:
     p.add_argument("--record-mib", type=int, nargs="+", default=[DEFAULT_MAX_RECORD >> 20],
                    help="the largest KV record (the transport's --max-record); several: a pinned "
                         "ring row each")
+    p.add_argument("--run-blocks", type=int, default=0, metavar="N",
+                   help="each request's blocks in runs of N consecutive ids, the runs in reverse "
+                        "order, on both sides (default: one run); N must divide tokens / 16")
     p.add_argument("--devices", default="cuda:0,cuda:0",
                    help="the producer's (prefill) and the consumer's (decode) devices; cpu,cpu "
                         "runs the protocol alone, without the bandwidth figures")
@@ -394,7 +410,8 @@ def main() -> None:
     print(f"{args.requests} requests of {args.tokens} tokens ({size / 2**20:.0f} MiB of KV each), "
           f"{devices[0]} -> {devices[1]}")
     if not all(d.startswith("cuda") for d in devices):  # the protocol alone (tests run it on CPU)
-        gbs, intact = transfer(per_req, args.requests, False, devices, ring_bytes)
+        gbs, intact = transfer(per_req, args.requests, False, devices, ring_bytes,
+                               run=args.run_blocks)
         print(f"ring (CPU): {gbs:.2f} GB/s, intact {intact}")
         sys.exit(0 if intact else 1)
     d2h, h2d = pinned_bandwidth(256 << 20)
@@ -406,19 +423,22 @@ def main() -> None:
     dd2h, dh2d = duplex_bandwidth(devices)
     print(f"at once, D2H on {devices[0]} in one process and H2D on {devices[1]} in another: "
           f"{dd2h:.1f} and {dh2d:.1f} GB/s")
-    print(f"{'ring':>10} | {'GB/s':>6} | {'of min(D2H, H2D)':>16} | {'of duplex':>9} | intact")
-    rows = [(True, mib << 20) for mib in args.record_mib] + [(False, args.record_mib[0] << 20)]
-    for pin, record in rows:
-        gbs, intact = transfer(per_req, args.requests, pin, devices, ring_bytes, record)
-        name = f"{'pinned' if pin else 'pageable'} {record >> 20}M"
-        print(f"{name:>10} | {gbs:>6.1f} | {gbs / min(d2h, h2d):>15.0%} | "
+    print(f"ring, blocks in runs of {args.run_blocks or per_req}; DMA: copies alone where the runs "
+          f"allow (`dma_plan`), kernel: through the block-copy kernel and staging (PD_KV_DMA=0)")
+    print(f"{'ring':>17} | {'GB/s':>6} | {'of min(D2H, H2D)':>16} | {'of duplex':>9} | intact")
+    rows = [(True, mib << 20, dma) for mib in args.record_mib for dma in (True, False)]
+    for pin, record, dma in rows + [(False, args.record_mib[0] << 20, True)]:
+        gbs, intact = transfer(per_req, args.requests, pin, devices, ring_bytes, record,
+                               run=args.run_blocks, dma=dma)
+        name = f"{'pinned' if pin else 'pageable'} {record >> 20}M" + (", DMA" if dma else ", kernel") * pin
+        print(f"{name:>17} | {gbs:>6.1f} | {gbs / min(d2h, h2d):>15.0%} | "
               f"{gbs / min(dd2h, dh2d):>8.0%} | {intact}")
     if args.profile:
         # NOTE: a run of its own: the profiler's start-up falls inside a transfer's clock (the
         # first pinned row read 0.4 GB/s under it); its device summaries are what it is for
         print("the first pinned row again under torch.profiler (its GB/s is not a figure):")
         transfer(per_req, args.requests, True, devices, ring_bytes, args.record_mib[0] << 20,
-                 profile=True, trace_dir=args.trace_dir)
+                 profile=True, trace_dir=args.trace_dir, run=args.run_blocks)
     a, b = (torch.empty(size, dtype=torch.uint8, device=d) for d in devices)
     copy = _gbps(lambda: b.copy_(a, non_blocking=True), size, 20)
     gbs, queued, host, intact = ipc_transfer(per_req, args.requests, devices)

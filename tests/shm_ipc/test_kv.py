@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
 from shm_ipc import header
 from shm_ipc.header import Flag
-from shm_ipc.kv import gather, gather_into, gather_pipelined, install_kv, plan_chunks, unit_bytes
+from shm_ipc.kv import (DMA_ENV, MAX_DMA_RUNS, chunk_shape, dma_plan, gather, gather_into,
+                        gather_pipelined, install_kv, plan_chunks, unit_bytes)
 from shm_ipc.records import KV_DATA_OFFSET, decode, kv_meta
 from shm_ipc.ring import ALIGN, Ring, record_size
 
@@ -121,9 +123,44 @@ def test_pin_without_cuda_is_refused_quietly(seg_name):
         assert ring.seg.pin() is False  # once decided, not retried
 
 
+@pytest.mark.parametrize("ids", [[5, 6, 7, 8, 2, 3, 30, 11, 12, 13], list(range(40)), [9]])
+def test_dma_plan_moves_the_chunk_bytes(ids):
+    """`dma_plan`'s 2-D copies, run here on bytes, give the chunk `kv[l0:l1, :, ids]` and put it
+    back: one copy per run of consecutive ids, a row per (layer, K/V) plane."""
+    kv = torch.randn(5, 2, 40, 4, 2, 8)
+    l0, l1 = 1, 4
+    plan = dma_plan(kv, l0, l1, ids)
+    runs = 1 + sum(b != a + 1 for a, b in zip(ids, ids[1:]))
+    assert len(plan) == runs and all(c.height == 2 * (l1 - l0) for c in plan)
+    cache = kv.view(-1).view(torch.uint8).numpy()
+    chunk = np.zeros(int(np.prod(chunk_shape(kv, l0, l1, len(ids)))) * kv.element_size(), np.uint8)
+    for c in plan:
+        for r in range(c.height):
+            chunk[c.chunk + r * c.chunk_pitch:][:c.width] = cache[c.cache + r * c.cache_pitch:][:c.width]
+    got = torch.from_numpy(chunk).view(torch.float32).view(chunk_shape(kv, l0, l1, len(ids)))
+    assert torch.equal(got, kv[l0:l1].index_select(2, torch.tensor(ids)))
+    back = np.zeros_like(cache)
+    for c in plan:
+        for r in range(c.height):
+            back[c.cache + r * c.cache_pitch:][:c.width] = chunk[c.chunk + r * c.chunk_pitch:][:c.width]
+    restored = torch.from_numpy(back).view(torch.float32).view(kv.shape)
+    assert torch.equal(restored[l0:l1, :, ids], kv[l0:l1, :, ids])
+    assert not restored[:l0].any() and not restored[l1:].any()
+
+
+def test_dma_plan_leaves_scattered_blocks_to_the_kernel():
+    kv = torch.zeros(2, 2, 4 * MAX_DMA_RUNS, 4, 2, 8)
+    assert dma_plan(kv, 0, 2, list(range(0, 2 * MAX_DMA_RUNS, 2))) is not None
+    assert dma_plan(kv, 0, 2, list(range(0, 2 * MAX_DMA_RUNS + 2, 2))) is None
+    assert dma_plan(kv, 0, 2, []) is None
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the KV fast path needs a CUDA device")
-def test_cuda_fast_path_through_pinned_rings(seg_name):
-    """GPU cache -> page-locked ring -> GPU cache, non-contiguous blocks, every chunk intact."""
+@pytest.mark.parametrize("dma", ["1", "0"])
+def test_cuda_fast_path_through_pinned_rings(seg_name, dma, monkeypatch):
+    """GPU cache -> page-locked ring -> GPU cache, non-contiguous blocks, every chunk intact:
+    by DMA alone (`dma_plan`) and through the block-copy kernel (`PD_KV_DMA=0`)."""
+    monkeypatch.setenv(DMA_ENV, dma)
     src = torch.randn(4, 2, 40, 16, 2, 64, device="cuda").to(torch.bfloat16)
     dst = torch.zeros_like(src)
     src_ids, dst_ids = [31, 2, 17, 4, 39, 8, 23], [0, 5, 1, 30, 3, 12, 19]
