@@ -3,6 +3,7 @@ MTP k (0: plain decoding), overlap on or off (host functions by own time), and f
 device time of the verify and draft graphs from CUDA events.
 
     python benchmarks/gpu/profile_mtp.py [--k 3] [--batch 1] [--no-overlap] [--logprobs N] [--top 25]
+                                         [--sort cumulative] [--callees launch_chained ...]
 
 With --torch, torch.profiler instead of cProfile: the run's kernel time against its wall time
 and the CPU-side operations (CUDA runtime calls included) by their own time. With --kernels,
@@ -38,6 +39,10 @@ def main() -> None:
     p.add_argument("--torch", action="store_true", help="torch.profiler instead of cProfile")
     p.add_argument("--kernels", action="store_true", help="the kernels of each graph's replay")
     p.add_argument("--logprobs", type=int, default=None, help="top_logprobs width (default: none)")
+    p.add_argument("--sort", default="tottime", choices=("tottime", "cumulative"),
+                   help="cProfile's order: own time, or time with callees")
+    p.add_argument("--callees", nargs="*", default=[], metavar="NAME",
+                   help="also the callees of these functions (cProfile names, e.g. launch_chained)")
     args = p.parse_args()
     llm = LLM(device="cuda", num_speculative_tokens=args.k, num_blocks=1024, spec_fallback=False,
               overlap=not args.no_overlap)
@@ -74,7 +79,9 @@ def main() -> None:
         print(f"device: verify graph {ev[0].elapsed_time(ev[1]) * 1e3:.0f} us, draft graph "
               f"{ev[1].elapsed_time(ev[2]) * 1e3:.0f} us (slots x width {next(iter(spec.graphs.graphs))})")
     stats = pstats.Stats(prof)
-    stats.sort_stats("tottime").print_stats(args.top)
+    stats.sort_stats(args.sort).print_stats(args.top)
+    for name in args.callees:
+        stats.print_callees(name)
 
 
 def torch_profile(llm: LLM, prompts: list[str], params: SamplingParams, top: int) -> None:

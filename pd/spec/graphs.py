@@ -129,6 +129,9 @@ class StepGraphs:
         self.lp0_graph: tuple[torch.cuda.CUDAGraph, torch.Tensor] | None = None  # `draft(lp0)`
         self.verified: Verified | None = None
         self.result: torch.Tensor | None = None  # [S, 2k + 4] int64
+        # what the known part of `inputs` (`Layout.tail` on) was last written for: (slot rows,
+        # (request id, blocks, last block) per slot), or None (`SpecDecoder.launch_chained`)
+        self.known: tuple | None = None
         self.rings = HostRing(pin=owner.device.type == "cuda")  # `host_buffer`'s
         if capture:
             self._capture()

@@ -140,6 +140,7 @@ class SpecDecoder:
         self._gen = torch.Generator(device=self.device)
         self._gen.manual_seed(seed)
         self._seeded = torch.Generator(device=self.device)
+        self._stream = None  # the stream steps are launched on (`_event`), looked up once
         self.graphs = None  # CUDA graphs of verify + draft steps, unless --enforce-eager
         if runner.graphs is not None:
             self.graphs = SpecGraphs.for_decode_graphs(runner.model, num_speculative_tokens,
@@ -383,6 +384,7 @@ class SpecDecoder:
         v["num_outputs"][:num_slots] = [r.num_output_tokens for r in reqs]
         start_event = self._event()
         g.inputs.copy_(host, non_blocking=True)
+        g.known = None  # a chained step after this one writes its known part
         g.verify()
         plain = [self.plain_greedy(r) for r in reqs]
         if not all(plain):
@@ -405,10 +407,14 @@ class SpecDecoder:
         sure it may (`DecodeLoop`): every slot greedy without logit processing, blocks for
         prev's k + 1 tokens and this step's k + 1 and k draft positions reserved, no width change."""
         reqs = prev.batch.reqs
-        host, _ = self._host_inputs(reqs, prev.key, prev.rows)
         g, tail = prev.graphs, prev.graphs.layout.tail
         start_event = self._event()
-        g.inputs[tail:].copy_(host[tail:], non_blocking=True)
+        # NOTE: the known part changes only when a slot stopped or a request got a block
+        known = (tuple(prev.rows), tuple((r.req_id, len(r.block_ids), r.block_ids[-1:]) for r in reqs))
+        if known != g.known:
+            host, _ = self._host_inputs(reqs, prev.key, prev.rows)
+            g.inputs[tail:].copy_(host[tail:], non_blocking=True)
+            g.known = known
         g.advance()
         g.verify()
         packed = g.draft(lp0=self._top_asked(reqs) == 0)
@@ -420,8 +426,10 @@ class SpecDecoder:
     def _event(self):
         if self.device.type != "cuda":
             return None
+        if self._stream is None:  # NOTE: the decode loop's thread, whose stream never changes
+            self._stream = torch.cuda.current_stream(self.device)
         event = torch.cuda.Event(enable_timing=True)
-        event.record()
+        event.record(self._stream)
         return event
 
     def _top_asked(self, reqs: list[Req]) -> int | None:
