@@ -213,9 +213,10 @@ class SpecDecoder:
 
     def _prefill_graph(self, batch: ScheduledBatch) -> tuple[int, torch.Tensor] | None:
         """A step that is one prompt's first chunk, alone, runs the target's forward from the
-        plain prefill graph of its size (`pd.engine.cuda_graph.PrefillGraphs`): the same layers
-        as a plain prefill, without a Python launch per kernel (the MTP layer's pass stays
-        eager). (n, host inputs), or None."""
+        plain prefill graph of its size (`pd.engine.cuda_graph.PrefillGraphs`), other steps of
+        prompt chunks from the varlen graphs where they fit (`execute`): the same layers as a
+        plain prefill, without a Python launch per kernel (the MTP layer's pass stays eager).
+        (n, host inputs), or None."""
         graphs = self.runner.prefill_graphs
         if graphs is None or len(batch.reqs) != 1:
             return None
@@ -278,9 +279,12 @@ class SpecDecoder:
     @torch.inference_mode()
     def execute(self, step: SpecStep):
         model, k = self.runner.model, self.k
+        varlen = self.runner.varlen_graphs
         if step.prefill_graph is not None:
             n, host = step.prefill_graph
             hidden = self.runner.prefill_graphs.launch(host, n)[0]
+        elif varlen is not None and varlen.can_run(step.context):  # as a plain step of chunks
+            hidden = varlen.run(step.input_ids, step.positions, step.context)
         else:
             with forward_context(step.context):
                 hidden = model(step.input_ids, step.positions)

@@ -15,6 +15,7 @@ import pytest
 from pd.engine.llm import LLM
 from pd.engine.runner import SPEC_LAYOUT_ENV
 from pd.wire.sampling_params import SamplingParams
+from tests.e2e.conftest import DEVICE_KWARGS
 
 
 def prompts(n: int, seed: int) -> list[list[int]]:
@@ -24,7 +25,7 @@ def prompts(n: int, seed: int) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def reference(tiny_model_dir):
-    return LLM(tiny_model_dir, num_blocks=512)
+    return LLM(tiny_model_dir, num_blocks=512, **DEVICE_KWARGS)
 
 
 def assert_equal(results, expected, params) -> None:
@@ -184,6 +185,8 @@ def test_seeded_sampling_through_pd_equals_single_process_mtp(cluster, client, t
               for i in range(len(batch))]
     ids = [client.submit(prefill.addr, decode.kv_addr, p, sp) for p, sp in zip(batch, params)]
     results = client.wait(ids, timeout=90)
-    expected = LLM(tiny_model_dir, num_blocks=512, num_speculative_tokens=2).generate(batch, params)
+    # NOTE: on the nodes' device: seeded draws are the same only on the same kind of device
+    expected = LLM(tiny_model_dir, num_blocks=512, num_speculative_tokens=2,
+                   **DEVICE_KWARGS).generate(batch, params)
     assert [r.token_ids for r in results] == [e.token_ids for e in expected]
     assert len({tuple(e.token_ids) for e in expected}) > 1
