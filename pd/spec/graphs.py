@@ -17,6 +17,7 @@ pool:
   that the host copies back in one transfer;
 - advance: the next step's inputs from that result, on the device, for a step launched before
   the host has read this one (`kernels.advance_inputs`, one kernel; the overlap loop);
+- chain: advance, verify and draft in one graph, for such a step when no logprobs are asked;
 - logprobs: the raw logprobs of every row's accepted token, one graph per top-k width; with
   top_logprobs 0 a second draft graph instead, the draft chain followed by each row's token
   logprob and rank (`kernels.token_logprob`) packed after the result, so one replay and one host
@@ -157,7 +158,16 @@ class StepGraphs:
         advance = torch.cuda.CUDAGraph()
         with torch.cuda.graph(advance, pool=owner.pool_owner.pool):
             owner._advance(self.views, self.result)
-        self.graphs = (verify, draft, advance)
+        # NOTE: a chained step's three in one replay; captured here, where replaying it would
+        # only move padding: a capture on first use warms up first, and its advance would move
+        # a live step's inputs once more
+        chain = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(chain, pool=owner.pool_owner.pool):
+            owner._advance(self.views, self.result)
+            verified = owner._verify(self.views, self.width)
+            self.result.copy_(owner._draft(self.views, verified, self.p_draft, self.uniforms,
+                                           self.width))
+        self.graphs = (verify, draft, advance, chain)
 
     def host_buffer(self, like: torch.Tensor) -> torch.Tensor:
         """A host buffer shaped like `like` for a step's device-to-host copy (`HostRing`)."""
@@ -223,6 +233,16 @@ class StepGraphs:
             self.graphs[2].replay()
         else:
             self.owner._advance(self.views, self.result)
+
+    def chain(self) -> None:
+        """`advance`, `verify` and `draft` in one replay (a chained step without logprobs; its
+        result in `result`; `verified` is not this step's: the logprobs graphs read it)."""
+        if self.graphs is not None:
+            self.graphs[3].replay()
+            return
+        self.advance()
+        self.verify()
+        self.draft()
 
 
 class SpecGraphs:

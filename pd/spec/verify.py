@@ -443,9 +443,14 @@ class SpecDecoder:
             host, _ = self._host_inputs(reqs, prev.key, prev.rows)
             g.inputs[tail:].copy_(host[tail:], non_blocking=True)
             g.known = known
-        g.advance()
-        g.verify()
-        packed = g.draft(lp0=self._top_asked(reqs) == 0)
+        top = self._top_asked(reqs)
+        packed = None
+        if top is None:
+            g.chain()
+        else:
+            g.advance()
+            g.verify()
+            packed = g.draft(lp0=top == 0)
         batch = ScheduledBatch(list(reqs), [0] * len(reqs))  # counts: set from the drafts on update
         return self._finish_launch(batch, prev.key, g, start_event,
                                    [b if i >= 0 else -1 for b, i in enumerate(prev.rows)], True,
