@@ -16,6 +16,8 @@ launch alone in a 0700 temporary directory, removed at the end: no other local u
 node's ZMQ sockets.
 The router takes a node out when its connection drops, or when it leaves pings unanswered for
 --heartbeat-timeout (longer on CPU, where one prefill step can take seconds).
+With --mps (CUDA) the nodes run as clients of an MPS daemon of this launch alone
+(`pd.service.mps`), started before them and stopped after them.
 """
 
 from __future__ import annotations
@@ -48,6 +50,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("launch")
     g.add_argument("--num-prefill", type=int, default=1, help="prefill nodes to start (default: 1)")
     g.add_argument("--num-decode", type=int, default=1, help="decode nodes to start (default: 1)")
+    g.add_argument("--mps", action="store_true",
+                   help="CUDA: run the nodes under an MPS daemon of this launch alone (its own "
+                        "pipe directory; stopped with the launch), so that prefill and decode "
+                        "nodes sharing a GPU run their kernels at once instead of taking turns: "
+                        "a prefill no longer stretches the decode steps behind it (the "
+                        "inter-token tail). Leave it off where the host already runs MPS: the "
+                        "nodes join that one")
     g.add_argument("--prefill-num-blocks", type=int, default=None,
                    help="KV blocks of each prefill node, when they should differ from the decode "
                         "nodes' --num-blocks (a prefill node holds only prompts in flight and its "
@@ -94,6 +103,10 @@ def main(args: argparse.Namespace) -> int:
     # a checkpoint pd would compute wrongly starts nothing (pd.cli.main prints the one line)
     ModelConfig.from_dir(args.model)
     generation_defaults(args.model, args.generation_config)
+    if args.mps and not args.device.startswith("cuda"):
+        print("pd launch: error: --mps needs --device cuda (MPS shares a GPU between processes)",
+              file=sys.stderr)
+        return 1
     try:  # the router's port, before any key or node is made
         with socket.create_server((args.host, args.port)):
             pass
@@ -120,6 +133,17 @@ def _main(args: argparse.Namespace) -> int:
     from pd.wire.security import configure_from_args
 
     keys = configure_from_args(args)
+    mps_env = None
+    if args.mps:
+        from pd.service.mps import MPSDaemon, MPSError
+
+        try:
+            mps = MPSDaemon()
+            mps_env = mps.start()
+        except MPSError as e:
+            print(f"pd launch: error: {e}", file=sys.stderr)
+            return 1
+        print(f"MPS daemon for this launch: {mps.env['CUDA_MPS_PIPE_DIRECTORY']}", flush=True)
     common = ["--model", args.model, "--metrics-port", "0", *node_args(args, ENGINE_FLAGS)]
     if keys is not None:
         common += ["--curve-keys", keys.directory]
@@ -134,6 +158,8 @@ def _main(args: argparse.Namespace) -> int:
             node.proc.send_signal(signal.SIGTERM)
         for node in reversed(nodes):
             node.stop(timeout=args.drain_timeout + 10)
+        if mps_env is not None:
+            mps.stop()
 
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
     try:
@@ -142,12 +168,12 @@ def _main(args: argparse.Namespace) -> int:
             nodes.append(spawn_node("decode", [*common, "--port", "0", "--kv-port", "0",
                                                "--node-id", f"decode-{i}",
                                                *node_args(args, launch_flags("decode"))],
-                                    die_with_parent=True))
+                                    env=mps_env, die_with_parent=True))
         for i in range(args.num_prefill):
             nodes.append(spawn_node("prefill", [*common, "--port", "0", "--node-id", f"prefill-{i}",
                                                 *node_args(args, launch_flags("prefill")),
                                                 *prefill_blocks],
-                                    die_with_parent=True))
+                                    env=mps_env, die_with_parent=True))
         deadline = time.monotonic() + args.ready_timeout
         for n in nodes:
             n.wait_ready(max(0.0, deadline - time.monotonic()))
