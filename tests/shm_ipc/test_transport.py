@@ -18,7 +18,7 @@ from shm_ipc import control, header, records
 from shm_ipc.doorbell import WakePipe, WakeWriter, encode_pos
 from shm_ipc.errors import TransportError
 from shm_ipc.header import Flag
-from shm_ipc.kv import install_kv
+from shm_ipc.kv import install_kv, plan_chunks, unit_bytes
 from shm_ipc.metrics import refused_count
 from shm_ipc.receiver import KVReceiver, PeerGone
 from shm_ipc.records import AbortRecord, FirstTokenRecord, KVRecord, TokensRecord
@@ -428,10 +428,12 @@ def test_held_ring_records_stay_until_their_copies_complete(rx):
                         max_record_bytes=16 << 10)
     sender = threading.Thread(target=lambda: tx.send_kv("r", kv, src_ids))
     sender.start()
+    # NOTE: every record, not until the sender returns: its last records may still be unread
+    expected = len(plan_chunks(kv.shape[0], len(src_ids), unit_bytes(kv), 16 << 10))
     try:
         fences, got, deadline = [], 0, time.monotonic() + 20
         held_seen = False
-        while sender.is_alive() or got < 1:
+        while got < expected:
             assert time.monotonic() < deadline
             for f in fences:  # the copies of the batch before complete now
                 f.done = True
