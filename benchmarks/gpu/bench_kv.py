@@ -430,7 +430,8 @@ def main() -> None:
     for pin, record, dma in rows + [(False, args.record_mib[0] << 20, True)]:
         gbs, intact = transfer(per_req, args.requests, pin, devices, ring_bytes, record,
                                run=args.run_blocks, dma=dma)
-        name = f"{'pinned' if pin else 'pageable'} {record >> 20}M" + (", DMA" if dma else ", kernel") * pin
+        way = (", DMA" if dma else ", kernel") if pin else ""
+        name = f"{'pinned' if pin else 'pageable'} {record >> 20}M{way}"
         print(f"{name:>17} | {gbs:>6.1f} | {gbs / min(d2h, h2d):>15.0%} | "
               f"{gbs / min(dd2h, dh2d):>8.0%} | {intact}")
     if args.profile:

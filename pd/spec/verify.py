@@ -438,7 +438,8 @@ class SpecDecoder:
         g, tail = prev.graphs, prev.graphs.layout.tail
         start_event = self._event()
         # NOTE: the known part changes only when a slot stopped or a request got a block
-        known = (tuple(prev.rows), tuple((r.req_id, len(r.block_ids), r.block_ids[-1:]) for r in reqs))
+        known = (tuple(prev.rows),
+                 tuple((r.req_id, len(r.block_ids), r.block_ids[-1:]) for r in reqs))
         if known != g.known:
             host, _ = self._host_inputs(reqs, prev.key, prev.rows)
             g.inputs[tail:].copy_(host[tail:], non_blocking=True)

@@ -136,13 +136,15 @@ def test_dma_plan_moves_the_chunk_bytes(ids):
     chunk = np.zeros(int(np.prod(chunk_shape(kv, l0, l1, len(ids)))) * kv.element_size(), np.uint8)
     for c in plan:
         for r in range(c.height):
-            chunk[c.chunk + r * c.chunk_pitch:][:c.width] = cache[c.cache + r * c.cache_pitch:][:c.width]
+            at, to = c.cache + r * c.cache_pitch, c.chunk + r * c.chunk_pitch
+            chunk[to:to + c.width] = cache[at:at + c.width]
     got = torch.from_numpy(chunk).view(torch.float32).view(chunk_shape(kv, l0, l1, len(ids)))
     assert torch.equal(got, kv[l0:l1].index_select(2, torch.tensor(ids)))
     back = np.zeros_like(cache)
     for c in plan:
         for r in range(c.height):
-            back[c.cache + r * c.cache_pitch:][:c.width] = chunk[c.chunk + r * c.chunk_pitch:][:c.width]
+            at, to = c.chunk + r * c.chunk_pitch, c.cache + r * c.cache_pitch
+            back[to:to + c.width] = chunk[at:at + c.width]
     restored = torch.from_numpy(back).view(torch.float32).view(kv.shape)
     assert torch.equal(restored[l0:l1, :, ids], kv[l0:l1, :, ids])
     assert not restored[:l0].any() and not restored[l1:].any()
