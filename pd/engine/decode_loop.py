@@ -370,7 +370,7 @@ class DecodeLoop:
             step_masks(jobs, masks)
 
     def process_spec(self, f, nxt) -> list[Req]:
-        """Apply a graphed MTP step's results (`pd.spec.verify.SpecFlight`)."""
+        """Apply a graphed MTP step's results (`pd.spec.graphed.SpecFlight`)."""
         t = time.perf_counter()
         if f.end is not None:
             f.end.synchronize()

@@ -1,4 +1,4 @@
-"""MTP inside the overlap loop (`pd.engine.decode_loop`, `pd.spec.verify.launch_chained`): step
+"""MTP inside the overlap loop (`pd.engine.decode_loop`, `pd.spec.graphed.launch_chained`): step
 N + 1 is launched from step N's result on the device before the host reads N. On CPU the graphs'
 layout runs without capture (`spec_layout`). Overlap on == overlap off == plain greedy decoding,
 token for token and logprobs, for requests arriving at random steps, stops inside accepted runs,
