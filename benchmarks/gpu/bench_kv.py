@@ -3,17 +3,20 @@ and a decode node on one host move it, beside pinned D2H and H2D copy bandwidth 
 same run.
 
 The producer process gathers each request's KV blocks from its GPU cache into ring records
-(`shm_ipc.kv.gather_pipelined`, as the ring transport does) and rings the doorbell; this process decodes each record and installs
-it into its own GPU cache (`shm_ipc.kv.install_kv`), as the decode node does: the records are
-queued back to back on the copy streams and nothing waits for them; each one's ring space is
-held until its copy has completed (`Ring.hold`) and given back as soon as it has. The cache
-has a Llama-3.2-1B shape (16 layers, 8 KV heads, head dim 64, bf16, 16-token blocks); each
-request carries `--tokens` tokens of KV. Run with the ring page-locked for CUDA (the fast path)
-and without (copies staged through pageable memory). The installed blocks are compared with the
-producer's (same seed) at the end.
+(`shm_ipc.kv.gather_pipelined`, as the ring transport does) and rings the doorbell; this
+process decodes each record and installs it into its own GPU cache (`shm_ipc.kv.install_kv`),
+as the decode node does: the records are queued back to back on the copy streams and nothing
+waits for them; each one's ring space is held until its copy has completed (`Ring.hold`) and
+given back as soon as it has. The cache has a Llama-3.2-1B shape (16 layers, 8 KV heads, head
+dim 64, bf16, 16-token blocks); each request carries `--tokens` tokens of KV, its blocks in one
+run of consecutive ids or, with `--run-blocks N`, in runs of N. Run with the ring page-locked
+for CUDA (the fast path: a row by DMA alone where the runs allow, `shm_ipc.kv.dma_plan`, and a
+row through the block-copy kernel, `PD_KV_DMA=0`) and without (copies staged through pageable
+memory). The installed blocks are compared with the producer's (same seed) at the end.
 
     python benchmarks/gpu/bench_kv.py [--tokens 4096] [--requests 16] [--devices cuda:0,cuda:1]
-                                      [--record-mib 16 64] [--profile [--trace-dir DIR]]
+                                      [--record-mib 16 64] [--run-blocks N]
+                                      [--profile [--trace-dir DIR]]
 
 Beside the one-process copy bandwidth, the D2H and H2D bandwidth of two processes copying at
 once (on one GPU their copies share the GPU, so each gets about half): the ring's ceiling.
