@@ -150,10 +150,9 @@ class ModelRunner:
             key = self.graphs.key(len(batch.reqs), max(len(r.block_ids) for r in batch.reqs))
             if key is not None:
                 return self.prepare_graphed(batch, key, masks)
-        if (self.prefill_graphs is not None and len(batch.reqs) == 1
-                and batch.reqs[0].num_computed_tokens == 0
-                and self.prefill_graphs.fits(batch.num_new_tokens[0])):
-            return self.prepare_prefill_graphed(batch, masks)
+        graph_inputs = self.prefill_graph_inputs(batch)
+        if graph_inputs is not None:
+            return self.prepare_prefill_graphed(batch, graph_inputs, masks)
         bs = self.block_size
         id_parts: list = []  # per request: a list (short runs) or an array (long ones)
         pos_parts: list = []
@@ -220,22 +219,31 @@ class ModelRunner:
                             num_top=min(max(asked, default=0), self.model_config.vocab_size),
                             decode_graph=(key, self.graphs.host_inputs(batch.reqs, key)))
 
-    def prepare_prefill_graphed(self, batch: ScheduledBatch, masks: bool = True) -> ForwardInput:
-        """A prompt's first chunk alone, for a prefill CUDA graph: its inputs built on the host
-        in the graph's layout (`PrefillGraphs.host_inputs`), copied and replayed by
-        `forward_rows`; no context is built."""
+    def prefill_graph_inputs(self, batch: ScheduledBatch) -> tuple[int, torch.Tensor] | None:
+        """A step that is one prompt's first chunk alone, where a prefill CUDA graph runs it:
+        (its token count, its inputs built on the host in the graph's layout,
+        `PrefillGraphs.host_inputs`); None otherwise. No context is built."""
+        graphs = self.prefill_graphs
+        if (graphs is None or len(batch.reqs) != 1 or batch.reqs[0].num_computed_tokens != 0
+                or not graphs.fits(batch.num_new_tokens[0])):
+            return None
         req, n = batch.reqs[0], batch.num_new_tokens[0]
         # NOTE: a chunk past the prompt is a recompute after a preemption (no future ids)
         ids = (req.prompt_array()[:n] if n <= req.num_prompt_tokens
                else np.asarray(req.token_ids[:n], dtype=np.int64))
-        slots = run_slots(req.block_ids, 0, n, self.block_size)
-        host = self.prefill_graphs.host_inputs(ids, slots)
+        return n, graphs.host_inputs(ids, run_slots(req.block_ids, 0, n, self.block_size))
+
+    def prepare_prefill_graphed(self, batch: ScheduledBatch, graph_inputs: tuple[int, torch.Tensor],
+                                masks: bool = True) -> ForwardInput:
+        """A prompt's first chunk alone (`prefill_graph_inputs`), copied and replayed by
+        `forward_rows`."""
+        req = batch.reqs[0]
         sample_reqs = [0] if batch.samples(0) else []
         rows = self.sampling_rows([req] if sample_reqs else [], masks)
         asked = [r.params.logprobs for r in rows if r.params.logprobs is not None]
         return ForwardInput(None, None, None, None, sample_reqs, rows,
                             num_top=min(max(asked, default=0), self.model_config.vocab_size),
-                            prefill_graph=(n, host),
+                            prefill_graph=graph_inputs,
                             prompt_spans=tuple(prompt_spans(batch.reqs, batch.num_new_tokens)))
 
     def to_device(self, t: torch.Tensor) -> torch.Tensor:
@@ -302,17 +310,18 @@ class ModelRunner:
         return self.host_buffers.get((rows, words), torch.int32, name="masks")[:num_rows]
 
     @torch.inference_mode()
-    def forward(self, inp: ForwardInput) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                ctx: ForwardContext) -> torch.Tensor:
         """Run the target model on a step that is not a graphed decode step (`sample` replays
         those, LM head and argmax included); returns the pre-norm hidden states of every token
         [T, H]. On CUDA, unless --enforce-eager, a step of prompt chunks up to `VARLEN_MAX_KEYS`
         keys (in 16 bits) replays a CUDA graph (`pd.engine.cuda_graph`); a prompt's first chunk
-        prefilled alone was built for its own graph (`prepare_prefill_graphed`), which
-        `forward_rows` replays."""
-        if self.varlen_graphs is not None and self.varlen_graphs.can_run(inp.context):
-            return self.varlen_graphs.run(inp.input_ids, inp.positions, inp.context)
-        with forward_context(inp.context):
-            return self.model(inp.input_ids, inp.positions)
+        prefilled alone was built for its own graph (`prefill_graph_inputs`), which
+        `forward_rows` replays. The MTP step's target forward (`pd.spec.verify`) runs here too."""
+        if self.varlen_graphs is not None and self.varlen_graphs.can_run(ctx):
+            return self.varlen_graphs.run(input_ids, positions, ctx)
+        with forward_context(ctx):
+            return self.model(input_ids, positions)
 
     @torch.inference_mode()
     def forward_rows(self, inp: ForwardInput, prev_tokens: torch.Tensor | None = None
@@ -340,7 +349,7 @@ class ModelRunner:
                                      "tokens")
                 ids = inp.input_ids.index_put((inp.future_index,), prev_tokens[inp.future_slots])
                 inp = inp._replace(input_ids=ids)
-            hidden = self.forward(inp)
+            hidden = self.forward(inp.input_ids, inp.positions, inp.context)
         if inp.prompt_spans:
             record_prompt_logprobs(self.model.compute_logits, hidden, inp.prompt_spans)
         if not inp.rows:

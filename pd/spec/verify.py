@@ -27,13 +27,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields, replace
 from typing import NamedTuple
 
-import numpy as np
 import torch
 
 from kernels import update_status, verify_accept
 from kernels.draft_preprocess import CHUNK, DECODE, PREFILL
 from kernels.update_status import LENGTH, STOP
-from pd.model.context import ForwardContext, build_context, forward_context, run_slots
+from pd.model.context import ForwardContext, build_context
 from pd.engine.logprobs import compute_logprobs, prompt_spans, record_prompt_logprobs
 from pd.engine.request import FinishReason, Req
 from pd.engine.runner import ModelRunner, SampledToken, spec_layout_requested
@@ -72,7 +71,7 @@ class SpecStep(NamedTuple):
     num_top: int  # top-logprob columns: the most any sampled slot asked for
     prompt_spans: tuple = ()  # prompt positions whose logprobs are asked (`prompt_spans`)
     # a prompt's first chunk alone: (n, its inputs in a prefill graph's layout), the target's
-    # forward replayed from that graph (`_prefill_graph`); None: eager
+    # forward replayed from that graph (`ModelRunner.prefill_graph_inputs`); None: another way
     prefill_graph: tuple[int, torch.Tensor] | None = None
 
 
@@ -201,25 +200,8 @@ class SpecDecoder(GraphedSteps):
             rows=rows, reqs=reqs, sample_batch_index=sample_batch_index,
             max_position=max(positions), num_top=min(max(asked, default=0), self.runner.model_config.vocab_size),
             prompt_spans=tuple(prompt_spans(batch.reqs, batch.num_new_tokens)),
-            prefill_graph=self._prefill_graph(batch),
+            prefill_graph=self.runner.prefill_graph_inputs(batch),
         )
-
-    def _prefill_graph(self, batch: ScheduledBatch) -> tuple[int, torch.Tensor] | None:
-        """A step that is one prompt's first chunk, alone, runs the target's forward from the
-        plain prefill graph of its size (`pd.engine.cuda_graph.PrefillGraphs`), other steps of
-        prompt chunks from the varlen graphs where they fit (`execute`): the same layers as a
-        plain prefill, without a Python launch per kernel (the MTP layer's pass stays eager).
-        (n, host inputs), or None."""
-        graphs = self.runner.prefill_graphs
-        if graphs is None or len(batch.reqs) != 1:
-            return None
-        req, n = batch.reqs[0], batch.num_new_tokens[0]
-        if req.num_computed_tokens != 0 or not graphs.fits(n):
-            return None
-        # NOTE: a chunk past the prompt is a recompute after a preemption (no future ids)
-        ids = (req.prompt_array()[:n] if n <= req.num_prompt_tokens
-               else np.asarray(req.token_ids[:n], dtype=np.int64))
-        return n, graphs.host_inputs(ids, run_slots(req.block_ids, 0, n, self.runner.block_size))
 
     def sampling_rows(self, req: Req) -> list[SamplingRow]:
         """The k + 1 sampler rows of a slot: position j sees the drafts before it as output (a
@@ -272,15 +254,14 @@ class SpecDecoder(GraphedSteps):
     @torch.inference_mode()
     def execute(self, step: SpecStep):
         model, k = self.runner.model, self.k
-        varlen = self.runner.varlen_graphs
+        # NOTE: the target's forward from the plain prefill graphs where they run the step (the
+        # same layers as a plain prefill, no Python launch per kernel); the MTP layer's pass
+        # (`drafter.propose`) stays eager
         if step.prefill_graph is not None:
             n, host = step.prefill_graph
             hidden = self.runner.prefill_graphs.launch(host, n)[0]
-        elif varlen is not None and varlen.can_run(step.context):  # as a plain step of chunks
-            hidden = varlen.run(step.input_ids, step.positions, step.context)
         else:
-            with forward_context(step.context):
-                hidden = model(step.input_ids, step.positions)
+            hidden = self.runner.forward(step.input_ids, step.positions, step.context)
         if step.prompt_spans:
             record_prompt_logprobs(model.compute_logits, hidden, step.prompt_spans)
         num_slots = len(step.reqs)
