@@ -6,11 +6,12 @@ tokenizer padded to that many ids made each grammar walk cost 20 us instead of 1
 
     python benchmarks/bench_structured.py [--device cuda] [--synthetic-1b] [--batch 1 32]
                                           [--max-tokens 128] [--repeats 3]
+                                          [--grammars none regex json]
 
 A grammar's mask is filled on the host per request per step and applied by the sampler, and
 the overlap loop waits for each step's tokens before the next mask (its forward runs
-meanwhile): the table shows that cost beside the plain rate. Timings only, no assertions; best
-of `--repeats`.
+meanwhile): the table shows that cost beside the plain rate, and the wall time per step with the
+decode loop's host time per step by phase. Timings only, no assertions; best of `--repeats`.
 """
 
 from __future__ import annotations
@@ -31,7 +32,8 @@ SCHEMA = {"type": "object", "properties": {
     "name": {"type": "string"}, "tags": {"type": "array", "items": {"type": "string"}},
     "size": {"type": "integer"}}, "required": ["name", "tags", "size"]}
 SPECS = {"none": None, "regex": ("regex", "[a-z0-9 ,.()=+]+"),
-         "json schema": ("json", json.dumps(SCHEMA))}
+         "json": ("json", json.dumps(SCHEMA))}
+PHASES = ("schedule", "launch", "wait", "process")
 
 
 def main() -> None:
@@ -41,6 +43,8 @@ def main() -> None:
     p.add_argument("--batch", type=int, nargs="+", default=[1, 32])
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--grammars", nargs="+", choices=list(SPECS), default=list(SPECS),
+                   help="which rows to run (the ratio is to the first one run)")
     args = p.parse_args()
     model = None
     if args.synthetic_1b:
@@ -54,10 +58,14 @@ def main() -> None:
     prompts = ["def fibonacci(n):", "# a JSON object:\n", "class Stack:", "import os\n"]
     print(f"device {args.device}, {'1B shape' if args.synthetic_1b else 'embedded model'}, greedy, "
           f"up to {args.max_tokens} tokens, best of {args.repeats}")
-    print(f"{'batch':>5} {'grammar':>12} {'tokens':>7} {'seconds':>8} {'tok/s':>9} {'vs none':>8}")
+    # the decode loop's host time per step by phase (`pd.engine.loop_stats.HostTimes`), in us
+    host = llm.engine.loop.times
+    print(f"{'batch':>5} {'grammar':>12} {'tokens':>7} {'seconds':>8} {'tok/s':>9} {'vs none':>8} "
+          f"{'us/step':>7} " + " ".join(f"{k:>8}" for k in PHASES))
     for batch in args.batch:
         base = None
-        for name, spec in SPECS.items():
+        for name in args.grammars:
+            spec = SPECS[name]
             # NOTE: min_tokens keeps every request going as long (a grammar may let EOS in early)
             params = SamplingParams(max_tokens=args.max_tokens, min_tokens=args.max_tokens,
                                     temperature=0.0, structured_output=spec)
@@ -67,15 +75,20 @@ def main() -> None:
                                                        structured_output=spec))
             best = None
             for _ in range(args.repeats):
+                before = dict(host.total)
                 start = time.perf_counter()
                 outs = llm.generate(batch_prompts, params)
                 secs = time.perf_counter() - start
                 tokens = sum(len(o.token_ids) for o in outs)
+                phases = {k: (host.total[k] - before[k]) / args.max_tokens * 1e6 for k in PHASES}
                 if best is None or tokens / secs > best[0] / best[1]:
-                    best = (tokens, secs)
+                    best = (tokens, secs, phases)
             tps = best[0] / best[1]
             base = base or tps
-            print(f"{batch:>5} {name:>12} {best[0]:>7} {best[1]:>8.3f} {tps:>9.0f} {tps / base:>7.2f}x")
+            step_us = best[1] / args.max_tokens * 1e6
+            print(f"{batch:>5} {name:>12} {best[0]:>7} {best[1]:>8.3f} {tps:>9.0f} "
+                  f"{tps / base:>7.2f}x {step_us:>7.0f} "
+                  + " ".join(f"{best[2][k]:>8.0f}" for k in PHASES))
 
 
 if __name__ == "__main__":
