@@ -17,9 +17,10 @@ module keeps that behind two small types:
   `fill_masks` fills a step's masks into the rows of one buffer),
   `masks_along(drafts)` the masks at each position of an MTP verify step, each taking the drafts
   before it as accepted (then rolled back), and `terminated` once the grammar took its stop
-  token (or a token it refused was appended). `step_masks` does a step's walks and masks on
-  several threads at once; the decode loop walks each request's new token there (`walk`) before
-  appending it, whose `accept` then takes that walk's result.
+  token (or a token it refused was appended). `step_masks` does a step's walks and masks at
+  once (a call into xgrammar each, its masks on xgrammar's threads); the decode loop walks each
+  request's new token there (`walk`) before appending it, whose `accept` then takes that walk's
+  result.
 
 The sampler applies the masks on the logits' device (`pd.engine.sampler.apply_grammar`).
 Across P and D each node binds its own state: the prefill node samples the first token under
@@ -36,7 +37,6 @@ import os
 import re
 import time
 from collections import deque
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -166,7 +166,6 @@ class GrammarState:
         # tokens walked by `walk` ahead of their `accept`, each with what the matcher said
         # (None: the state was terminated, nothing walked)
         self._walked: deque[tuple[int, bool | None]] = deque()
-        self.cost = 0.0  # seconds its last job of `step_masks` took
 
     @property
     def terminated(self) -> bool:
@@ -193,9 +192,13 @@ class GrammarState:
         return ok
 
     def walk(self, token: int) -> None:
-        """Walk `token` now, ahead of the `accept(token)` that will take its result: on a
-        worker thread of `step_masks`, so that a step's requests walk their tokens at once."""
-        ok = None if self.terminated else self._m.accept_token(token)
+        """Walk `token` now, ahead of the `accept(token)` that will take its result
+        (`step_masks` walks a step's tokens at once)."""
+        self.walked(token, None if self.terminated else self._m.accept_token(token))
+
+    def walked(self, token: int, ok: bool | None) -> None:
+        """Record a walk of `token` the matcher made (`ok`: what it said; None: not made,
+        the state was terminated)."""
         if ok is False:
             self.failed = True
         self._walked.append((token, ok))
@@ -241,43 +244,50 @@ class GrammarState:
         return masks + [masks[-1]] * (num - len(masks))
 
 
-# NOTE: xgrammar lets the GIL go while it walks a token or fills a mask (two threads ran two
-# matchers' fills and walks in 0.51-0.59 of the time one thread took, on 2 cores)
-WORKERS = min(8, os.cpu_count() or 1)
-THREADS_ABOVE = 2e-4  # a step's jobs expected to take longer (by their last run) go on threads
+WORKERS = min(8, os.cpu_count() or 1)  # xgrammar's threads for a step's masks
 
 
 @functools.cache
-def _workers() -> ThreadPoolExecutor:
-    return ThreadPoolExecutor(max_workers=WORKERS - 1, thread_name_prefix="pd-grammar")
+def _batch():
+    import xgrammar  # noqa: PLC0415 (imported by `Grammars._compiler` already)
+
+    return xgrammar.BatchGrammarMatcher(max_threads=WORKERS)
 
 
 def step_masks(jobs: list[tuple[GrammarState, int | None, int | None]],
                out: torch.Tensor | None) -> None:
     """A step's grammar work at once: each job (state, token, row) walks `token` (unless None;
-    `GrammarState.walk`), then fills the state's next mask into out[row] (unless None). When
-    the jobs' last runs add up to over THREADS_ABOVE they are dealt round to `WORKERS` threads,
-    this one included, each job's two parts on one thread: a regex's mask over 128k tokens
-    takes ~0.2 ms, 32 of them 6-10 ms one after the other on the H100's host, 1.7-1.8 ms on 8
-    threads; a JSON schema's walk and mask take a few microseconds, less than a thread's
-    hand-off."""
-    def run(part) -> None:
-        for state, token, row in part:
-            start = time.perf_counter()
-            if token is not None:
-                state.walk(token)
-            if row is not None:
-                state.fill(out, row)
-            state.cost = time.perf_counter() - start
+    `GrammarState.walk`), then fills the state's next mask into out[row] (unless None). The
+    walks are one call into xgrammar, the masks another, which xgrammar deals to `WORKERS`
+    threads of its own: a JSON string's mask over 128k tokens takes 60-140 us, during which
+    xgrammar holds the GIL (two Python threads took 1.1-1.2x the time one took for two
+    masks)."""
+    walks = [(state, token) for state, token, _ in jobs if token is not None]
+    if len(walks) == 1:
+        walks[0][0].walk(walks[0][1])
+    elif walks:
+        import xgrammar  # noqa: PLC0415
 
-    n = min(WORKERS, len(jobs))
-    if n <= 1 or sum(job[0].cost for job in jobs) < THREADS_ABOVE:
-        run(jobs)
+        alive = [not state.terminated for state, _ in walks]
+        made = [(state._m, token) for (state, token), a in zip(walks, alive) if a]
+        oks = iter(xgrammar.BatchGrammarMatcher.batch_accept_token(
+            [m for m, _ in made], [token for _, token in made]) if made else ())
+        for (state, token), a in zip(walks, alive):
+            state.walked(token, next(oks) if a else None)
+    if out is None:
         return
-    futures = [_workers().submit(run, jobs[i::n]) for i in range(1, n)]
-    run(jobs[0::n])
-    for f in futures:
-        f.result()
+    fills = []
+    for state, _, row in jobs:
+        if row is not None:
+            if state.terminated:
+                out[row].fill_(-1)
+            else:
+                fills.append((state, row))
+    if len(fills) == 1:
+        fills[0][0].fill(out, fills[0][1])
+    elif fills:
+        _batch().batch_fill_next_token_bitmask([state._m for state, _ in fills], out,
+                                               [row for _, row in fills])
 
 
 def fill_masks(states: list[GrammarState | None], out: torch.Tensor) -> list[torch.Tensor | None]:
