@@ -108,6 +108,7 @@ def _kernel():
 # beside each) and in the 1B shape's decode step (`bench_decode.py`); any other shape keeps
 # cuBLAS. PD_SKINNY=0 turns the kernel off, PD_SKINNY=all tries it on every 16-bit shape with
 # DEFAULT_CONFIG (for the benchmark).
+DEFAULT_CONFIG = (16, 512, 1, 4, 4)
 SHAPES: dict[tuple[int, int, int], tuple[int, int, int, int, int]] = {
     (3072, 2048, 16): (16, 256, 1, 4, 4),  # qkv: 1.0x alone, 8 us less per step at batch 1
     (2048, 2048, 16): (16, 512, 1, 4, 4),  # o_proj: 1.19x
@@ -118,8 +119,16 @@ SHAPES: dict[tuple[int, int, int], tuple[int, int, int, int, int]] = {
     (16384, 2048, 64): (128, 128, 1, 4, 4),  # gate_up: 1.05x
     (2048, 8192, 64): (32, 256, 2, 4, 4),  # down: 1.13x (cuBLAS: split K and a reduction kernel)
     (128256, 2048, 64): (128, 128, 1, 4, 4),  # the LM head: 1.07x
+    # the embedded model's (pd-tiny-code) at up to 16 rows, DEFAULT_CONFIG: its MTP graphs at
+    # batch 1 took 117 / 133 us (verify / draft) against 131 / 143 with cuBLAS
+    # (`profile_mtp.py --k 3 --batch 1`), the kernel's programmatic launch hiding cuBLAS's gaps
+    (512, 256, 16): DEFAULT_CONFIG,  # qkv
+    (256, 256, 16): DEFAULT_CONFIG,  # o_proj
+    (1536, 256, 16): DEFAULT_CONFIG,  # gate_up
+    (256, 768, 16): DEFAULT_CONFIG,  # down
+    (4096, 256, 16): DEFAULT_CONFIG,  # the LM head (the embedding, tied)
+    (256, 512, 16): DEFAULT_CONFIG,  # the MTP layer's eh_proj
 }
-DEFAULT_CONFIG = (16, 512, 1, 4, 4)
 
 
 def row_bucket(m: int) -> int:
