@@ -120,8 +120,9 @@ SHAPES: dict[tuple[int, int, int], tuple[int, int, int, int, int]] = {
     (2048, 8192, 64): (32, 256, 2, 4, 4),  # down: 1.13x (cuBLAS: split K and a reduction kernel)
     (128256, 2048, 64): (128, 128, 1, 4, 4),  # the LM head: 1.07x
     # the embedded model's (pd-tiny-code) at up to 16 rows, DEFAULT_CONFIG: its MTP graphs at
-    # batch 1 took 117 / 133 us (verify / draft) against 131 / 143 with cuBLAS
-    # (`profile_mtp.py --k 3 --batch 1`), the kernel's programmatic launch hiding cuBLAS's gaps
+    # batch 1 took 117-119 / 133-134 us (verify / draft) against 131-132 / 143 with cuBLAS
+    # (`profile_mtp.py --k 3 --batch 1`, two calls): launched programmatically, each product's
+    # weight stream starts before the kernel before it ends
     (512, 256, 16): DEFAULT_CONFIG,  # qkv
     (256, 256, 16): DEFAULT_CONFIG,  # o_proj
     (1536, 256, 16): DEFAULT_CONFIG,  # gate_up
