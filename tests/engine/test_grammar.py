@@ -65,37 +65,6 @@ def test_a_choice_matches_exactly_its_strings(grammars, tiny_model_dir):
     assert state.terminated  # a refused token ends the request
 
 
-REGEXES = ["[a-c]+", "a{1,}", "a{2,}b", "a{3,}", "(ab|c)+x", "(?P<g>a)+b", "a+?b", "((a)+b)+",
-           "x\\++", "[]a]+b", "(?:ab|c){3,}", "[^x]+", "a{2,4}", "b*a?", "(?=a)a+", "(?i)a+b"]
-
-
-@pytest.mark.parametrize("regex", REGEXES)
-def test_expand_plus_keeps_the_regexs_language(regex):
-    """`expand_plus` (A+ as AA*, A{n,} as A{n}A*) matches exactly the strings the regex does,
-    every string of up to 6 characters over the regex's letters and two others."""
-    import itertools
-    import re
-
-    from pd.engine.grammar import expand_plus
-
-    expanded = expand_plus(regex)
-    assert "+" not in expanded.replace("\\+", "") and "{1,}" not in expanded
-    for length in range(7):
-        for chars in itertools.product("abcx+]", repeat=length):
-            text = "".join(chars)
-            assert (re.fullmatch(regex, text) is None) == (re.fullmatch(expanded, text) is None), \
-                (regex, expanded, text)
-
-
-def test_expand_plus_rewrites_only_what_it_parses():
-    from pd.engine.grammar import expand_plus
-
-    assert expand_plus("[a-z0-9 ,.()=+]+") == "[a-z0-9 ,.()=+][a-z0-9 ,.()=+]*"
-    assert expand_plus("(a)+\\1") == "(a)+\\1"  # a backreference: a copy would renumber
-    for broken in ("(ab", "a\\", "[ab"):
-        assert expand_plus(broken) == broken
-
-
 def test_an_expanded_regex_gives_the_masks_of_the_regex(grammars, tiny_model_dir):
     """The matcher of `expand_plus(regex)` (what `Grammars` compiles) allows exactly the tokens
     the regex's own matcher allows, at every step of a walk."""
