@@ -172,11 +172,9 @@ def step_masks(jobs: list[tuple[GrammarState, int | None, int | None]],
     if len(walks) == 1:
         walks[0][0].walk(walks[0][1])
     elif walks:
-        import xgrammar  # noqa: PLC0415
-
         alive = [not state.terminated for state, _ in walks]
         made = [(state._m, token) for (state, token), a in zip(walks, alive) if a]
-        oks = iter(xgrammar.BatchGrammarMatcher.batch_accept_token(
+        oks = iter(_batch().batch_accept_token(
             [m for m, _ in made], [token for _, token in made]) if made else ())
         for (state, token), a in zip(walks, alive):
             state.walked(token, next(oks) if a else None)
