@@ -24,6 +24,8 @@ from pd.engine.llm import LLM
 from pd.wire.sampling_params import SamplingParams
 from pd.spec.verify import SpecStats
 
+PHASES = ("schedule", "launch", "wait", "process")
+
 PROMPTS = [
     "import os\nimport sys\n\n\ndef main(argv):",
     "def fibonacci(n):",
@@ -40,12 +42,14 @@ LOGPROBS = {"off": None, "top0": 0, "top5": 5}
 def run(llm: LLM, batch: int, logprobs: int | None, max_tokens: int, repeats: int):
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(batch)]
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, logprobs=logprobs)
-    best, tokens, gap = float("inf"), 0, 0.0
-    spec = llm.engine.spec
+    best, tokens, gap, per_step = float("inf"), 0, 0.0, {}
+    spec, loop = llm.engine.spec, llm.engine.loop
     for _ in range(repeats):
         if spec is not None:
             spec.stats = SpecStats()
-        llm.engine.loop.gaps.window.clear()
+        loop.gaps.window.clear()
+        loop.busy.clear()
+        before = dict(loop.times.total)
         if llm.engine.runner.device.type == "cuda":
             torch.cuda.synchronize()
         start = time.perf_counter()
@@ -54,10 +58,15 @@ def run(llm: LLM, batch: int, logprobs: int | None, max_tokens: int, repeats: in
             torch.cuda.synchronize()
         secs = time.perf_counter() - start
         if secs < best:
-            best, gap = secs, llm.engine.loop.gaps.quantile(0.5)
+            best, gap = secs, loop.gaps.quantile(0.5)
+            # per decode-loop step, us: wall, device busy, idle gaps, and the host's phases
+            n = max(1, len(loop.busy))
+            per_step = {"steps": len(loop.busy), "wall": secs / n * 1e6,
+                        "busy": sum(loop.busy) / n * 1e6, "gaps": sum(loop.gaps.window) / n * 1e6}
+            per_step.update({ph: (loop.times.total[ph] - before[ph]) / n * 1e6 for ph in PHASES})
         tokens = sum(len(o.token_ids) for o in outs)
     mal = spec.stats.mean_acceptance_length if spec is not None else 1.0
-    return tokens, best, mal, gap
+    return tokens, best, mal, gap, per_step
 
 
 def main() -> None:
@@ -107,13 +116,22 @@ def main() -> None:
             for overlap in overlaps:
                 base = results.get((0, overlap, b, mode))
                 for k in ks:
-                    tokens, secs, mal, gap = results[k, overlap, b, mode]
+                    tokens, secs, mal, gap, _ = results[k, overlap, b, mode]
                     speed = f"{(tokens / secs) / (base[0] / base[1]):.2f}x" if base else "-"
                     off = results.get((k, False, b, mode))
                     vs_off = f"{off[1] / secs:.2f}x" if overlap and off else "-"
                     print(f"{b:>5} {mode:>8} {'on' if overlap else 'off':>7} {k:>2} {tokens:>7} "
                           f"{secs:>8.3f} {tokens / secs:>9.1f} {speed:>7} {vs_off:>6} {mal:>10.2f} "
                           f"{gap * 1e6:>6.0f}us")
+    print("per decode-loop step (us; busy: the device's time by CUDA events, gaps: its idle time "
+          "between steps; the host's phases as pd_decode_host_seconds_total)")
+    cols = ("steps", "wall", "busy", "gaps") + PHASES
+    print(f"{'batch':>5} {'logprobs':>8} {'overlap':>7} {'k':>2} " + " ".join(f"{c:>8}" for c in cols))
+    for (k, overlap, b, mode), res in sorted(results.items(), key=lambda kv: (kv[0][2], kv[0][3], kv[0][0])):
+        per = res[4]
+        print(f"{b:>5} {mode:>8} {'on' if overlap else 'off':>7} {k:>2} "
+              + " ".join(f"{per.get(c, 0):>8.0f}" for c in cols))
+
 
 if __name__ == "__main__":
     main()

@@ -224,9 +224,16 @@ class PrefillGraphs:
     the index of the prompt's last row) and reach the device in one copy (`launch`).
     Captured on first use of a size; they share the decode graphs' memory pool."""
 
-    def __init__(self, model: torch.nn.Module, decode: DecodeGraphs, max_tokens: int,
-                 device: torch.device) -> None:
+    def __init__(self, model: torch.nn.Module, decode: DecodeGraphs | None, max_tokens: int,
+                 device: torch.device, spare_block: int | None = None,
+                 block_size: int | None = None) -> None:
+        """`decode` None: the same layout computed eagerly by `launch`, padding written to
+        `spare_block` (on CPU, MTP's prefill step under PD_SPEC_LAYOUT=1, `pd.spec.prefill`)."""
         self.model, self.decode, self.device = model, decode, device
+        if decode is not None:
+            spare_block, block_size = decode.dummy_block, decode.block_size
+        self.spare_slot = spare_block * block_size
+        self.table = torch.full((1, 1), spare_block, dtype=torch.int64, device=device)
         self.sizes = tuple(s for s in PREFILL_SIZES if s < max_tokens) + (
             _round_up(max_tokens, PREFILL_SIZES + (max_tokens,)),)
         self.staging = torch.zeros(3 * self.sizes[-1] + 1, dtype=torch.int64, device=device)
@@ -247,24 +254,33 @@ class PrefillGraphs:
         flat[:n], flat[n:size] = ids, 0
         flat[size:size + n], flat[size + n:2 * size] = np.arange(n), n
         flat[2 * size:2 * size + n] = slots
-        flat[2 * size + n:3 * size] = self.decode.dummy_block * self.decode.block_size
+        flat[2 * size + n:3 * size] = self.spare_slot
         flat[3 * size] = n - 1
         return buf
 
-    def _forward(self, size: int) -> torch.Tensor:
-        ids, positions, slots = (self.staging[i * size:(i + 1) * size] for i in range(3))
-        ctx = ForwardContext(
-            slot_mapping=slots, block_tables=self.decode.block_tables[:1, :1],
+    def inputs(self, size: int) -> tuple[torch.Tensor, ...]:
+        """The staged (ids, positions, KV slots) [size] each and the last row's index [1]."""
+        return (*(self.staging[i * size:(i + 1) * size] for i in range(3)),
+                self.staging[3 * size:3 * size + 1])
+
+    def context(self, size: int) -> ForwardContext:
+        """The rows of `size` as one causal sequence over their own keys (the spare block's
+        padding after the prompt is invisible to it)."""
+        return ForwardContext(
+            slot_mapping=self.inputs(size)[2], block_tables=self.table,
             context_lens=torch.full((1,), size, dtype=torch.int64, device=self.device),
             padded_index=torch.arange(size, device=self.device), attn_mask=None,
             max_q_len=size, max_kv_len=size, causal_self=True)
-        with forward_context(ctx):
+
+    def _forward(self, size: int) -> torch.Tensor:
+        ids, positions = self.inputs(size)[:2]
+        with forward_context(self.context(size)):
             return self.model(ids, positions)
 
     def _capture(self, size: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         self.staging[:size].zero_()
         self.staging[size:2 * size].copy_(torch.arange(size, device=self.device))
-        self.staging[2 * size:3 * size].fill_(self.decode.dummy_block * self.decode.block_size)
+        self.staging[2 * size:3 * size].fill_(self.spare_slot)
         graph, out = capture(lambda: self._forward(size), self.decode, self.device)
         log.info("captured a prefill CUDA graph: %d tokens", size)
         return graph, out
@@ -275,12 +291,21 @@ class PrefillGraphs:
         stream; returns the hidden states [n, H] of its rows and the index [1] of the last one
         on the device (views of static buffers, valid until the next replay of that size)."""
         size = (host.numel() - 1) // 3
+        return self.forward(host)[:n], self.inputs(size)[3]
+
+    def forward(self, host: torch.Tensor) -> torch.Tensor:
+        """`launch`'s replay; returns the hidden states of every row of the size [size, H]
+        (the graph's static output; computed eagerly without decode graphs)."""
+        size = (host.numel() - 1) // 3
+        if self.decode is None:  # the layout without capture
+            self.staging[:host.numel()].copy_(host)
+            return self._forward(size)
         if size not in self.graphs:
             self.graphs[size] = self._capture(size)
         graph, out = self.graphs[size]
         self.staging[:host.numel()].copy_(host, non_blocking=True)
         graph.replay()
-        return out[:n], self.staging[3 * size:3 * size + 1]
+        return out
 
 
 VARLEN_TOKENS = (16, 32, 64, 128) + PREFILL_SIZES

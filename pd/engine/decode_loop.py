@@ -232,7 +232,8 @@ class DecodeLoop:
         if not last.chainable or sched.waiting:
             return False
         live = [r for r, b in last.members.items() if last.rows[b] >= 0]
-        if len(live) != len(sched.running) or any(r.status is not ReqStatus.RUNNING for r in live):
+        if (not live or len(live) != len(sched.running)
+                or any(r.status is not ReqStatus.RUNNING for r in live)):
             return False
         if len(last.batch.reqs) * (spec.k + 1) > sched.max_num_batched_tokens:
             return False

@@ -219,11 +219,13 @@ class ModelRunner:
                             num_top=min(max(asked, default=0), self.model_config.vocab_size),
                             decode_graph=(key, self.graphs.host_inputs(batch.reqs, key)))
 
-    def prefill_graph_inputs(self, batch: ScheduledBatch) -> tuple[int, torch.Tensor] | None:
+    def prefill_graph_inputs(self, batch: ScheduledBatch,
+                             graphs=None) -> tuple[int, torch.Tensor] | None:
         """A step that is one prompt's first chunk alone, where a prefill CUDA graph runs it:
         (its token count, its inputs built on the host in the graph's layout,
-        `PrefillGraphs.host_inputs`); None otherwise. No context is built."""
-        graphs = self.prefill_graphs
+        `PrefillGraphs.host_inputs`); None otherwise. No context is built. `graphs`: other
+        prefill graphs than the runner's (`pd.spec.prefill`'s uncaptured ones)."""
+        graphs = graphs or self.prefill_graphs
         if (graphs is None or len(batch.reqs) != 1 or batch.reqs[0].num_computed_tokens != 0
                 or not graphs.fits(batch.num_new_tokens[0])):
             return None

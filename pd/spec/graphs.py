@@ -7,8 +7,8 @@ run as its own one-query sequence over its slot's block table with KV length pos
 the verify forward is a plain decode forward of S * (k + 1) rows: the same layers and the same
 attention kernel as a plain decode step (`kernels.paged_decode`), and no mask.
 
-Graphs per (padded slot count, padded block-table width), sharing the decode graphs' memory
-pool:
+Graphs per (padded slot count, padded block-table width; no narrower than MIN_WIDTH_TOKENS),
+sharing the decode graphs' memory pool:
 - verify: target forward, logits of every row, the greedy target (argmax) of every row;
 - draft: acceptance (`kernels.verify_accept`), stops inside the accepted run
   (`kernels.update_status`), the MTP layer's inputs (`kernels.draft_preprocess`), its pass over
@@ -55,6 +55,7 @@ log = logging.getLogger(__name__)
 STOP_WIDTH = 8  # stop ids a graphed slot may carry (EOS ids + stop_token_ids); more: eager
 MAX_ROWS = 1024  # S * (k + 1) rows at most per graph (the logits of every row are kept)
 LOGPROB_GRAPH_ELEMENTS = 1 << 25  # logits larger than this compute their logprobs eagerly
+MIN_WIDTH_TOKENS = 512  # the narrowest block table of a graph holds this many tokens
 
 
 def pack_logprobs(lp: Logprobs) -> torch.Tensor:
@@ -257,6 +258,12 @@ class SpecGraphs:
         self.pool_owner = pool_owner
         self.slot_counts = tuple(s for s in batch_sizes if s == 1 or s * (k + 1) <= MAX_ROWS)
         self.block_widths = block_widths
+        # NOTE: the narrowest table a step's graph gets: a request crossing into a wider graph
+        # breaks the chain of steps computed on the device (the host waits for the step in
+        # flight, then launches the next), 5 times in a 256-token request at batch 1 with
+        # widths from 1 block; a wider table only adds attention splits that do nothing
+        self.min_width = next((w for w in block_widths if w * block_size >= MIN_WIDTH_TOKENS),
+                              block_widths[-1])
         self.graphs: dict[tuple[int, int], StepGraphs] = {}
         # NOTE: a benchmark hook (benchmarks/gpu/bench_mtp_mechanism.py): the greedy
         # continuation every slot shares [L], proposed as the drafts (after the MTP layer ran,
@@ -290,7 +297,8 @@ class SpecGraphs:
             return None
         if self.pool_owner is not None and not use_kernels(self.pool_owner.staging):
             return None
-        return _round_up(num_slots, self.slot_counts), _round_up(num_blocks, self.block_widths)
+        return (_round_up(num_slots, self.slot_counts),
+                _round_up(max(num_blocks, self.min_width), self.block_widths))
 
     # -- host: the inputs ----------------------------------------------------------------------
     def layout(self, key: tuple[int, int]) -> Layout:
@@ -338,15 +346,7 @@ class SpecGraphs:
     def _draft(self, v: dict[str, torch.Tensor], ver: Verified, p_draft: torch.Tensor,
                uniforms: torch.Tensor, width: int) -> torch.Tensor:
         k, dev = self.k, self.device
-        num_slots = v["slot_index"].shape[0]
-        slot_index = v["slot_index"]
-        accepted, num_kept = verify_accept(
-            slot_index, v["num_drafts"].to(torch.int32), v["draft_ids"], ver.target,
-            torch.ones_like(p_draft), p_draft, uniforms, v["greedy"].to(torch.int32))
-        num_verified = num_kept.clone()
-        stop_flags = torch.zeros(num_slots, dtype=torch.int32, device=dev)
-        update_status(slot_index, accepted, num_kept, v["seq_lens"].clone(), v["num_outputs"].clone(),
-                      v["max_seq_lens"], v["min_tokens"], v["stop_ids"], stop_flags)
+        accepted, num_kept, num_verified, stop_flags = self.accept(v, ver.target, p_draft, uniforms)
         if self.oracle is None or not self.oracle_only:
             drafts = self._mtp_drafts(v, ver, accepted, num_verified, width)
         if self.oracle is not None:  # the benchmark's perfect drafter
@@ -355,6 +355,20 @@ class SpecGraphs:
             drafts = self.oracle[index.clamp(max=self.oracle.shape[0] - 1)]
         counts = torch.stack([num_kept, num_verified, stop_flags], dim=1).long()
         return torch.cat([accepted, counts, drafts], dim=1)
+
+    def accept(self, v: dict[str, torch.Tensor], target: torch.Tensor, p_draft: torch.Tensor,
+               uniforms: torch.Tensor):
+        """Acceptance (`verify_accept`) and stops inside the accepted run (`update_status`) of
+        the slots in `v`: (accepted [S, k + 1], kept [S], verified [S], stop flags [S])."""
+        slot_index = v["slot_index"]
+        accepted, num_kept = verify_accept(
+            slot_index, v["num_drafts"].to(torch.int32), v["draft_ids"], target,
+            torch.ones_like(p_draft), p_draft, uniforms, v["greedy"].to(torch.int32))
+        num_verified = num_kept.clone()
+        stop_flags = torch.zeros(slot_index.shape[0], dtype=torch.int32, device=self.device)
+        update_status(slot_index, accepted, num_kept, v["seq_lens"].clone(), v["num_outputs"].clone(),
+                      v["max_seq_lens"], v["min_tokens"], v["stop_ids"], stop_flags)
+        return accepted, num_kept, num_verified, stop_flags
 
     def _mtp_drafts(self, v: dict[str, torch.Tensor], ver: Verified, accepted: torch.Tensor,
                     num_verified: torch.Tensor, width: int) -> torch.Tensor:
@@ -367,20 +381,28 @@ class SpecGraphs:
             v["slot_index"], cu, v["input_ids"].reshape(-1), positions, accepted, num_verified,
             torch.zeros(num_slots, dtype=torch.int32, device=dev), v["block_tables"],
             self.block_size, k - 1)
-        # NOTE: padding slots, and chained positions past the table, write the spare block
-        chain_slots = torch.where(chain_slots < 0, self.dummy_block * self.block_size, chain_slots)
         with forward_context(ver.context):
             out = model.mtp_forward(mtp_ids, positions, ver.hidden)
-        prev = out[draft_rows]  # [S, H]
+        return self.chain_drafts(out[draft_rows], chain_pos, chain_slots, v["block_tables"], width)
+
+    def chain_drafts(self, prev: torch.Tensor, chain_pos: torch.Tensor, chain_slots: torch.Tensor,
+                     block_tables: torch.Tensor, width: int) -> torch.Tensor:
+        """The drafts [S, k] from the MTP layer's output at each slot's drafting row `prev`
+        [S, H]: its argmax, then k - 1 chained single-token passes at `chain_pos` + m, writing
+        the MTP layer's KV at `chain_slots` [S, k - 1] (negative: the spare block)."""
+        k, model, dev = self.k, self.model, self.device
+        num_slots = prev.shape[0]
         drafts = [argmax(model.head_logits(prev))]
-        # NOTE: every chained pass's slots and positions at once (rows m), not a few small
-        # kernels per pass
+        # NOTE: padding slots, and chained positions past the table, write the spare block;
+        # every chained pass's slots and positions at once (rows m), not a few small kernels
+        # per pass
+        chain_slots = torch.where(chain_slots < 0, self.dummy_block * self.block_size, chain_slots)
         slots_by_pass = chain_slots.t().contiguous()  # [k - 1, S]
         chain = chain_pos[None, :] + torch.arange(k, device=dev)[:, None]  # [k, S]
         rows = torch.arange(num_slots, device=dev)
         for m in range(k - 1):
             ctx = ForwardContext(
-                slot_mapping=slots_by_pass[m], block_tables=v["block_tables"],
+                slot_mapping=slots_by_pass[m], block_tables=block_tables,
                 context_lens=chain[m + 1], padded_index=rows,
                 attn_mask=None, max_q_len=1, max_kv_len=width * self.block_size)
             with forward_context(ctx):

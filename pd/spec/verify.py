@@ -40,6 +40,8 @@ from pd.engine.sampler import SamplingRow, probs_after_processing, process_logit
 from pd.engine.scheduler import ScheduledBatch
 from pd.spec.graphed import GraphedSteps, stop_ids_of
 from pd.spec.graphs import SpecGraphs, pack_logprobs
+from pd.spec.mtp import MTPDrafter
+from pd.spec.prefill import SpecPrefill
 
 _UNIFORM_SALT = 0x5BD1E995  # seeded rows draw acceptance uniforms apart from their tokens
 _REASONS = {STOP: FinishReason.STOP, LENGTH: FinishReason.LENGTH}
@@ -142,6 +144,9 @@ class SpecDecoder(GraphedSteps):
                                                        runner.graphs, self.device)
         elif spec_layout_requested() and runner.kv_cache.dummy_block is not None:
             self.graphs = SpecGraphs.uncaptured(runner.model, num_speculative_tokens, runner)
+        # a prompt's first chunk alone in two replays (`pd.spec.prefill`)
+        self.prefill = (SpecPrefill(self.graphs, runner)
+                        if self.graphs is not None and isinstance(drafter, MTPDrafter) else None)
 
     # -- host: the step's tensors --------------------------------------------------------------
     def prepare(self, batch: ScheduledBatch) -> SpecStep:
@@ -292,6 +297,10 @@ class SpecDecoder(GraphedSteps):
         key = self.graph_key(batch)
         if key is not None:
             return self.run_graphed(batch, key)
+        if self.prefill is not None and self.prefill.fits(batch):
+            row, k = self.prefill.run(batch, self.max_model_len), self.k
+            return self.results([0], batch.reqs, [row[:k + 1]], [row[k + 1]], [row[k + 2]],
+                                [row[k + 3]], [row[k + 4:]], None)
         step = self.prepare(batch)
         accepted, num_kept, num_verified, flags, drafts, lp = self.execute(step)
         return self.results(step.sample_batch_index, step.reqs, accepted.tolist(), num_kept.tolist(),
