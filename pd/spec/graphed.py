@@ -126,13 +126,12 @@ class GraphedSteps:
             g.inputs[tail:].copy_(host[tail:], non_blocking=True)
             g.known = known
         top = self._top_asked(reqs)
-        packed = None
-        if top is None:
-            g.chain()
+        if top is None or top == 0:
+            packed = g.chain(lp0=top == 0)
         else:
             g.advance()
             g.verify()
-            packed = g.draft(lp0=top == 0)
+            packed = g.draft()
         batch = ScheduledBatch(list(reqs), [0] * len(reqs))  # counts: set from the drafts on update
         return self._finish_launch(batch, prev.key, g, start_event,
                                    [b if i >= 0 else -1 for b, i in enumerate(prev.rows)], True,

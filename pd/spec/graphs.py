@@ -129,6 +129,7 @@ class StepGraphs:
         self.graphs = None
         self.lp_graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.lp0_graph: tuple[torch.cuda.CUDAGraph, torch.Tensor] | None = None  # `draft(lp0)`
+        self.chain_lp0: tuple[torch.cuda.CUDAGraph, torch.Tensor] | None = None  # `chain(lp0)`
         self.verified: Verified | None = None
         self.result: torch.Tensor | None = None  # [S, 2k + 4] int64
         # what the known part of `inputs` (`Layout.tail` on) was last written for: (slot rows,
@@ -204,9 +205,10 @@ class StepGraphs:
         self.result.copy_(result)  # where `advance` reads it
         return self._with_lp0(result)
 
-    def _with_lp0(self, result: torch.Tensor) -> torch.Tensor:
+    def _with_lp0(self, result: torch.Tensor, verified: Verified | None = None) -> torch.Tensor:
         k1 = self.owner.k + 1
-        lp = token_logprob(self.verified.logits, result[:, :k1].clamp(min=0).reshape(-1))
+        logits = (verified or self.verified).logits
+        lp = token_logprob(logits, result[:, :k1].clamp(min=0).reshape(-1))
         return torch.cat([result, lp.view(torch.int64).view(result.shape[0], k1)], dim=1)
 
     def logprobs(self, num_top: int) -> torch.Tensor:
@@ -235,15 +237,37 @@ class StepGraphs:
         else:
             self.owner._advance(self.views, self.result)
 
-    def chain(self) -> None:
-        """`advance`, `verify` and `draft` in one replay (a chained step without logprobs; its
-        result in `result`; `verified` is not this step's: the logprobs graphs read it)."""
-        if self.graphs is not None:
+    def chain(self, lp0: bool = False) -> torch.Tensor | None:
+        """`advance`, `verify` and `draft` in one replay (a chained step; its result in
+        `result`; `verified` is not this step's: the logprobs graphs read it). With `lp0` (its
+        rows ask top_logprobs 0) it returns what `draft(lp0=True)` returns, from a graph of its
+        own captured on first use where the logits are small enough to keep; else three
+        replays."""
+        if self.graphs is None or (lp0 and self.verified.logits.numel() > LOGPROB_GRAPH_ELEMENTS):
+            self.advance()
+            self.verify()
+            return self.draft(lp0)
+        if not lp0:
             self.graphs[3].replay()
-            return
-        self.advance()
-        self.verify()
-        self.draft()
+            return None
+        if self.chain_lp0 is None:
+            # NOTE: the capture's warm-up runs this very step (the same KV writes as the
+            # replay), then its moved inputs and result are put back for the replay
+            saved = self.inputs.clone(), self.result.clone()
+            self.chain_lp0 = capture(self._chain_lp0, self.owner.pool_owner, self.owner.device)
+            self.inputs.copy_(saved[0])
+            self.result.copy_(saved[1])
+        graph, out = self.chain_lp0
+        graph.replay()
+        return out
+
+    def _chain_lp0(self) -> torch.Tensor:
+        owner = self.owner
+        owner._advance(self.views, self.result)
+        verified = owner._verify(self.views, self.width)
+        result = owner._draft(self.views, verified, self.p_draft, self.uniforms, self.width)
+        self.result.copy_(result)
+        return self._with_lp0(result, verified)
 
 
 class SpecGraphs:

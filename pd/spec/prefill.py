@@ -14,11 +14,13 @@ here, which reads that graph's hidden states and staged inputs where they lie:
   padding rows after it as an invalid one), its pass over every row with the prefill graph's
   causal context (padding rows write the spare block), and the chained passes
   (`SpecGraphs.chain_drafts`) over the request's block table;
-- one packed result [1, 2k + 4] in the verify step's format, copied to the host at once.
+- one packed result [1, 2k + 4] in the verify step's format, followed by the first token's
+  logprobs where the request asks for them (a graph per top-k width), copied to the host at
+  once.
 The request's own values (block table, lengths, stop ids) travel in one small int64 buffer
-(`Inputs`). It serves greedy requests without logit processing or logprobs, whose step needs
-nothing from the host between the two replays (`fits`); others run eagerly. On CPU the same
-layout runs without capture (`PD_SPEC_LAYOUT=1`), which is how the tests check it.
+(`Inputs`). It serves greedy requests without logit processing or prompt logprobs, whose step
+needs nothing from the host between the two replays (`fits`); others run eagerly. On CPU the
+same layout runs without capture (`PD_SPEC_LAYOUT=1`), which is how the tests check it.
 """
 
 from __future__ import annotations
@@ -31,12 +33,14 @@ import torch
 from kernels import draft_preprocess
 from kernels.argmax import argmax
 from kernels.draft_preprocess import CHUNK, PREFILL
+from kernels.token_logprob import token_logprob
 from pd.engine.cuda_graph import PrefillGraphs, capture
 from pd.engine.host_ring import HostRing
+from pd.engine.logprobs import compute_logprobs
 from pd.engine.scheduler import ScheduledBatch
 from pd.model.context import forward_context
 from pd.spec.graphed import GraphedSteps, stop_ids_of
-from pd.spec.graphs import STOP_WIDTH, Layout, SpecGraphs
+from pd.spec.graphs import STOP_WIDTH, Layout, SpecGraphs, pack_logprobs
 
 log = logging.getLogger(__name__)
 
@@ -91,8 +95,8 @@ class SpecPrefill:
             return False
         req, n = batch.reqs[0], batch.num_new_tokens[0]
         return (req.num_computed_tokens == 0 and n == req.num_tokens and self.prefill.fits(n)
-                and GraphedSteps.plain_greedy(req) and req.params.logprobs is None
-                and req.params.prompt_logprobs is None and len(stop_ids_of(req)) <= STOP_WIDTH)
+                and GraphedSteps.plain_greedy(req) and req.params.prompt_logprobs is None
+                and len(stop_ids_of(req)) <= STOP_WIDTH)
 
     def _width(self, size: int) -> int:
         """Block-table width of a size: the prompt, its token and the k - 1 chained positions."""
@@ -107,9 +111,12 @@ class SpecPrefill:
         return self.buffers[size]
 
     @torch.inference_mode()
-    def run(self, batch: ScheduledBatch, max_model_len: int) -> list[int]:
+    def run(self, batch: ScheduledBatch, max_model_len: int,
+            top: int | None) -> tuple[list[int], torch.Tensor | None]:
         """Run the step (`fits`); returns its packed result row (`SpecGraphs._draft`'s format:
-        accepted ids, kept, verified, stop flag, drafts), read on the host."""
+        accepted ids, kept, verified, stop flag, drafts) and, with `top` (the top-logprob
+        columns asked; None: no logprobs), the first token's logprobs packed as the verify
+        step's (`pack_logprobs`, [1, 2 + 2 top]), both read on the host."""
         req = batch.reqs[0]
         n, host = self.runner.prefill_graph_inputs(batch, self.prefill)
         size = (host.numel() - 1) // 3
@@ -129,22 +136,29 @@ class SpecPrefill:
         hidden_all = self.prefill.forward(host)  # the target's forward: its prefill graph
         buf.copy_(mine, non_blocking=True)
         if not self.captured:
-            return self._step(size, hidden_all)[0].tolist()
-        if size not in self.steps:  # NOTE: its warm-up computes this very step: harmless
-            self.steps[size] = capture(lambda: self._step(size, hidden_all),
-                                       self.graphs.pool_owner, self.device)
-            log.info("captured an MTP prefill CUDA graph: %d tokens", size)
-        graph, result = self.steps[size]
-        graph.replay()
-        return result[0].tolist()
+            result = self._step(size, hidden_all, top)
+        else:
+            if (size, top) not in self.steps:  # NOTE: its warm-up computes this very step
+                self.steps[size, top] = capture(lambda: self._step(size, hidden_all, top),
+                                                self.graphs.pool_owner, self.device)
+                log.info("captured an MTP prefill CUDA graph: %d tokens, logprobs %s", size, top)
+            graph, result = self.steps[size, top]
+            graph.replay()
+        host = self.host.get(result.shape, result.dtype)
+        host.copy_(result)
+        width = 2 * self.k + 4
+        lp = host[:, width:].view(torch.float32) if top is not None else None
+        return host[0, :width].tolist(), lp
 
-    def _step(self, size: int, hidden_all: torch.Tensor) -> torch.Tensor:
+    def _step(self, size: int, hidden_all: torch.Tensor, top: int | None) -> torch.Tensor:
         """Everything after the target's forward (module docstring), from its hidden states of
-        every row: [1, 2k + 4] int64."""
+        every row: [1, 2k + 4] int64, then with `top` the first token's packed logprobs
+        (float32 pairs as int64 columns)."""
         k, dev, model, graphs = self.k, self.device, self.model, self.graphs
         ids, positions, _, last = self.prefill.inputs(size)
         layout, _, v = self._buffers(size)
-        target = argmax(model.compute_logits(hidden_all[last]))  # [1]
+        logits = model.compute_logits(hidden_all[last])  # [1, V]
+        target = argmax(logits)  # [1]
         zeros = torch.zeros(1, k, device=dev)
         accepted, num_kept, num_verified, stop_flags = graphs.accept(
             v, target[:, None].expand(1, k + 1).contiguous(), zeros, zeros)
@@ -163,5 +177,10 @@ class SpecPrefill:
         drafts = graphs.chain_drafts(out[draft_rows[:1]], chain_pos[:1], chain_slots[:1],
                                      v["block_tables"], v["block_tables"].shape[1])
         counts = torch.stack([num_kept, num_verified, stop_flags], dim=1).long()
-        return torch.cat([accepted, counts, drafts], dim=1)
+        result = torch.cat([accepted, counts, drafts], dim=1)
+        if top is None:
+            return result
+        lp = (token_logprob(logits, target) if top == 0
+              else pack_logprobs(compute_logprobs(logits, target, top)))
+        return torch.cat([result, lp.view(torch.int64)], dim=1)
 

@@ -298,9 +298,10 @@ class SpecDecoder(GraphedSteps):
         if key is not None:
             return self.run_graphed(batch, key)
         if self.prefill is not None and self.prefill.fits(batch):
-            row, k = self.prefill.run(batch, self.max_model_len), self.k
+            row, lp = self.prefill.run(batch, self.max_model_len, self._top_asked(batch.reqs))
+            k = self.k
             return self.results([0], batch.reqs, [row[:k + 1]], [row[k + 1]], [row[k + 2]],
-                                [row[k + 3]], [row[k + 4:]], None)
+                                [row[k + 3]], [row[k + 4:]], lp)
         step = self.prepare(batch)
         accepted, num_kept, num_verified, flags, drafts, lp = self.execute(step)
         return self.results(step.sample_batch_index, step.reqs, accepted.tolist(), num_kept.tolist(),

@@ -94,14 +94,22 @@ def test_layout_sampling_equals_eager_step(tiny_model_dir):
 def test_graphs_equal_plain_and_eager_float32(tiny_model_dir, k):
     batch = prompts(20, seed=3)
     params = mixed_params(len(batch))
-    ref = LLM(tiny_model_dir, device="cuda", dtype="float32", num_blocks=512).generate(batch, params)
-    llm = LLM(tiny_model_dir, device="cuda", dtype="float32", num_blocks=512, num_speculative_tokens=k)
+    ref_llm = LLM(tiny_model_dir, device="cuda", dtype="float32", num_blocks=512)
+    ref = ref_llm.generate(batch, params)
+    llm = LLM(tiny_model_dir, device="cuda", dtype="float32", num_blocks=512, num_speculative_tokens=k,
+              spec_fallback=False)
     assert_same(llm.generate(batch, params), ref)
     assert llm.engine.spec.graphs.graphs, "no verify step ran as a graph"
     sampled = sampled_params(12)
     eager = LLM(tiny_model_dir, device="cuda", dtype="float32", num_blocks=512,
                 num_speculative_tokens=k, enforce_eager=True).generate(batch[:12], sampled)
     assert [o.token_ids for o in llm.generate(batch[:12], sampled)] == [o.token_ids for o in eager]
+    alone = [SamplingParams(max_tokens=10 + i, temperature=0.0, ignore_eos=True,
+                            logprobs=[None, 0, 3][i % 3]) for i in range(6)]
+    longer = [prompt for prompt in batch if len(prompt) > 1]  # a 1-token prompt runs eagerly
+    for prompt, p in zip(longer, alone):  # each prompt's first chunk alone: `pd.spec.prefill`
+        assert_same(llm.generate([prompt], [p]), ref_llm.generate([prompt], [p]))
+    assert {top for _, top in llm.engine.spec.prefill.steps} == {None, 0, 3}
     llm.engine.allocator.check_integrity()
 
 
@@ -109,14 +117,22 @@ def test_layout_prefill_step_equals_eager(tiny_model_dir):
     """A prompt prefilled alone runs its MTP step in the prefill layout (`pd.spec.prefill`):
     its first token, stop and drafts equal the eager step's, and the requests' tokens equal
     plain decoding's (one stopped by its first token, one by its length there)."""
-    batch = prompts(5, seed=13)
-    params = [SamplingParams(max_tokens=[12, 1, 20, 7, 16][i], temperature=0.0,
-                             ignore_eos=i != 2) for i in range(len(batch))]
+    batch = prompts(6, seed=13)
+    params = [SamplingParams(max_tokens=[12, 1, 20, 7, 16, 9][i], temperature=0.0,
+                             ignore_eos=i != 2, logprobs=[None, 0, None, 3, None, 0][i])
+              for i in range(len(batch))]
     first = ref_first = None
     ref = LLM(tiny_model_dir, num_blocks=256)
     eager = LLM(tiny_model_dir, num_blocks=256, num_speculative_tokens=3)
     with spec_layout():
         llm = LLM(tiny_model_dir, num_blocks=256, num_speculative_tokens=3)
+    tops, run_prefill = [], llm.engine.spec.prefill.run
+
+    def prefill(b, max_model_len, top):
+        tops.append(top)
+        return run_prefill(b, max_model_len, top)
+
+    llm.engine.spec.prefill.run = prefill
     for prompt, p in zip(batch, params):  # one at a time: each prompt's first chunk alone
         seen = {}
         for engine, key in ((eager, "eager"), (llm, "layout")):
@@ -132,10 +148,15 @@ def test_layout_prefill_step_equals_eager(tiny_model_dir):
             del engine.engine.spec.run
             seen[key + "_tokens"] = out.token_ids
         first, ref_first = seen["layout"][0], seen["eager"][0]
-        assert first.tokens == ref_first.tokens and first.drafts == ref_first.drafts, p
-        assert first.finish_reason == ref_first.finish_reason
+        assert first.drafts == ref_first.drafts and first.finish_reason == ref_first.finish_reason
+        (token, lp, rank, top), (ref_token, ref_lp, ref_rank, ref_top) = first.tokens + ref_first.tokens
+        assert (token, rank) == (ref_token, ref_rank) and (lp is None) == (ref_lp is None), p
+        if lp is not None:
+            assert lp == pytest.approx(ref_lp, abs=1e-5)
+            assert [t for t, _ in top] == [t for t, _ in ref_top]
+            assert [x for _, x in top] == pytest.approx([x for _, x in ref_top], abs=1e-5)
         assert seen["layout_tokens"] == ref.generate([prompt], [p])[0].token_ids
-    assert llm.engine.spec.prefill.buffers, "no prompt ran through the prefill layout"
+    assert tops == [p.logprobs for p in params], "not every prompt ran through the prefill layout"
     assert not eager.engine.spec.prefill
     llm.engine.allocator.check_integrity()
     assert llm.engine.allocator.num_free == llm.engine.allocator.num_blocks
