@@ -351,15 +351,24 @@ class VarlenPrefillGraphs:
         return (ctx.slot_mapping.shape[0] <= self.tokens[-1] and ctx.num_seqs <= self.seqs[-1]
                 and ctx.kv_slots.shape[0] <= self.max_keys)
 
-    def _forward(self, key: tuple[int, int, int]) -> torch.Tensor:
+    def context(self, key: tuple[int, int, int]) -> ForwardContext:
+        """The context of a step of `key` over the staged inputs (`run` copies them in)."""
         tokens, keys, seqs = key
-        ctx = ForwardContext(
+        return ForwardContext(
             slot_mapping=self.slot_mapping[:tokens], block_tables=self.decode.block_tables[:1, :1],
             context_lens=self.cu_k[1:seqs + 1], padded_index=self.positions[:tokens],
             attn_mask=None, max_q_len=tokens, max_kv_len=keys, kv_slots=self.kv_slots[:keys],
             cu_seqlens_q=self.cu_q[:seqs + 1], cu_seqlens_k=self.cu_k[:seqs + 1])
-        with forward_context(ctx):
+
+    def _forward(self, key: tuple[int, int, int]) -> torch.Tensor:
+        tokens = key[0]
+        with forward_context(self.context(key)):
             return self.model(self.input_ids[:tokens], self.positions[:tokens])
+
+    def key(self, ctx: ForwardContext) -> tuple[int, int, int]:
+        """(tokens, keys, sequences) of a step (`can_run`), each rounded up."""
+        n, k, b = ctx.slot_mapping.shape[0], ctx.kv_slots.shape[0], ctx.num_seqs
+        return _round_up(n, self.tokens), _pow2(k), _round_up(b, self.seqs)
 
     def _capture(self, key: tuple[int, int, int]) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         tokens, keys, seqs = key
@@ -388,7 +397,7 @@ class VarlenPrefillGraphs:
         """Hidden states [T, H] of the step's tokens (a view of the graph's output, valid until
         the next replay of that graph)."""
         n, k, b = ctx.slot_mapping.shape[0], ctx.kv_slots.shape[0], ctx.num_seqs
-        key = (_round_up(n, self.tokens), _pow2(k), _round_up(b, self.seqs))
+        key = self.key(ctx)
         if key not in self.graphs:
             self.graphs[key] = self._capture(key)
         graph, out = self.graphs[key]

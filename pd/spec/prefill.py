@@ -33,10 +33,12 @@ import torch
 from kernels import draft_preprocess
 from kernels.argmax import argmax
 from kernels.draft_preprocess import CHUNK, PREFILL
+from kernels.launch import use_kernels
 from kernels.token_logprob import token_logprob
 from pd.engine.cuda_graph import PrefillGraphs, capture
 from pd.engine.host_ring import HostRing
 from pd.engine.logprobs import compute_logprobs
+from pd.engine.request import Req
 from pd.engine.scheduler import ScheduledBatch
 from pd.model.context import forward_context
 from pd.spec.graphed import GraphedSteps, stop_ids_of
@@ -46,19 +48,19 @@ log = logging.getLogger(__name__)
 
 
 class Inputs:
-    """The request's values in one int64 buffer, in the names of the verify step's `Layout`
-    (one slot of no drafts): block_tables [1, W], seq_lens, num_outputs, max_seq_lens,
-    min_tokens, stop_ids [1, STOP_WIDTH], and the constants slot_index 0, num_drafts 0,
-    draft_ids 0, greedy 1."""
+    """The slots' values in one int64 buffer, in the names of the verify step's `Layout`
+    (slots of no drafts): block_tables [S, W], seq_lens, num_outputs, max_seq_lens,
+    min_tokens, stop_ids [S, STOP_WIDTH], slot_index (-1: padding), and the constants
+    num_drafts 0, greedy 1, draft_ids [S, k] 0."""
 
-    SHAPES = {"block_tables": None, "seq_lens": (1,), "num_outputs": (1,), "max_seq_lens": (1,),
-              "min_tokens": (1,), "stop_ids": (1, STOP_WIDTH), "slot_index": (1,),
-              "num_drafts": (1,), "greedy": (1,), "draft_ids": None}
-
-    def __init__(self, width: int, k: int) -> None:
+    def __init__(self, num_slots: int, width: int, k: int) -> None:
+        shapes = {"block_tables": (num_slots, width), "seq_lens": (num_slots,),
+                  "num_outputs": (num_slots,), "max_seq_lens": (num_slots,),
+                  "min_tokens": (num_slots,), "stop_ids": (num_slots, STOP_WIDTH),
+                  "slot_index": (num_slots,), "num_drafts": (num_slots,),
+                  "greedy": (num_slots,), "draft_ids": (num_slots, k)}
         self.fields, total = [], 0
-        for name, shape in self.SHAPES.items():
-            shape = shape or ((1, width) if name == "block_tables" else (1, k))
+        for name, shape in shapes.items():
             size = int(np.prod(shape))
             self.fields.append((name, total, total + size, shape))
             total += size
@@ -78,104 +80,180 @@ class SpecPrefill:
         self.prefill = runner.prefill_graphs if self.captured else PrefillGraphs(
             graphs.model, None, min(runner.config.max_num_batched_tokens, runner.max_model_len),
             graphs.device, graphs.dummy_block, graphs.block_size)
+        self.varlen = runner.varlen_graphs if self.captured else None
         dev = self.device
-        # the two slots of `draft_preprocess`: the prompt, then the padding rows after it
-        self.slots = torch.tensor([0, -1], dtype=torch.int64, device=dev)
-        self.kinds = torch.tensor([PREFILL, CHUNK], dtype=torch.int32, device=dev)
-        # per prefill size: its block-table width (the prompt, its first token and the chained
-        # positions), the request's inputs there and views of them, and its graph and result
-        self.buffers: dict[int, tuple[Inputs, torch.Tensor, dict]] = {}
-        self.steps: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        # a lone prompt's two slots of `draft_preprocess`: the prompt, then the padding after it
+        self.lone_slots = torch.tensor([0, -1], dtype=torch.int64, device=dev)
+        self.lone_kinds = torch.tensor([PREFILL, CHUNK], dtype=torch.int32, device=dev)
+        # per shape (a prefill size, or a varlen key): the slots' inputs, their device buffer
+        # and views of it; per (shape, top-logprob columns): the graph and its result
+        self.buffers: dict[object, tuple[Inputs, torch.Tensor, dict]] = {}
+        self.steps: dict[tuple, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.host = HostRing(pin=self.device.type == "cuda")
+
+    # -- which steps ---------------------------------------------------------------------------
+    def _plain(self, req: Req) -> bool:
+        return (GraphedSteps.plain_greedy(req) and req.params.prompt_logprobs is None
+                and len(stop_ids_of(req)) <= STOP_WIDTH)
 
     def fits(self, batch: ScheduledBatch) -> bool:
         """Whether the step is one prompt's first chunk alone, ending the prompt, of a greedy
-        request without logit processing, logprobs, or more stop ids than a graph holds."""
+        request without logit processing or prompt logprobs and with no more stop ids than a
+        graph holds (the prefill graph's step, `run`)."""
         if len(batch.reqs) != 1 or self.graphs.oracle is not None:
             return False
         req, n = batch.reqs[0], batch.num_new_tokens[0]
         return (req.num_computed_tokens == 0 and n == req.num_tokens and self.prefill.fits(n)
-                and GraphedSteps.plain_greedy(req) and req.params.prompt_logprobs is None
-                and len(stop_ids_of(req)) <= STOP_WIDTH)
+                and self._plain(req))
 
-    def _width(self, size: int) -> int:
-        """Block-table width of a size: the prompt, its token and the k - 1 chained positions."""
-        blocks = -(-(size + self.k) // self.block_size)
+    def fits_chunks(self, batch: ScheduledBatch) -> bool:
+        """Whether the step is prompt chunks that each end their prompt (two tokens at least),
+        of such requests, in CUDA graphs with the kernels' bookkeeping (`run_chunks`, whose
+        target forward is a varlen prefill graph if its context allows)."""
+        if self.varlen is None or self.graphs.oracle is not None or not self.varlen.enabled:
+            return False
+        if not use_kernels(self.graphs.pool_owner.staging):
+            return False
+        return all(n >= 2 and req.num_computed_tokens + n == req.num_tokens and self._plain(req)
+                   for req, n in zip(batch.reqs, batch.num_new_tokens))
+
+    # -- the host's part -----------------------------------------------------------------------
+    def _width(self, tokens: int) -> int:
+        """Block-table width for sequences of up to `tokens` tokens, their first token and
+        the k - 1 chained positions."""
+        blocks = -(-(tokens + self.k) // self.block_size)
         return next((w for w in self.graphs.block_widths if w >= blocks), blocks)
 
-    def _buffers(self, size: int) -> tuple[Inputs, torch.Tensor, dict]:
-        if size not in self.buffers:
-            layout = Inputs(self._width(size), self.k)
+    def _buffers(self, shape, num_slots: int, width: int) -> tuple[Inputs, torch.Tensor, dict]:
+        if shape not in self.buffers:
+            layout = Inputs(num_slots, width, self.k)
             buf = torch.zeros(layout.size, dtype=torch.int64, device=self.device)
-            self.buffers[size] = (layout, buf, layout.views(buf))
-        return self.buffers[size]
+            self.buffers[shape] = (layout, buf, layout.views(buf))
+        return self.buffers[shape]
 
-    @torch.inference_mode()
-    def run(self, batch: ScheduledBatch, max_model_len: int,
-            top: int | None) -> tuple[list[int], torch.Tensor | None]:
-        """Run the step (`fits`); returns its packed result row (`SpecGraphs._draft`'s format:
-        accepted ids, kept, verified, stop flag, drafts) and, with `top` (the top-logprob
-        columns asked; None: no logprobs), the first token's logprobs packed as the verify
-        step's (`pack_logprobs`, [1, 2 + 2 top]), both read on the host."""
-        req = batch.reqs[0]
-        n, host = self.runner.prefill_graph_inputs(batch, self.prefill)
-        size = (host.numel() - 1) // 3
-        layout, buf, _ = self._buffers(size)
-        mine = self.host.get((layout.size,))
-        v = layout.views(mine.numpy())
-        v["block_tables"][0] = self.graphs.dummy_block
-        blocks = req.block_ids[:v["block_tables"].shape[1]]
-        v["block_tables"][0, :len(blocks)] = blocks
-        stops = stop_ids_of(req)
-        v["stop_ids"][0] = -1
-        v["stop_ids"][0, :len(stops)] = stops
-        v["seq_lens"][0], v["num_outputs"][0] = req.num_tokens, req.num_output_tokens
-        v["max_seq_lens"][0] = min(req.num_prompt_tokens + req.params.max_tokens, max_model_len)
-        v["min_tokens"][0], v["slot_index"][0], v["num_drafts"][0] = req.params.min_tokens, 0, 0
-        v["greedy"][0], v["draft_ids"][0] = 1, 0
-        hidden_all = self.prefill.forward(host)  # the target's forward: its prefill graph
-        buf.copy_(mine, non_blocking=True)
-        if not self.captured:
-            result = self._step(size, hidden_all, top)
-        else:
-            if (size, top) not in self.steps:  # NOTE: its warm-up computes this very step
-                self.steps[size, top] = capture(lambda: self._step(size, hidden_all, top),
-                                                self.graphs.pool_owner, self.device)
-                log.info("captured an MTP prefill CUDA graph: %d tokens, logprobs %s", size, top)
-            graph, result = self.steps[size, top]
-            graph.replay()
+    def _fill(self, layout: Inputs, reqs: list[Req], max_model_len: int) -> torch.Tensor:
+        """A page-locked buffer of `layout` with the requests' slots (and padding after them)."""
+        host = self.host.get((layout.size,))
+        v = layout.views(host.numpy())
+        width = v["block_tables"].shape[1]
+        v["block_tables"][...] = self.graphs.dummy_block
+        v["stop_ids"][...] = -1
+        v["slot_index"][...] = -1
+        for name in ("seq_lens", "num_outputs", "min_tokens", "num_drafts", "draft_ids"):
+            v[name][...] = 0
+        v["max_seq_lens"][...] = 1 << 40
+        v["greedy"][...] = 1
+        for b, req in enumerate(reqs):
+            blocks = req.block_ids[:width]
+            v["block_tables"][b, :len(blocks)] = blocks
+            stops = stop_ids_of(req)
+            v["stop_ids"][b, :len(stops)] = stops
+            v["seq_lens"][b], v["num_outputs"][b] = req.num_tokens, req.num_output_tokens
+            v["max_seq_lens"][b] = min(req.num_prompt_tokens + req.params.max_tokens, max_model_len)
+            v["min_tokens"][b], v["slot_index"][b] = req.params.min_tokens, b
+        return host
+
+    def _replay(self, key: tuple, step) -> torch.Tensor:
+        if key not in self.steps:  # NOTE: its warm-up computes this very step: harmless
+            self.steps[key] = capture(step, self.graphs.pool_owner, self.device)
+            log.info("captured an MTP prefill CUDA graph: %s, logprobs %s", key[0], key[1])
+        graph, result = self.steps[key]
+        graph.replay()
+        return result
+
+    def _read(self, result: torch.Tensor, num_slots: int, top: int | None):
+        """The result rows of the real slots and their logprobs, read on the host: packed as
+        the verify step's, k + 1 rows per slot ([S * (k + 1), 2 + 2 top] float32, the first
+        token's in each slot's rows)."""
         host = self.host.get(result.shape, result.dtype)
         host.copy_(result)
         width = 2 * self.k + 4
-        lp = host[:, width:].view(torch.float32) if top is not None else None
-        return host[0, :width].tolist(), lp
+        lp = None
+        if top is not None:
+            lp = host[:num_slots, width:].view(torch.float32).repeat_interleave(self.k + 1, 0)
+        return host[:num_slots, :width].tolist(), lp
 
-    def _step(self, size: int, hidden_all: torch.Tensor, top: int | None) -> torch.Tensor:
-        """Everything after the target's forward (module docstring), from its hidden states of
-        every row: [1, 2k + 4] int64, then with `top` the first token's packed logprobs
-        (float32 pairs as int64 columns)."""
-        k, dev, model, graphs = self.k, self.device, self.model, self.graphs
+    @torch.inference_mode()
+    def run(self, batch: ScheduledBatch, max_model_len: int, top: int | None):
+        """Run a lone prompt's step (`fits`); returns its packed result rows (`SpecGraphs._draft`'s
+        format: accepted ids, kept, verified, stop flag, drafts) and, with `top` (the top-logprob
+        columns asked; None: no logprobs), its first token's logprobs (`_read`)."""
+        n, host = self.runner.prefill_graph_inputs(batch, self.prefill)
+        size = (host.numel() - 1) // 3
+        layout, buf, v = self._buffers(size, 1, self._width(size))
+        mine = self._fill(layout, batch.reqs, max_model_len)
+        hidden_all = self.prefill.forward(host)  # the target's forward: its prefill graph
+        buf.copy_(mine, non_blocking=True)
         ids, positions, _, last = self.prefill.inputs(size)
-        layout, _, v = self._buffers(size)
-        logits = model.compute_logits(hidden_all[last])  # [1, V]
-        target = argmax(logits)  # [1]
-        zeros = torch.zeros(1, k, device=dev)
+
+        def step() -> torch.Tensor:
+            cu = torch.cat([torch.zeros(1, dtype=torch.int64, device=self.device), last + 1,
+                            torch.full((1,), size, dtype=torch.int64, device=self.device)])
+            return self._step(v, hidden_all, hidden_all[last], ids, positions,
+                              self.prefill.context(size), cu, self.lone_slots, self.lone_kinds, top)
+
+        result = step() if not self.captured else self._replay((size, top), step)
+        return self._read(result, 1, top)
+
+    @torch.inference_mode()
+    def run_chunks(self, batch: ScheduledBatch, max_model_len: int, top: int | None):
+        """Run a step of prompt chunks (`fits_chunks`): the result rows of its slots and their
+        first tokens' logprobs (as `run`), or None where its context does not fit a varlen
+        prefill graph (the caller runs it eagerly)."""
+        inp = self.runner.prepare(batch, masks=False)
+        ctx, varlen = inp.context, self.varlen
+        if ctx is None or not varlen.can_run(ctx):
+            return None
+        key = varlen.key(ctx)
+        tokens, _, seqs = key
+        width = self._width(max(len(r.block_ids) for r in batch.reqs) * self.block_size)
+        layout, buf, v = self._buffers((key, width), seqs, width)
+        mine = self._fill(layout, batch.reqs, max_model_len)
+        hidden_all = varlen.run(inp.input_ids, inp.positions, ctx)  # the target's forward
+        hidden_all = varlen.graphs[key][1]  # every row of it
+        buf.copy_(mine, non_blocking=True)
+
+        def step() -> torch.Tensor:
+            cu = varlen.cu_q[:seqs + 1].long()
+            last = (cu[1:] - 1).clamp(min=0)
+            kinds = torch.full((seqs,), PREFILL, dtype=torch.int32, device=self.device)
+            return self._step(v, hidden_all, hidden_all[last], varlen.input_ids[:tokens],
+                              varlen.positions[:tokens], varlen.context(key), cu,
+                              v["slot_index"], kinds, top)
+
+        result = self._replay(((key, width), top), step)
+        return self._read(result, len(batch.reqs), top)
+
+    # -- the device's part ---------------------------------------------------------------------
+    def _step(self, v: dict, hidden_all: torch.Tensor, last_hidden: torch.Tensor,
+              ids: torch.Tensor, positions: torch.Tensor, ctx, cu: torch.Tensor,
+              slot_index: torch.Tensor, kinds: torch.Tensor, top: int | None) -> torch.Tensor:
+        """Everything after the target's forward (module docstring), from its hidden states of
+        every row and of each slot's last row: [S, 2k + 4] int64, then with `top` each slot's
+        first token's packed logprobs (float32 pairs as int64 columns). `cu`, `slot_index`,
+        `kinds`: the rows' slots for `draft_preprocess` (for a lone prompt the padding rows
+        after it are a slot of their own)."""
+        k, graphs = self.k, self.graphs
+        num_slots = v["slot_index"].shape[0]
+        logits = self.model.compute_logits(last_hidden)  # [S, V]
+        target = argmax(logits)  # [S]
+        zeros = torch.zeros(num_slots, k, device=self.device)
         accepted, num_kept, num_verified, stop_flags = graphs.accept(
-            v, target[:, None].expand(1, k + 1).contiguous(), zeros, zeros)
-        # the prompt's rows a prefill slot, the padding after it an invalid one
-        cu = torch.cat([torch.zeros(1, dtype=torch.int64, device=dev), last + 1,
-                        torch.full((1,), size, dtype=torch.int64, device=dev)])
-        tables = torch.cat([v["block_tables"], torch.full_like(v["block_tables"], graphs.dummy_block)])
+            v, target[:, None].expand(num_slots, k + 1).contiguous(), zeros, zeros)
+        extra = slot_index.shape[0] - num_slots  # the lone prompt's padding slot
+        tables = v["block_tables"]
+        if extra:
+            tables = torch.cat([tables, torch.full_like(tables[:extra], graphs.dummy_block)])
         mtp_ids, draft_rows, chain_pos, chain_slots = draft_preprocess(
-            self.slots, cu, ids, positions,
-            torch.cat([accepted, torch.zeros_like(accepted)]),
-            torch.cat([num_verified, torch.ones_like(num_verified)]),
-            self.kinds, tables,
+            slot_index, cu, ids, positions,
+            torch.cat([accepted, accepted.new_zeros(extra, k + 1)]),
+            torch.cat([num_verified, num_verified.new_ones(extra)]), kinds, tables,
             self.block_size, k - 1)
-        with forward_context(self.prefill.context(size)):
-            out = model.mtp_forward(mtp_ids, positions, hidden_all)
-        drafts = graphs.chain_drafts(out[draft_rows[:1]], chain_pos[:1], chain_slots[:1],
-                                     v["block_tables"], v["block_tables"].shape[1])
+        with forward_context(ctx):
+            out = self.model.mtp_forward(mtp_ids, positions, hidden_all)
+        drafts = graphs.chain_drafts(out[draft_rows[:num_slots]], chain_pos[:num_slots],
+                                     chain_slots[:num_slots], v["block_tables"],
+                                     v["block_tables"].shape[1])
         counts = torch.stack([num_kept, num_verified, stop_flags], dim=1).long()
         result = torch.cat([accepted, counts, drafts], dim=1)
         if top is None:
@@ -183,4 +261,3 @@ class SpecPrefill:
         lp = (token_logprob(logits, target) if top == 0
               else pack_logprobs(compute_logprobs(logits, target, top)))
         return torch.cat([result, lp.view(torch.int64)], dim=1)
-

@@ -297,11 +297,18 @@ class SpecDecoder(GraphedSteps):
         key = self.graph_key(batch)
         if key is not None:
             return self.run_graphed(batch, key)
-        if self.prefill is not None and self.prefill.fits(batch):
-            row, lp = self.prefill.run(batch, self.max_model_len, self._top_asked(batch.reqs))
-            k = self.k
-            return self.results([0], batch.reqs, [row[:k + 1]], [row[k + 1]], [row[k + 2]],
-                                [row[k + 3]], [row[k + 4:]], lp)
+        done = None  # prompt chunks in CUDA graphs (`pd.spec.prefill`): result rows, logprobs
+        if self.prefill is not None:
+            top = self._top_asked(batch.reqs)
+            if self.prefill.fits(batch):
+                done = self.prefill.run(batch, self.max_model_len, top)
+            elif self.prefill.fits_chunks(batch):
+                done = self.prefill.run_chunks(batch, self.max_model_len, top)
+        if done is not None:
+            (rows, lp), k = done, self.k
+            return self.results(list(range(len(rows))), batch.reqs, [r[:k + 1] for r in rows],
+                                [r[k + 1] for r in rows], [r[k + 2] for r in rows],
+                                [r[k + 3] for r in rows], [r[k + 4:] for r in rows], lp)
         step = self.prepare(batch)
         accepted, num_kept, num_verified, flags, drafts, lp = self.execute(step)
         return self.results(step.sample_batch_index, step.reqs, accepted.tolist(), num_kept.tolist(),

@@ -160,3 +160,23 @@ def test_layout_prefill_step_equals_eager(tiny_model_dir):
     assert not eager.engine.spec.prefill
     llm.engine.allocator.check_integrity()
     assert llm.engine.allocator.num_free == llm.engine.allocator.num_blocks
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
+def test_graphed_prompt_chunks_equal_plain_bfloat16(tiny_model_dir):
+    """A step of several prompts runs its MTP step as the varlen prefill graph and one graph of
+    the rest (`SpecPrefill.run_chunks`): greedy tokens and logprob ranks equal plain decoding's
+    in bfloat16 (batch-invariant kernels), with a stop at the first token among them."""
+    batch = [p for p in prompts(24, seed=7) if len(p) > 1][:12]
+    params = [SamplingParams(max_tokens=[1, 9, 16][i % 3], temperature=0.0, ignore_eos=True,
+                             logprobs=0 if i % 4 == 1 else None) for i in range(len(batch))]
+    ref = LLM(tiny_model_dir, device="cuda", num_blocks=512).generate(batch, params)
+    llm = LLM(tiny_model_dir, device="cuda", num_blocks=512, num_speculative_tokens=3,
+              spec_fallback=False)
+    out = llm.generate(batch, params)
+    for o, r in zip(out, ref):
+        assert o.token_ids == r.token_ids and o.finish_reason == r.finish_reason
+        assert (o.ranks is None) == (r.ranks is None)
+    assert any(isinstance(shape, tuple) for (shape, _) in llm.engine.spec.prefill.steps), \
+        "no step of prompt chunks ran in the graphs"
+    llm.engine.allocator.check_integrity()
