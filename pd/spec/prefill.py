@@ -1,26 +1,30 @@
-"""The MTP step of one prompt's first chunk prefilled alone, as two CUDA graph replays.
+"""The MTP step of prompt chunks as two CUDA graph replays.
 
-Eager, that step (the target's forward, the first token, its stop check, the MTP layer's pass
-over the prompt and its k - 1 chained passes) launches its ~150 small kernels from Python: on
-the H100's host 5.8 ms for a 5-token prompt of the embedded model, a fifth of a 256-token
-request's time at batch 1, and the prefill node's time to first token. Here the target's
-forward replays the plain prefill graph of the prompt's padded size
-(`pd.engine.cuda_graph.PrefillGraphs`) and everything after it one graph per size captured
-here, which reads that graph's hidden states and staged inputs where they lie:
-- the first token: the LM head and argmax of the prompt's last row (as a plain prefill's
-  greedy sampler), accepted and stop-checked by the verify step's kernels as a slot with no
-  drafts (`SpecGraphs.accept`);
-- the MTP layer's inputs (`kernels.draft_preprocess`, the prompt as a prefill slot and the
-  padding rows after it as an invalid one), its pass over every row with the prefill graph's
-  causal context (padding rows write the spare block), and the chained passes
-  (`SpecGraphs.chain_drafts`) over the request's block table;
-- one packed result [1, 2k + 4] in the verify step's format, followed by the first token's
-  logprobs where the request asks for them (a graph per top-k width), copied to the host at
-  once.
-The request's own values (block table, lengths, stop ids) travel in one small int64 buffer
-(`Inputs`). It serves greedy requests without logit processing or prompt logprobs, whose step
-needs nothing from the host between the two replays (`fits`); others run eagerly. On CPU the
-same layout runs without capture (`PD_SPEC_LAYOUT=1`), which is how the tests check it.
+Eager, that step (the target's forward, the first tokens, their stop checks, the MTP layer's
+pass over the prompts and its k - 1 chained passes) launches its ~150 small kernels from
+Python: on the H100's host 5.8 ms for one 5-token prompt of the embedded model (a fifth of a
+256-token request's time at batch 1, and the prefill node's time to first token), 7.4 ms for
+16 prompts. Here the target's forward replays a prefill graph and everything after it one graph
+captured here per shape, which reads that graph's hidden states and staged inputs where they
+lie:
+- one prompt's first chunk alone (`fits`, `run`): the plain prefill graph of its padded size
+  (`pd.engine.cuda_graph.PrefillGraphs`); the padding rows after the prompt are a slot of
+  their own for `draft_preprocess` (skipped) and write the spare block;
+- chunks of several prompts, each ending its prompt (`fits_chunks`, `run_chunks`): the varlen
+  prefill graph of the step (`VarlenPrefillGraphs`, 16-bit models), its context reused for the
+  MTP layer's pass; a graph per varlen key and block-table width.
+After the target's forward: the first token of each slot (the LM head and argmax of its last
+row, as a plain prefill's greedy sampler), accepted and stop-checked by the verify step's
+kernels as a slot with no drafts (`SpecGraphs.accept`); the MTP layer's inputs
+(`kernels.draft_preprocess`), its pass over every row with the prefill graph's context, and
+the chained passes (`SpecGraphs.chain_drafts`) over each slot's block table; one packed result
+[S, 2k + 4] in the verify step's format, followed by each first token's logprobs where asked
+(a graph per top-k width), copied to the host at once. The slots' own values (block tables,
+lengths, stop ids) travel in one small int64 buffer (`Inputs`). It serves greedy requests
+without logit processing or prompt logprobs, whose step needs nothing from the host between
+the two replays; other steps run eagerly (`SpecDecoder.prepare` / `execute`). On CPU the lone
+prompt's layout runs without capture (`PD_SPEC_LAYOUT=1`), which is how the tests check it;
+the chunks' path needs the varlen graphs, so CUDA.
 """
 
 from __future__ import annotations
