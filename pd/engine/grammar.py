@@ -34,8 +34,10 @@ import functools
 import json
 import logging
 import os
+import threading
 import time
 from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -150,24 +152,79 @@ class GrammarState:
         return masks + [masks[-1]] * (num - len(masks))
 
 
-WORKERS = min(8, os.cpu_count() or 1)  # xgrammar's threads for a step's masks
+WORKERS = min(8, os.cpu_count() or 1)  # threads a step's masks may be filled on, at most
+# the mask filling (seconds) that pays for one more thread: a part of a step's masks handed
+# to another thread costs ~10-20 us (xgrammar's own threads, started and joined on every
+# call, cost more: 32 regex masks over 128k tokens on the H100's host took 143 us on one of
+# them, 335 us on eight)
+WORK_PER_THREAD = 200e-6
+
+
+def _new_batch(threads: int):
+    import xgrammar  # noqa: PLC0415 (imported by `Grammars._compiler` already)
+
+    return xgrammar.BatchGrammarMatcher(max_threads=threads)
 
 
 @functools.cache
 def _batch():
-    import xgrammar  # noqa: PLC0415 (imported by `Grammars._compiler` already)
+    """The walks' matcher batch (`step_masks`), on xgrammar's threads."""
+    return _new_batch(WORKERS)
 
-    return xgrammar.BatchGrammarMatcher(max_threads=WORKERS)
+
+class _Filler:
+    """A step's masks, filled in parts on up to `WORKERS` threads of our own (each part one
+    call into xgrammar on one thread, which lets the GIL go), as many as the masks' recent cost
+    pays for (`WORK_PER_THREAD`): a JSON string's masks over 128k tokens (~150 us each on the
+    H100's host) on all, a regex's (~4 us) on this thread alone. The cost is each part's own
+    time per mask, a moving average over the steps."""
+
+    def __init__(self) -> None:
+        self.per_mask = 0.0
+        self.pool: ThreadPoolExecutor | None = None
+        self.local = threading.local()  # each thread's one-thread matcher batch
+
+    def parts(self, num_masks: int) -> int:
+        return max(1, min(WORKERS, int(num_masks * self.per_mask / WORK_PER_THREAD)))
+
+    def fill(self, matchers: list, out: torch.Tensor, rows: list[int]) -> None:
+        parts = self.parts(len(matchers))
+        if parts == 1:
+            spent = self._fill(matchers, out, rows)
+        else:
+            if self.pool is None:
+                self.pool = ThreadPoolExecutor(WORKERS - 1, thread_name_prefix="pd-grammar")
+            # NOTE: dealt in turn, so that a run of costly states is spread over the parts
+            cut = [(matchers[i::parts], rows[i::parts]) for i in range(parts)]
+            futures = [self.pool.submit(self._fill, m, out, r) for m, r in cut[1:]]
+            spent = self._fill(cut[0][0], out, cut[0][1])
+            spent += sum(f.result() for f in futures)
+        self.add(spent, len(matchers))
+
+    def add(self, seconds: float, num_masks: int) -> None:
+        cost = seconds / num_masks
+        self.per_mask = cost if not self.per_mask else 0.75 * self.per_mask + 0.25 * cost
+
+    def _fill(self, matchers: list, out: torch.Tensor, rows: list[int]) -> float:
+        batch = getattr(self.local, "batch", None)
+        if batch is None:
+            batch = self.local.batch = _new_batch(1)
+        start = time.perf_counter()
+        batch.batch_fill_next_token_bitmask(matchers, out, rows)
+        return time.perf_counter() - start
+
+
+_FILLER = _Filler()
 
 
 def step_masks(jobs: list[tuple[GrammarState, int | None, int | None]],
                out: torch.Tensor | None) -> None:
     """A step's grammar work at once: each job (state, token, row) walks `token` (unless None;
     `GrammarState.walk`), then fills the state's next mask into out[row] (unless None). The
-    walks are one call into xgrammar, the masks another, which xgrammar deals to `WORKERS`
-    threads of its own: a JSON string's mask over 128k tokens takes 60-140 us, during which
-    xgrammar holds the GIL (two Python threads took 1.1-1.2x the time one took for two
-    masks)."""
+    walks are one call into xgrammar (on its `WORKERS` threads), the masks are filled in parts
+    on as many threads as their recent cost pays for (`_Filler`): a JSON string's mask over
+    128k tokens takes 60-150 us. One matcher's fill holds the GIL (two Python threads took
+    1.1-1.2x the time one took for two masks); a batch call lets it go."""
     walks = [(state, token) for state, token, _ in jobs if token is not None]
     if len(walks) == 1:
         walks[0][0].walk(walks[0][1])
@@ -190,8 +247,7 @@ def step_masks(jobs: list[tuple[GrammarState, int | None, int | None]],
     if len(fills) == 1:
         fills[0][0].fill(out, fills[0][1])
     elif fills:
-        _batch().batch_fill_next_token_bitmask([state._m for state, _ in fills], out,
-                                               [row for _, row in fills])
+        _FILLER.fill([state._m for state, _ in fills], out, [row for _, row in fills])
 
 
 def fill_masks(states: list[GrammarState | None], out: torch.Tensor) -> list[torch.Tensor | None]:

@@ -198,7 +198,10 @@ def apply_grammar(x: torch.Tensor, rows: list[SamplingRow]) -> None:
     # NOTE: a buffer of the runner's HostRing is not reused before this step is processed
     bits = block.to(dev, non_blocking=True) if block is not None else \
         to_device(torch.stack(allowed), dev)
-    apply_token_mask(x, bits, _index(masked, dev))
+    # NOTE: every row masked (a batch of grammars) needs no index copied from the host
+    index = (torch.arange(len(rows), device=dev) if len(masked) == len(rows)
+             else _index(masked, dev))
+    apply_token_mask(x, bits, index)
 
 
 def process_logits(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:

@@ -140,6 +140,8 @@ def test_a_steps_masks_and_walks_at_once_equal_each_alone(grammars, tiny_model_d
     import xgrammar
 
     monkeypatch.setattr(grammar, "_batch", lambda: xgrammar.BatchGrammarMatcher(workers))
+    # the masks in as many parts as there may be threads (their cost would decide)
+    monkeypatch.setattr(grammar._FILLER, "per_mask", 1.0 if workers > 1 else 0.0)
     tok = Tokenizer.from_dir(tiny_model_dir)
     eos = tok.eos_token_ids[0]
     states = [grammars.matcher(spec) for spec in SPECS] + [None, grammars.matcher(SPECS[3])]
@@ -317,3 +319,25 @@ def test_grammars_survive_preemption_and_aborts_with_overlap(tiny_model_dir):
     for i, req in enumerate(reqs):
         if i != aborted:
             assert req.output_token_ids == alone[i], i
+
+
+def test_a_steps_masks_get_the_threads_their_recent_cost_pays_for(grammars, tiny_model_dir):
+    """Cheap masks (a regex's few us) are filled on the calling thread alone; costly ones (a
+    JSON string's ~100 us) in parts on up to `WORKERS` threads, each timing its own part."""
+    from pd.engine.grammar import WORK_PER_THREAD, WORKERS, _Filler
+
+    filler = _Filler()
+    assert filler.parts(32) == 1  # nothing measured yet
+    filler.add(32 * 3e-6, 32)
+    assert filler.parts(32) == 1
+    for _ in range(8):
+        filler.add(32 * 100e-6, 32)
+    assert 32 * filler.per_mask / WORK_PER_THREAD >= 8  # ~16 threads' worth: all it may use
+    assert filler.parts(32) == WORKERS and filler.parts(1) == 1
+    # filled in parts, the masks equal each state's own
+    states = [grammars.matcher(("json", json.dumps(SCHEMA))) for _ in range(5)]
+    out = torch.zeros((6, states[0].num_words), dtype=torch.int32)
+    filler.fill([st._m for st in states], out, [5, 3, 1, 0, 2])
+    for st, row in zip(states, [5, 3, 1, 0, 2]):
+        assert torch.equal(out[row], st.mask())
+    assert not out[4].any()
