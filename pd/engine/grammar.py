@@ -18,9 +18,9 @@ module keeps that behind two small types:
   `masks_along(drafts)` the masks at each position of an MTP verify step, each taking the drafts
   before it as accepted (then rolled back), and `terminated` once the grammar took its stop
   token (or a token it refused was appended). `step_masks` does a step's walks and masks at
-  once (a call into xgrammar each, its masks on xgrammar's threads); the decode loop walks each
-  request's new token there (`walk`) before appending it, whose `accept` then takes that walk's
-  result.
+  once (the walks one call into xgrammar, the masks in parts on as many threads as they are
+  worth, `_Filler`); the decode loop walks each request's new token there (`walk`) before
+  appending it, whose `accept` then takes that walk's result.
 
 The sampler applies the masks on the logits' device (`pd.engine.sampler.apply_grammar`).
 Across P and D each node binds its own state: the prefill node samples the first token under

@@ -96,6 +96,12 @@ class SpecPrefill:
         self.host = HostRing(pin=self.device.type == "cuda")
 
     # -- which steps ---------------------------------------------------------------------------
+    def _usable(self) -> bool:
+        """No benchmark drafter, and captured graphs only with the kernels' bookkeeping (the
+        torch twins wait on the host: PD_KERNELS=torch runs these steps eagerly)."""
+        return self.graphs.oracle is None and (
+            not self.captured or use_kernels(self.graphs.pool_owner.staging))
+
     def _plain(self, req: Req) -> bool:
         return (GraphedSteps.plain_greedy(req) and req.params.prompt_logprobs is None
                 and len(stop_ids_of(req)) <= STOP_WIDTH)
@@ -104,7 +110,7 @@ class SpecPrefill:
         """Whether the step is one prompt's first chunk alone, ending the prompt, of a greedy
         request without logit processing or prompt logprobs and with no more stop ids than a
         graph holds (the prefill graph's step, `run`)."""
-        if len(batch.reqs) != 1 or self.graphs.oracle is not None:
+        if len(batch.reqs) != 1 or not self._usable():
             return False
         req, n = batch.reqs[0], batch.num_new_tokens[0]
         return (req.num_computed_tokens == 0 and n == req.num_tokens and self.prefill.fits(n)
@@ -112,11 +118,9 @@ class SpecPrefill:
 
     def fits_chunks(self, batch: ScheduledBatch) -> bool:
         """Whether the step is prompt chunks that each end their prompt (two tokens at least),
-        of such requests, in CUDA graphs with the kernels' bookkeeping (`run_chunks`, whose
-        target forward is a varlen prefill graph if its context allows)."""
-        if self.varlen is None or self.graphs.oracle is not None or not self.varlen.enabled:
-            return False
-        if not use_kernels(self.graphs.pool_owner.staging):
+        of such requests, in CUDA graphs (`run_chunks`, whose target forward is a varlen
+        prefill graph if its context allows)."""
+        if self.varlen is None or not self.varlen.enabled or not self._usable():
             return False
         return all(n >= 2 and req.num_computed_tokens + n == req.num_tokens and self._plain(req)
                    for req, n in zip(batch.reqs, batch.num_new_tokens))
@@ -213,7 +217,7 @@ class SpecPrefill:
         width = self._width(max(len(r.block_ids) for r in batch.reqs) * self.block_size)
         layout, buf, v = self._buffers((key, width), seqs, width)
         mine = self._fill(layout, batch.reqs, max_model_len)
-        hidden_all = varlen.run(inp.input_ids, inp.positions, ctx)  # the target's forward
+        varlen.run(inp.input_ids, inp.positions, ctx)  # the target's forward
         hidden_all = varlen.graphs[key][1]  # every row of it
         buf.copy_(mine, non_blocking=True)
 

@@ -144,7 +144,7 @@ class SpecDecoder(GraphedSteps):
                                                        runner.graphs, self.device)
         elif spec_layout_requested() and runner.kv_cache.dummy_block is not None:
             self.graphs = SpecGraphs.uncaptured(runner.model, num_speculative_tokens, runner)
-        # a prompt's first chunk alone in two replays (`pd.spec.prefill`)
+        # steps of greedy prompt chunks in two replays (`pd.spec.prefill`)
         self.prefill = (SpecPrefill(self.graphs, runner)
                         if self.graphs is not None and isinstance(drafter, MTPDrafter) else None)
 
