@@ -310,12 +310,6 @@ def gather_into(kv: torch.Tensor, block_ids: torch.Tensor, chunk, out: memoryvie
     gather_pipelined(kv, block_ids, [chunk], lambda _: out, lambda: None)
 
 
-def gather(kv: torch.Tensor, block_ids: torch.Tensor, chunk) -> torch.Tensor:
-    """kv[l0:l1, :, block_ids[b0:b1]] as a new contiguous CPU tensor (for ZMQ frames)."""
-    l0, l1, b0, b1 = chunk
-    return kv[l0:l1].index_select(2, block_ids[b0:b1].to(kv.device)).cpu().contiguous()
-
-
 def payload_tensor(rec: KVRecord, kv: torch.Tensor) -> torch.Tensor:
     """The record's bytes viewed (no copy) as [l1-l0, 2, nb, block_size, heads, head_dim]."""
     if rec.dtype != dtype_name(kv.dtype):

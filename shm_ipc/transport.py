@@ -57,12 +57,13 @@ class Transport(abc.ABC):
         security.secure_client(self.socket)
         self.socket.connect(endpoint)
 
-    def _send(self, frames: list, copy: bool = True) -> None:
-        """Send one multipart message without blocking; a full queue raises TransportError."""
+    def _send(self, frames: list, copy: bool = True, track: bool = False):
+        """Send one multipart message without blocking; a full queue raises TransportError.
+        With `track` (and `copy` False) returns ZMQ's tracker of the last frame."""
         # NOTE: a blocking send would stall P's whole loop (no timeouts, no pongs, no drain) for
         # as long as D is unreachable; the high-water mark is checked on the first frame only.
         try:
-            self.socket.send_multipart(frames, zmq.NOBLOCK, copy=copy)
+            return self.socket.send_multipart(frames, zmq.NOBLOCK, copy=copy, track=track)
         except zmq.Again:
             raise TransportError(f"decode node at {self.endpoint} is not taking messages: "
                                  f"{self.send_hwm} queued unsent") from None

@@ -8,7 +8,7 @@ import torch
 
 from shm_ipc import header
 from shm_ipc.header import Flag
-from shm_ipc.kv import (DMA_ENV, MAX_DMA_RUNS, chunk_shape, dma_plan, gather, gather_into,
+from shm_ipc.kv import (DMA_ENV, MAX_DMA_RUNS, chunk_shape, dma_plan, gather_into,
                         gather_pipelined, install_kv, plan_chunks, unit_bytes)
 from shm_ipc.records import KV_DATA_OFFSET, decode, kv_meta
 from shm_ipc.ring import ALIGN, Ring, record_size
@@ -101,9 +101,9 @@ def test_pipelined_sender_publishes_in_order_and_frees_a_full_ring(seg_name, dep
 
 def test_install_refuses_mismatched_geometry_and_dtype():
     kv = torch.randn(2, 2, 4, 4, 2, 8)
-    data = gather(kv, torch.tensor([1, 2]), (0, 2, 0, 2))
-    rec = decode(header.pack(Flag.KV), kv_meta("r", 0, 2, 0, 2, "float32"),
-                 raw=data.view(torch.uint8).numpy())
+    data = bytearray(2 * 2 * unit_bytes(kv))
+    gather_into(kv, torch.tensor([1, 2]), (0, 2, 0, 2), memoryview(data))
+    rec = decode(header.pack(Flag.KV), kv_meta("r", 0, 2, 0, 2, "float32"), raw=data)
     with pytest.raises(ValueError, match="does not fit"):
         install_kv(rec, torch.zeros(2, 2, 4, 8, 2, 8), [0, 1])
     with pytest.raises(ValueError, match="carries float32"):

@@ -455,3 +455,36 @@ def test_held_ring_records_stay_until_their_copies_complete(rx):
         assert held_seen and torch.equal(dst[:, :, dst_ids], kv[:, :, src_ids])
     finally:
         tx.close()
+
+
+def test_a_kv_frame_buffer_is_taken_again_only_once_zmq_sent_it():
+    """`FrameBuffers`: the ZMQ transport's KV chunks go out without a copy, so a buffer whose
+    frame ZMQ has not sent yet is never handed out again; sent ones are, and idle ones are not
+    hoarded."""
+    import zmq
+
+    from shm_ipc.zmq_transport import FrameBuffers
+
+    ctx = zmq.Context()
+    tx, rx = ctx.socket(zmq.PAIR), ctx.socket(zmq.PAIR)
+    tx.bind("inproc://frames")
+    rx.connect("inproc://frames")
+    frames = FrameBuffers(pin=False, keep=2)
+    first = frames.take(100_000)
+    assert first.numel() >= 100_000
+    tracker = tx.send(memoryview(first.numpy()), copy=False, track=True)
+    frames.give(first, tracker)
+    held = rx.recv(copy=False)  # received but not released: the frame is still in use
+    second = frames.take(100_000)
+    assert second.data_ptr() != first.data_ptr()
+    del held
+    tracker.wait(5)
+    third = frames.take(50_000)
+    assert third.data_ptr() == first.data_ptr()  # sent: taken again
+    for buf in (second, third, frames.take(10), frames.take(10)):
+        frames.give(buf, None)
+    frames.take(1)
+    assert len(frames.idle) <= 2
+    tx.close()
+    rx.close()
+    ctx.term()
