@@ -6,8 +6,9 @@ sent with `copy=False`. Control messages ride the same socket, so order is kept 
 
 A request's KV chunks are gathered as the ring tier gathers them (`kv.gather_pipelined`: on a
 GPU by DMA on the copy stream into page-locked memory, up to `kv.STAGING_SLOTS` chunks in
-flight), each into a host buffer of its own (`FrameBuffers`), and handed to ZMQ as soon as its
-bytes are in: the next chunks' copies run while ZMQ sends the earlier ones. A buffer is taken
+flight; on CPU one at a time), each into a host buffer of its own (`FrameBuffers`), and handed
+to ZMQ as soon as its bytes are in: the next chunks' copies run while ZMQ sends the earlier
+ones. A buffer is taken
 again only once ZMQ has sent the frame that used it.
 """
 
@@ -78,7 +79,10 @@ class ZmqTransport(Transport):
                                  track=True)
             self.frames.give(buf, tracker)
 
-        gather_pipelined(kv, ids, chunks, reserve, publish)
+        # NOTE: on CPU a chunk's copy is done when gathered: sent at once (holding it back
+        # for later chunks measured 20% slower on loopback TCP)
+        gather_pipelined(kv, ids, chunks, reserve, publish,
+                         depth=STAGING_SLOTS if kv.is_cuda else 1)
 
     def send_control(self, msg: dict) -> None:
         self._send([control.encode(msg)])

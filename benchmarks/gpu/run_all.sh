@@ -2,9 +2,9 @@
 # Every GPU check and figure of the project in one call of the device machine:
 #   the checkpoint parity matrix through pd generate --device cuda, kernels vs their torch
 #   twins, MTP engine parity, GPU tests (graphs, fused kernels, KV fast path, P+D on CUDA), KV
-#   transfer, decode attention, the skinny product vs cuBLAS, decode/prefill vs floors and HF
-#   (and without the skinny kernel), where a prefill's time goes, CUDA graphs vs
-#   eager, the decode step's kernels
+#   transfer (the ring by hand, then each tier through the transport's API), decode
+#   attention, the skinny product vs cuBLAS, decode/prefill vs floors and HF (and without the
+#   skinny kernel), where a prefill's time goes, CUDA graphs vs eager, the decode step's kernels
 #   and host time (profiler), overlap on/off (parity of 64 requests, sync check, throughput and
 #   step gap), MTP on/off (graphed, overlap on/off, logprobs) and the MTP machinery on the 1B
 #   shape, structured output's cost (grammars on the GPU: the same tokens as transformers'
@@ -43,6 +43,7 @@ TAIL=4 step grammar_logprobs env PD_TEST_DEVICE=cuda python3 -m pytest -q -p no:
     tests/engine/test_grammar.py tests/engine/test_logprobs.py
 TAIL=15 step kv timeout 300 python3 benchmarks/gpu/bench_kv.py --record-mib 16 64 --profile \
     --trace-dir "$OUT"
+TAIL=6 step kv_tiers timeout 300 python3 benchmarks/bench_kv_tiers.py --device cuda
 TAIL=8 step attention python3 benchmarks/gpu/bench_attention.py
 TAIL=12 step skinny python3 benchmarks/gpu/bench_skinny.py --quick --rows 1 64
 TAIL=14 step decode python3 benchmarks/gpu/bench_decode.py
