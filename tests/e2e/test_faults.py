@@ -238,7 +238,8 @@ def test_sigterm_prefill_mid_prefill_drains(cluster, table):
     new = streams(c, [long_prompt(200 + i) for i in range(4)], 4)
     ss += new
     counts = finish(ss)
-    assert counts == {"ok": 12, "errored": 0, "lost": 0, "hung": 0}, counts
+    assert counts == {"ok": 12, "errored": 0, "lost": 0, "hung": 0}, (
+        counts, [(s.error, s.tokens) for s in ss if s.outcome != "ok"])  # what ended them
     assert victim.proc.wait(30) == 0
     assert "drained" in victim.log_tail()  # it ran what it held to the hand-off, failing none
     retried = c.router_metric("pd_router_backend_retries_total") - retries
