@@ -179,14 +179,20 @@ class GraphedSteps:
         -1) are dropped."""
         if f.end is not None:
             f.end.synchronize()
-        k = self.k
         live = [b for b, i in enumerate(f.rows) if i >= 0]
         rows = f.out.tolist()
         lp = unpack_lp0(f.lp) if f.lp is not None and f.lp.dtype == torch.int64 else f.lp
-        return self.results([f.rows[b] for b in live], [f.batch.reqs[b] for b in live],
-                            [rows[b][:k + 1] for b in live], [rows[b][k + 1] for b in live],
-                            [rows[b][k + 2] for b in live], [rows[b][k + 3] for b in live],
-                            [rows[b][k + 4:] for b in live], lp, live)
+        return self.packed_results([f.rows[b] for b in live], [f.batch.reqs[b] for b in live],
+                                   [rows[b] for b in live], lp, live)
+
+    def packed_results(self, batch_index: list[int], reqs: list[Req], rows: list[list[int]],
+                       lp, lp_slots: list[int] | None = None) -> dict[int, SpecResult]:
+        """`results` of host rows in the draft step's packed format (`SpecGraphs._draft`:
+        accepted ids, kept, verified, stop flag, drafts), one per sampled slot."""
+        k = self.k
+        return self.results(batch_index, reqs, [r[:k + 1] for r in rows], [r[k + 1] for r in rows],
+                            [r[k + 2] for r in rows], [r[k + 3] for r in rows],
+                            [r[k + 4:] for r in rows], lp, lp_slots)
 
 
 class SpecFlight(NamedTuple):

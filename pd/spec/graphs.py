@@ -75,11 +75,28 @@ def _round_up(n: int, sizes) -> int:
     return next(s for s in sizes if s >= n)
 
 
-class Layout:
+class FlatLayout:
+    """Named arrays laid out one after another in one flat buffer: `fields` (name, start, end,
+    shape) in the order of `shapes`, `size` in all."""
+
+    def __init__(self, shapes: dict[str, tuple[int, ...]]) -> None:
+        self.fields, total = [], 0
+        for name, shape in shapes.items():
+            size = int(np.prod(shape))
+            self.fields.append((name, total, total + size, shape))
+            total += size
+        self.size = total
+
+    def views(self, flat):
+        """name -> view of `flat` (a numpy array or a torch tensor) in its shape."""
+        return {name: flat[start:end].reshape(shape) for name, start, end, shape in self.fields}
+
+
+class Layout(FlatLayout):
     """Where each input lives in the flat int64 buffer of one (S, W) graph."""
 
     def __init__(self, num_slots: int, width: int, k: int) -> None:
-        shapes = {
+        super().__init__({
             # what a chained step computes on the device from the previous step's result
             "input_ids": (num_slots, k + 1), "positions": (num_slots, k + 1),
             "slot_mapping": (num_slots, k + 1), "context_lens": (num_slots, k + 1),
@@ -89,20 +106,9 @@ class Layout:
             "block_tables": (num_slots, width), "greedy": (num_slots,),
             "max_seq_lens": (num_slots,), "min_tokens": (num_slots,),
             "stop_ids": (num_slots, STOP_WIDTH), "slot_index": (num_slots,),
-        }
-        self.fields, total = [], 0
-        for name, shape in shapes.items():
-            size = int(np.prod(shape))
-            self.fields.append((name, total, total + size, shape))
-            if name == "block_tables":
-                self.tail = total
-            total += size
-        self.size = total
+        })
+        self.tail = next(start for name, start, _, _ in self.fields if name == "block_tables")
         self.template: np.ndarray | None = None  # every slot padding (`SpecGraphs.host_inputs`)
-
-    def views(self, flat):
-        """name -> view of `flat` (a numpy array or a torch tensor) in its shape."""
-        return {name: flat[start:end].reshape(shape) for name, start, end, shape in self.fields}
 
 
 class Verified(NamedTuple):

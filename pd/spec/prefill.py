@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import logging
 
-import numpy as np
 import torch
 
 from kernels import draft_preprocess
@@ -46,31 +45,23 @@ from pd.engine.request import Req
 from pd.engine.scheduler import ScheduledBatch
 from pd.model.context import forward_context
 from pd.spec.graphed import GraphedSteps, stop_ids_of
-from pd.spec.graphs import STOP_WIDTH, Layout, SpecGraphs, pack_logprobs
+from pd.spec.graphs import STOP_WIDTH, FlatLayout, SpecGraphs, pack_logprobs
 
 log = logging.getLogger(__name__)
 
 
-class Inputs:
+class Inputs(FlatLayout):
     """The slots' values in one int64 buffer, in the names of the verify step's `Layout`
     (slots of no drafts): block_tables [S, W], seq_lens, num_outputs, max_seq_lens,
     min_tokens, stop_ids [S, STOP_WIDTH], slot_index (-1: padding), and the constants
     num_drafts 0, greedy 1, draft_ids [S, k] 0."""
 
     def __init__(self, num_slots: int, width: int, k: int) -> None:
-        shapes = {"block_tables": (num_slots, width), "seq_lens": (num_slots,),
-                  "num_outputs": (num_slots,), "max_seq_lens": (num_slots,),
-                  "min_tokens": (num_slots,), "stop_ids": (num_slots, STOP_WIDTH),
-                  "slot_index": (num_slots,), "num_drafts": (num_slots,),
-                  "greedy": (num_slots,), "draft_ids": (num_slots, k)}
-        self.fields, total = [], 0
-        for name, shape in shapes.items():
-            size = int(np.prod(shape))
-            self.fields.append((name, total, total + size, shape))
-            total += size
-        self.size = total
-
-    views = Layout.views
+        super().__init__({"block_tables": (num_slots, width), "seq_lens": (num_slots,),
+                          "num_outputs": (num_slots,), "max_seq_lens": (num_slots,),
+                          "min_tokens": (num_slots,), "stop_ids": (num_slots, STOP_WIDTH),
+                          "slot_index": (num_slots,), "num_drafts": (num_slots,),
+                          "greedy": (num_slots,), "draft_ids": (num_slots, k)})
 
 
 class SpecPrefill:

@@ -305,10 +305,8 @@ class SpecDecoder(GraphedSteps):
             elif self.prefill.fits_chunks(batch):
                 done = self.prefill.run_chunks(batch, self.max_model_len, top)
         if done is not None:
-            (rows, lp), k = done, self.k
-            return self.results(list(range(len(rows))), batch.reqs, [r[:k + 1] for r in rows],
-                                [r[k + 1] for r in rows], [r[k + 2] for r in rows],
-                                [r[k + 3] for r in rows], [r[k + 4:] for r in rows], lp)
+            rows, lp = done
+            return self.packed_results(list(range(len(rows))), batch.reqs, rows, lp)
         step = self.prepare(batch)
         accepted, num_kept, num_verified, flags, drafts, lp = self.execute(step)
         return self.results(step.sample_batch_index, step.reqs, accepted.tolist(), num_kept.tolist(),
