@@ -10,8 +10,8 @@ module keeps that behind two small types:
   needs it (importing xgrammar and reading the vocabulary takes about two seconds, so an engine
   without such requests never pays it), and the compiler, whose cache keeps each compiled
   grammar: a schema is compiled once per process (a regex as `pd.engine.regex_expansion`
-  writes it, the same language in the form xgrammar matches fast). `matcher(spec)` raises `GrammarError` for a
-  spec that does not compile.
+  writes it, the same language in the form xgrammar matches fast). `matcher(spec)` raises
+  `GrammarError` for a spec that does not compile.
 - `GrammarState`, one per request: `accept(token)` for every appended token (`Req.append_token`
   calls it), `mask()` the tokens allowed next as a bitmask (int32 words, bit t % 32 of word t // 32;
   `fill_masks` fills a step's masks into the rows of one buffer),
