@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import argparse
 import multiprocessing as mp
+import os
+import sys
 import time
 
 import torch
@@ -26,16 +28,14 @@ from shm_ipc.receiver import KVReceiver
 from shm_ipc.records import KVRecord
 from shm_ipc.transport import make_transport
 
-LAYERS, HEADS, HEAD_DIM, BLOCK = 16, 8, 64, 16
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "gpu"))
+from bench_kv import BLOCK, HEAD_DIM, HEADS, LAYERS, cache as kv_cache  # noqa: E402
 
 
 def cache(num_blocks: int, seed: int | None, device: str) -> torch.Tensor:
-    dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
-    shape = (LAYERS, 2, num_blocks, BLOCK, HEADS, HEAD_DIM)
-    if seed is None:
-        return torch.zeros(shape, dtype=dtype, device=device)
-    gen = torch.Generator(device="cpu").manual_seed(seed)
-    return torch.randn(shape, generator=gen).to(dtype).to(device)
+    """`bench_kv.cache`: bfloat16 on CUDA, float32 on CPU."""
+    return kv_cache(num_blocks, seed, device,
+                    torch.bfloat16 if device.startswith("cuda") else torch.float32)
 
 
 def producer(endpoint: str, tier: str, device: str, per_req: int, requests: int,
@@ -81,7 +81,7 @@ def run(tier: str, device: str, per_req: int, requests: int, record: int) -> tup
     done.set()
     proc.join(30)
     rx.close()
-    same = torch.equal(kv.cpu(), cache(per_req * requests, 7, "cpu").to(kv.dtype))
+    same = torch.equal(kv, cache(per_req * requests, 7, device))
     return nbytes / secs / 1e9, same
 
 

@@ -57,12 +57,15 @@ LAYERS, HEADS, HEAD_DIM, BLOCK = 16, 8, 64, 16
 RING_BYTES = 256 << 20
 
 
-def cache(num_blocks: int, seed: int | None, device: str = "cuda") -> torch.Tensor:
+def cache(num_blocks: int, seed: int | None, device: str = "cuda",
+          dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """A KV cache of the Llama-3.2-1B shape: zeros, or random of `seed` (the same on a device
+    for a seed)."""
     shape = (LAYERS, 2, num_blocks, BLOCK, HEADS, HEAD_DIM)
     if seed is None:
-        return torch.zeros(shape, dtype=torch.bfloat16, device=device)
+        return torch.zeros(shape, dtype=dtype, device=device)
     gen = torch.Generator(device=device).manual_seed(seed)
-    return torch.randn(shape, generator=gen, device=device).to(torch.bfloat16)
+    return torch.randn(shape, generator=gen, device=device).to(dtype)
 
 
 def request_blocks(r: int, per_req: int, num_blocks: int, run: int, shift: int = 0) -> torch.Tensor:
