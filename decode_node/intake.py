@@ -35,6 +35,8 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Protocol
 
+import torch
+
 from pd.engine.engine import Engine
 from pd.engine.request import Req
 from pd.service import metrics as node_metrics
@@ -44,7 +46,8 @@ from pd.wire.geometry import mismatch
 from pd.wire.sampling_params import SamplingParams
 from shm_ipc.cuda_ipc import export as export_kv
 from shm_ipc.header import Flag
-from shm_ipc.kv import block_bytes, install_kv, installed, prepare as prepare_kv_copies
+from shm_ipc.kv import block_bytes, install_kv, installed, payload_tensor
+from shm_ipc.kv import prepare as prepare_kv_copies
 from shm_ipc.receiver import KVReceiver, PeerGone
 from shm_ipc.records import AbortRecord, FirstTokenRecord, KVRecord, TokensRecord
 
@@ -113,7 +116,10 @@ class Intake:
         self.num_kv_records = 0  # KV records installed (`on_socket` waits for new ones)
         self.geometry = engine.geometry(mtp_enabled=engine.spec is not None)
         self.peers: dict[bytes, str] = {}  # paired prefill nodes: identity -> node id
-        self.kv_ipc = export_kv(engine.runner.kv_cache.kv)  # the cache for peers on this host
+        # tensor parallelism: each record is handed out to the ranks by heads (`install_tp`)
+        self.tp = engine.runner.model.mirror
+        # the cache for peers on this host (not with tensor parallelism: it holds rank 0's heads)
+        self.kv_ipc = export_kv(engine.runner.kv_cache.kv) if self.tp is None else None
         self.ipc_peers: set[bytes] = set()  # peers offered it
         self.fenced: dict[str, Incoming] = {}  # dropped direct requests a peer may still write
         self.incoming: dict[str, Incoming] = {}
@@ -279,8 +285,12 @@ class Intake:
             raise m.MessageError(f"KV record for {inc.req.req_id} beyond its "
                                  f"{inc.num_blocks - inc.num_cached} uncached blocks")
         try:
-            fence = install_kv(rec, self.engine.runner.kv_cache.kv,
-                               inc.req.block_ids[inc.num_cached:], wait=False)
+            if self.tp is not None:
+                self.install_tp(rec, inc.req.block_ids[inc.num_cached:])
+                fence = None
+            else:
+                fence = install_kv(rec, self.engine.runner.kv_cache.kv,
+                                   inc.req.block_ids[inc.num_cached:], wait=False)
         except ValueError as e:
             raise m.MessageError(str(e)) from None
         if fence is not None:
@@ -290,6 +300,20 @@ class Intake:
         inc.kv_bytes += rec.payload.nbytes
         self.num_kv_records += 1
         self.metrics.kv_received_bytes(self.receiver.tier(inc.peer)).inc(rec.payload.nbytes)
+
+    def install_tp(self, rec: KVRecord, dst_block_ids: list[int]) -> None:
+        """Install a record, which carries every KV head, across the tensor-parallel ranks:
+        each takes its heads (done on return)."""
+        kv = self.engine.runner.kv_cache.kv
+        heads = kv.shape[4] * self.tp.size
+        whole = torch.empty((*kv.shape[:4], heads, kv.shape[5]), dtype=kv.dtype, device="meta")
+        src = payload_tensor(rec, whole)
+        ids = dst_block_ids[rec.block_start:rec.block_start + rec.num_blocks]
+        if len(ids) != rec.num_blocks:
+            raise ValueError(f"KV record for {rec.req_id} covers blocks {rec.block_start}.."
+                             f"{rec.block_start + rec.num_blocks} but only "
+                             f"{len(dst_block_ids)} are given")
+        self.tp.install_kv(kv, src, rec.layer_start, rec.layer_end, ids)
 
     def on_kv_done(self, peer: bytes, msg: m.KVDone) -> None:
         inc = self.expect(peer, msg.req_id, IncomingState.RECEIVING)

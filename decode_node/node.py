@@ -236,3 +236,4 @@ class DecodeNode(NodeService):
         for req_id, reply_to in list(self.reply_to.items()):
             self.events.send(reply_to, m.TokenStream(req_id, [], error=error))
         self.intake.close(error)
+        self.engine.runner.close()  # tensor-parallel worker ranks, if any

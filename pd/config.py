@@ -323,6 +323,7 @@ class EngineConfig:
     seed: int = 0
     enforce_eager: bool = False  # CUDA: no decode CUDA graphs
     enable_prefix_caching: bool = True  # full KV blocks kept and shared by content (pd.engine.prefix)
+    tensor_parallel_size: int = 1  # ranks (processes, one GPU each on CUDA): pd.engine.tp
     extra: dict = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
@@ -340,6 +341,8 @@ class EngineConfig:
             raise ValueError(f"max_num_batched_tokens={self.max_num_batched_tokens} must be positive")
         if self.dtype is not None:
             parse_dtype(self.dtype)
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size} must be at least 1")
         if not (self.device == "cpu" or self.device.startswith("cuda")):
             raise ValueError(f"device={self.device!r} must be 'cpu' or 'cuda[:N]'")
 

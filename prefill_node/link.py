@@ -85,9 +85,12 @@ class LinkOwner(Protocol):
 
 class DecodeLink:
     def __init__(self, owner: LinkOwner, addr: str, *, kv: torch.Tensor, block_size: int,
-                 handoff_timeout: float, transport: str) -> None:
+                 handoff_timeout: float, transport: str, tp=None) -> None:
         self.owner, self.addr = owner, addr
         self.kv, self.block_size = kv, block_size  # the KV source: the owner's paged cache
+        # tensor parallelism (`pd.engine.tp.Mirror`): the ranks' heads of a request's blocks
+        # are joined before they are sent, so KV crosses with every head (no CUDA IPC)
+        self.tp = tp
         self.handoff_timeout = handoff_timeout
         self.state = LinkState.HELLO_SENT
         self.reason = ""
@@ -97,7 +100,7 @@ class DecodeLink:
         # segment name, not in a log): D's KV socket takes no identity handover, and a request's
         # messages count only from the identity that handed it over
         # "ipc": the ring for records and control, KV by CUDA IPC or the link fails
-        self.ipc = transport in ("auto", "ipc") and kv.is_cuda
+        self.ipc = transport in ("auto", "ipc") and kv.is_cuda and tp is None
         self.ipc_required = transport == "ipc"
         self.peer_cache: PeerCache | None = None  # D's cache, once opened by CUDA IPC
         self.writes: deque = deque()  # (request id, copy done event) of direct KV in flight
@@ -173,6 +176,8 @@ class DecodeLink:
             return 0
         blocks = job.req.block_ids[num_cached_blocks:num_blocks]
         try:
+            if self.tp is not None and blocks:
+                kv, blocks = self.tp.gather_kv(kv, blocks), list(range(len(blocks)))
             if self.peer_cache is not None and dst_block_ids is not None:
                 self.writes.append((job.req.req_id, self.peer_cache.write(kv, blocks, dst_block_ids)))
                 self.finish_writes()

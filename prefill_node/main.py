@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import sys
 
 from pd.service.flags import (add_engine_arguments, add_node_arguments, add_role_arguments,
                               announce, engine_config, limit_host_threads)
@@ -34,6 +35,10 @@ def main(args: argparse.Namespace) -> int:
     configure_from_args(args)
     check_bind(args.host, args.insecure)
     cfg = engine_config(args)
+    if args.transport == "ipc" and cfg.tensor_parallel_size > 1:
+        print("pd prefill: error: --transport ipc writes into one cache; a node with "
+              "--tensor-parallel-size > 1 sends KV by the ring (shm) or zmq", file=sys.stderr)
+        return 2
     limit_host_threads(cfg)
     engine = Engine(cfg, eos_token_ids=Tokenizer.from_dir(cfg.model).eos_token_ids,
                     num_speculative_tokens=args.num_speculative_tokens)
@@ -47,4 +52,6 @@ def main(args: argparse.Namespace) -> int:
     log.info("prefill node %s serving on %s:%d", node.node_id, args.host, node.port)
     freeze_heap()  # the node's own process: its start-up heap stays out of collections
     node.run()
+    if engine.runner.tp is not None and engine.runner.tp.failed:
+        return 70  # a tensor-parallel rank died (logged)
     return 0

@@ -179,7 +179,8 @@ class PrefillNode(NodeService):
                 link.close()
             link = DecodeLink(self, job.msg.decode_addr, kv=self.engine.runner.kv_cache.kv,
                               block_size=self.engine.config.block_size,
-                              handoff_timeout=self.handoff_timeout, transport=self.transport)
+                              handoff_timeout=self.handoff_timeout, transport=self.transport,
+                              tp=self.engine.runner.model.mirror)
             self.links[job.msg.decode_addr] = link
         job.link = link
         link.submit(job)
@@ -309,6 +310,7 @@ class PrefillNode(NodeService):
             self.fail(job, f"prefill node {self.node_id} shut down")
         for link in self.links.values():
             link.close()
+        self.engine.runner.close()  # tensor-parallel worker ranks, if any
 
 
 def first_token_logprobs(req: Req) -> dict:

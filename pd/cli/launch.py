@@ -39,7 +39,8 @@ log = logging.getLogger("pd.cli.launch")
 
 ENGINE_FLAGS = ("dtype", "device", "block_size", "num_blocks", "kv_cache_memory",
                 "gpu_memory_fraction", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
-                "log_level", "num_speculative_tokens", "enforce_eager", "enable_prefix_caching")
+                "log_level", "num_speculative_tokens", "enforce_eager", "enable_prefix_caching",
+                "tensor_parallel_size")
 NEGATABLE = ("enable_prefix_caching",)  # on by default: passed on as --no-... when off
 
 
@@ -61,6 +62,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="KV blocks of each prefill node, when they should differ from the decode "
                         "nodes' --num-blocks (a prefill node holds only prompts in flight and its "
                         "prefix cache) (default: --num-blocks)")
+    g.add_argument("--prefill-tensor-parallel-size", type=int, default=None, metavar="N",
+                   help="ranks of each prefill node, when they should differ from the decode "
+                        "nodes' --tensor-parallel-size (default: --tensor-parallel-size)")
     g.add_argument("--prefill-max-num-batched-tokens", type=int, default=None,
                    help="tokens one step of each prefill node may compute, when it should differ "
                         "from the decode nodes' --max-num-batched-tokens: where prefill and decode "
@@ -148,10 +152,12 @@ def _main(args: argparse.Namespace) -> int:
     if keys is not None:
         common += ["--curve-keys", keys.directory]
     nodes = []
-    # the last --num-blocks (--max-num-batched-tokens) given wins
+    # the last --num-blocks (--max-num-batched-tokens, --tensor-parallel-size) given wins
     prefill_blocks = ["--num-blocks", str(args.prefill_num_blocks)] if args.prefill_num_blocks else []
     if args.prefill_max_num_batched_tokens:
         prefill_blocks += ["--max-num-batched-tokens", str(args.prefill_max_num_batched_tokens)]
+    if args.prefill_tensor_parallel_size:
+        prefill_blocks += ["--tensor-parallel-size", str(args.prefill_tensor_parallel_size)]
 
     def stop_all() -> None:
         for node in nodes:  # NOTE: every node drains at once, then each is waited for

@@ -45,7 +45,9 @@ class Engine:
         self.allocator = BlockAllocator(self.runner.num_blocks, caching=cfg.enable_prefix_caching)
         # With MTP the token after a block is hashed with it (see pd.engine.prefix).
         self.prefix = PrefixCache(
-            self.allocator, cfg.block_size, repr(sorted(self.geometry(bool(num_speculative_tokens)).items())),
+            self.allocator, cfg.block_size,
+            repr(sorted(geometry(self.model_config, self.runner.dtype, cfg.block_size,
+                                 bool(num_speculative_tokens)).items())),
             lookahead=int(bool(num_speculative_tokens))) if cfg.enable_prefix_caching else None
         self.scheduler = Scheduler(
             self.allocator,
@@ -93,7 +95,10 @@ class Engine:
         return self.runner.max_model_len
 
     def geometry(self, mtp_enabled: bool = False) -> dict:
-        return geometry(self.model_config, self.runner.dtype, self.config.block_size, mtp_enabled)
+        """What a peer must share to pair (`pd.wire.geometry`), and this node's tensor parallel
+        size, which it need not share."""
+        return dict(geometry(self.model_config, self.runner.dtype, self.config.block_size,
+                             mtp_enabled), tensor_parallel_size=self.config.tensor_parallel_size)
 
     def prefix_stats(self) -> dict:
         """The prefix cache's counters, for a node's heartbeat (zero with caching off)."""
@@ -181,3 +186,4 @@ class Engine:
     def close(self) -> None:
         if "loop" in self.__dict__:  # made (cached_property)
             self.loop.close()
+        self.runner.close()

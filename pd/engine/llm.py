@@ -64,6 +64,16 @@ class LLM:
                              num_speculative_tokens=num_speculative_tokens, overlap=overlap,
                              spec_fallback=spec_fallback)
 
+    def close(self) -> None:
+        """Stop the engine's decode loop and its tensor-parallel worker ranks, if any."""
+        self.engine.close()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
     def encode(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):
             return self.tokenizer.encode(prompt)

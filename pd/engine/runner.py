@@ -25,7 +25,8 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from pd.config import EngineConfig, dtype_name
+from pd.config import EngineConfig, ModelConfig, dtype_name
+from pd.model import parallel
 from pd.model.context import ForwardContext, forward_context, host_context, run_slots
 from pd.engine.host_ring import HostRing, to_device
 from pd.engine.grammar import fill_masks
@@ -35,6 +36,7 @@ from pd.model.loader import load_model
 from pd.engine.request import Req
 from pd.engine.sampler import Sampler, SamplerOutput, SamplingRow
 from pd.engine.scheduler import ScheduledBatch
+from pd.engine.tp import Workers
 
 log = logging.getLogger(__name__)
 
@@ -102,6 +104,11 @@ class ModelRunner:
             # failed its first Triton kernel while the current device was cuda:0
             torch.cuda.set_device(self.device)
         self.dtype = cfg.torch_dtype
+        # tensor parallelism: the worker ranks load their slices while this one loads its own
+        self.tp = None
+        if cfg.tensor_parallel_size > 1:
+            parallel.check_layout(ModelConfig.from_dir(cfg.model), cfg.tensor_parallel_size)
+            self.tp = Workers(cfg)
         self.model = load_model(cfg.model, self.dtype, self.device)
         self.model_config = mc = self.model.config
         self.max_model_len = min(cfg.max_model_len or mc.max_context_len,
@@ -109,12 +116,17 @@ class ModelRunner:
         # NOTE: the margin covers the MTP chain's positions past a sequence's last (k <= 4)
         self.model.rotary.cache_positions(self.max_model_len + ROPE_MARGIN, self.device, self.dtype)
         num_blocks = num_blocks_for(mc, cfg, self.dtype)
-        use_graphs = self.device.type == "cuda" and not cfg.enforce_eager
+        # NOTE: not yet with tensor parallelism (its ranks follow rank 0 call by call)
+        use_graphs = self.device.type == "cuda" and not cfg.enforce_eager and self.tp is None
         # the spare block takes graphs' padding writes (and the MTP layout's on CPU)
         spare = use_graphs or spec_layout_requested()
+        kv_heads = self.model.attention_layers()[0].num_kv_heads  # this rank's
         self.kv_cache = KVCache(mc, num_blocks, cfg.block_size, self.dtype, self.device,
-                                spare_blocks=1 if spare else 0)
+                                spare_blocks=1 if spare else 0, kv_heads=kv_heads)
         self.kv_cache.bind(self.model.attention_layers())
+        if self.tp is not None:
+            self.model.mirror = self.tp.setup(num_blocks, 1 if spare else 0, self.max_model_len,
+                                              kv_heads)
         self.graphs = self.prefill_graphs = self.varlen_graphs = None
         if use_graphs:
             from pd.engine.cuda_graph import DecodeGraphs, PrefillGraphs, VarlenPrefillGraphs
@@ -137,6 +149,11 @@ class ModelRunner:
     @property
     def num_blocks(self) -> int:
         return self.kv_cache.num_blocks
+
+    def close(self) -> None:
+        """Stop the tensor-parallel worker ranks, if any."""
+        if self.tp is not None:
+            self.tp.close()
 
     @property
     def block_size(self) -> int:

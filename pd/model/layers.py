@@ -16,6 +16,7 @@ from torch import nn
 from kernels.activation import silu_and_mul
 from kernels.rms_norm import rms_norm
 from kernels.skinny_linear import skinny_linear
+from pd.model import parallel
 from pd.model.context import get_context
 
 
@@ -26,6 +27,18 @@ class Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return skinny_linear(x, self.weight, self.bias)
+
+
+class RowLinear(Linear):
+    """A row-parallel Linear (`pd.model.parallel`): its weight holds this rank's input columns,
+    so each rank's product is a partial sum; the sum over ranks, then the bias (whole on every
+    rank, added once)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if parallel.group().size == 1:
+            return skinny_linear(x, self.weight, self.bias)
+        out = parallel.all_reduce(skinny_linear(x, self.weight))
+        return out if self.bias is None else out.add_(self.bias)
 
 
 class RMSNorm(nn.Module):
@@ -198,15 +211,17 @@ ACTIVATIONS = {
 
 class MLP(nn.Module):
     """The gated MLP with one fused gate/up projection (`gate_up_proj`: the checkpoint's
-    gate_proj and up_proj stacked by rows at load) and SiLU-and-multiply in one kernel."""
+    gate_proj and up_proj stacked by rows at load) and SiLU-and-multiply in one kernel. Under
+    tensor parallelism each rank holds 1/N of the intermediate columns (`pd.model.parallel`)."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, bias: bool,
                  act: str = "silu") -> None:
         super().__init__()
         self.act_name, self.act = act, ACTIVATIONS[act]
-        self.intermediate_size = intermediate_size
+        self.intermediate_size = intermediate_size = parallel.group().split(
+            intermediate_size, "intermediate_size")
         self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, bias=bias)
-        self.down_proj = Linear(intermediate_size, hidden_size, bias=bias)
+        self.down_proj = RowLinear(intermediate_size, hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)

@@ -19,29 +19,36 @@ its output o_i gives logits for t_{i+2}.
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import torch
 from torch import nn
 
 from kernels.skinny_linear import skinny_linear
 from pd.config import ModelConfig
 from pd.model.attention import rope_cache_attention
-from pd.model.layers import MLP, Linear, RMSNorm, RotaryEmbedding
+from pd.model import parallel
+from pd.model.layers import MLP, Linear, RMSNorm, RotaryEmbedding, RowLinear
 
 
 class Attention(nn.Module):
     """Self-attention with one fused QKV projection (`qkv_proj`: the checkpoint's q/k/v_proj
     stacked by rows at load), rotary and the KV-cache write in one kernel, paged attention (in
-    a plain decode step on CUDA, all three in one kernel: `rope_cache_attention`)."""
+    a plain decode step on CUDA, all three in one kernel: `rope_cache_attention`). Under tensor
+    parallelism a rank holds 1/N of the query and KV heads (`pd.model.parallel`)."""
 
     def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding,
                  sliding_window: int | None = None) -> None:
         super().__init__()
         self.sliding_window = sliding_window
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        tp = parallel.group()
+        self.num_heads = tp.split(cfg.num_heads, "num_attention_heads")
+        self.num_kv_heads = tp.split(cfg.num_kv_heads, "num_key_value_heads")
+        self.head_dim = cfg.head_dim
         h = cfg.hidden_size
-        self.q_size, self.kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        self.q_size, self.kv_size = self.num_heads * cfg.head_dim, self.num_kv_heads * cfg.head_dim
         self.qkv_proj = Linear(h, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
-        self.o_proj = Linear(self.q_size, h, bias=cfg.o_bias)
+        self.o_proj = RowLinear(self.q_size, h, bias=cfg.o_bias)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
@@ -95,14 +102,15 @@ class DecoderLayer(nn.Module):
 class DecoderModel(nn.Module):
     def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        # NOTE: under tensor parallelism, this rank's vocabulary rows (`parallel.vocab_shard`)
+        self.embed_tokens = nn.Embedding(parallel.vocab_shard(cfg.vocab_size)[1], cfg.hidden_size)
         self.layers = nn.ModuleList(
             DecoderLayer(cfg, rotary, cfg.sliding_window if i in cfg.sliding_layers else None)
             for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        x, residual = self.embed_tokens(input_ids), None
+        x, residual = parallel.embed(self.embed_tokens.weight, input_ids), None
         for layer in self.layers:
             x, residual = layer(positions, x, residual)
         return x + residual
@@ -130,8 +138,12 @@ class CausalLM(nn.Module):
                                       cfg.max_position_embeddings)
         self.model = DecoderModel(cfg, self.rotary)
         if not cfg.tie_word_embeddings:
-            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+            self.lm_head = nn.Linear(cfg.hidden_size, parallel.vocab_shard(cfg.vocab_size)[1],
+                                     bias=False)
         self.mtp = MTPLayer(cfg, self.rotary) if cfg.has_mtp else None
+        # NOTE: under tensor parallelism, rank 0's model tells the other ranks each call
+        # (`pd.engine.tp.Mirror`) so that they run the same one with it; None otherwise
+        self.mirror = None
 
     @property
     def head_weight(self) -> torch.Tensor:
@@ -144,9 +156,15 @@ class CausalLM(nn.Module):
             layers.append(self.mtp.layer.self_attn)
         return layers
 
+    def _mirrored(self, op: str, *tensors: torch.Tensor):
+        """Under tensor parallelism on rank 0: the other ranks are told this call first, and no
+        other call is sent until its body is done; nothing otherwise."""
+        return nullcontext() if self.mirror is None else self.mirror.mirrored(op, *tensors)
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        self.rotary.reset()
-        return self.model(input_ids, positions)
+        with self._mirrored("forward", input_ids, positions):
+            self.rotary.reset()
+            return self.model(input_ids, positions)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Pre-norm hidden states [N, H] -> float32 logits [N, V]."""
@@ -156,11 +174,18 @@ class CausalLM(nn.Module):
         """Pre-norm hidden states [N, H] -> logits [N, V] in the model's dtype (what
         `compute_logits` widens), written into `out` when given (a CUDA graph's static buffer).
         Enough for an argmax: widening to float32 keeps every value and its order."""
-        return skinny_linear(self.model.norm(hidden), self.head_weight, out=out)
+        if parallel.group().size == 1:
+            return skinny_linear(self.model.norm(hidden), self.head_weight, out=out)
+        with self._mirrored("head_logits", hidden):
+            logits = parallel.gather_vocab(skinny_linear(self.model.norm(hidden), self.head_weight),
+                                           self.config.vocab_size)
+        return logits if out is None else out.copy_(logits)
 
     def mtp_forward(self, input_ids: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         """One MTP entry per token: input_ids are the *next* tokens, hidden the states they follow."""
         if self.mtp is None:
             raise RuntimeError("this checkpoint has no MTP layer (num_nextn_predict_layers is 0)")
-        self.rotary.reset()
-        return self.mtp(positions, self.model.embed_tokens(input_ids), hidden)
+        with self._mirrored("mtp_forward", input_ids, positions, hidden):
+            self.rotary.reset()
+            return self.mtp(positions, parallel.embed(self.model.embed_tokens.weight, input_ids),
+                            hidden)

@@ -6,7 +6,8 @@ naming it, and so is a tensor the model has no place for (an MTP layer the confi
 declare, a bias the config does not ask for): nothing is skipped silently. Block-quantized fp8
 weights (`*.weight` in float8_e4m3fn with `*.weight_scale_inv`) are dequantized at load. The
 checkpoint's q/k/v and gate/up projections are stacked by rows into pd's fused `qkv_proj` and
-`gate_up_proj` (`checkpoint_targets`).
+`gate_up_proj` (`checkpoint_targets`). Under tensor parallelism (`pd.model.parallel`) each
+rank takes its slice of each checkpoint tensor (`shard`) and the shapes checked are the slice's.
 Tokenizer files are `pd.text.tokenizer`'s business.
 """
 
@@ -20,6 +21,7 @@ import torch
 from safetensors import safe_open
 
 from pd.config import ModelConfig, ModelConfigError
+from pd.model import parallel
 from pd.model.llama import CausalLM
 
 log = logging.getLogger(__name__)
@@ -69,10 +71,9 @@ _STACKED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qk
 def checkpoint_targets(model: CausalLM) -> dict[str, tuple[str, int, int]]:
     """Every tensor name the checkpoint must hold -> (parameter name, first row, rows): the
     parameter itself, or the rows of a fused projection that the checkpoint stores apart."""
-    cfg = model.config
-    rows = {"qkv_proj": (cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim,
-                         cfg.num_kv_heads * cfg.head_dim),
-            "gate_up_proj": (cfg.intermediate_size, cfg.intermediate_size)}
+    attn, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp  # this rank's sizes
+    rows = {"qkv_proj": (attn.q_size, attn.kv_size, attn.kv_size),
+            "gate_up_proj": (mlp.intermediate_size, mlp.intermediate_size)}
     targets = {}
     for name, param in model.named_parameters():
         prefix, _, leaf = name.rpartition(".")  # leaf: weight or bias
@@ -85,6 +86,31 @@ def checkpoint_targets(model: CausalLM) -> dict[str, tuple[str, int, int]]:
                 sizes = rows[proj]
                 targets[f"{module_prefix}.{part}.{leaf}"] = (name, sum(sizes[:index]), sizes[index])
     return targets
+
+
+_COLUMN_PARALLEL = (".q_proj.", ".k_proj.", ".v_proj.", ".gate_proj.", ".up_proj.")
+_ROW_PARALLEL = (".o_proj.weight", ".down_proj.weight")
+_VOCAB_PARALLEL = ("model.embed_tokens.weight", "lm_head.weight")
+
+
+def shard(name: str, tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's slice of checkpoint tensor `name` (the whole tensor at size 1): rows of a
+    column-parallel projection, columns of a row-parallel one, vocabulary rows of the
+    embedding and LM head (padded with zero rows to the slice's size), else the whole."""
+    tp = parallel.group()
+    if tp.size == 1:
+        return tensor
+    if name in _VOCAB_PARALLEL:
+        start, rows = parallel.vocab_shard(tensor.shape[0])
+        part = tensor[start:start + rows]
+        if part.shape[0] < rows:
+            part = torch.cat([part, part.new_zeros(rows - part.shape[0], *part.shape[1:])])
+        return part
+    if any(p in name for p in _COLUMN_PARALLEL):
+        return tensor.chunk(tp.size, dim=0)[tp.rank] if tensor.shape[0] % tp.size == 0 else tensor
+    if name.endswith(_ROW_PARALLEL):
+        return tensor.chunk(tp.size, dim=1)[tp.rank] if tensor.shape[1] % tp.size == 0 else tensor
+    return tensor
 
 
 def load_model(path: str | Path, dtype: torch.dtype, device: str | torch.device) -> CausalLM:
@@ -117,11 +143,12 @@ def load_model(path: str | Path, dtype: torch.dtype, device: str | torch.device)
                         continue
                     if name not in targets:
                         if name == "lm_head.weight" and cfg.tie_word_embeddings:
-                            tied_head = f.get_tensor(name)
+                            tied_head = shard(name, f.get_tensor(name))
                         elif not name.endswith(_IGNORABLE):
                             unused.append(name)
                         continue
-                    tensor = f.get_tensor(name)
+                    full = f.get_tensor(name)
+                    tensor = shard(name, full)
                     param, _, num = targets[name]
                     want = (num, *params[param].shape[1:])
                     if tuple(tensor.shape) != want:
@@ -130,7 +157,7 @@ def load_model(path: str | Path, dtype: torch.dtype, device: str | torch.device)
                             f"the model expects {want}"
                         )
                     if tensor.dtype == torch.float8_e4m3fn:
-                        fp8[name] = tensor
+                        fp8[name] = full  # its scales' blocks are the whole tensor's
                     else:
                         assign(name, tensor)
                     loaded.add(name)
@@ -140,7 +167,8 @@ def load_model(path: str | Path, dtype: torch.dtype, device: str | torch.device)
         for name, tensor in fp8.items():
             if name not in scales:
                 raise ModelConfigError(f"fp8 tensor {name} has no {name}_scale_inv in the checkpoint")
-            assign(name, _dequantize_fp8(tensor, scales.pop(name), cfg.fp8_block, name))
+            assign(name, shard(name, _dequantize_fp8(tensor, scales.pop(name), cfg.fp8_block,
+                                                     name)))
         unused += [f"{name}_scale_inv" for name in scales]
     if unused:
         shown = ", ".join(sorted(unused)[:8]) + (f" (+{len(unused) - 8} more)" if len(unused) > 8 else "")

@@ -52,6 +52,13 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                         "a prompt starts after its longest cached prefix, and a decode node "
                         "receives only the blocks it does not hold (default: on; "
                         "--no-enable-prefix-caching turns it off)")
+    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, metavar="N",
+                   help="run the model on N ranks, one process each (one GPU each on CUDA: rank r "
+                        "on cuda:i+r for --device cuda:i; the CPU's cores on CPU), each holding "
+                        "1/N of the heads, the MLP and the KV cache; N must divide the attention "
+                        "heads, the KV heads and the intermediate size. A prefill node and a "
+                        "decode node may have different N: KV crosses with every head "
+                        "(default: 1)")
     g.add_argument("--log-level", default="info",
                    choices=["debug", "info", "warning", "error"], help="log level (default: info)")
 
@@ -74,6 +81,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         max_model_len=args.max_model_len,
         enforce_eager=getattr(args, "enforce_eager", False),
         enable_prefix_caching=getattr(args, "enable_prefix_caching", True),
+        tensor_parallel_size=getattr(args, "tensor_parallel_size", 1),
     )
 
 

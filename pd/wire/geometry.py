@@ -2,7 +2,9 @@
 
 Exchanged in the `Hello` handshake; `mismatch()` names the first field that differs. Block
 counts may differ between nodes (each has its own cache); block size may not (the transport
-does not re-block).
+does not re-block). Tensor parallel sizes may differ: KV crosses with every KV head, joined
+from the sender's ranks and split among the receiver's (`pd.engine.tp`); a size that does not
+divide the KV heads is refused by name.
 """
 
 from __future__ import annotations
@@ -32,4 +34,8 @@ def mismatch(ours: dict, theirs: dict) -> str | None:
     for name in FIELDS:
         if ours.get(name) != theirs.get(name):
             return f"{name} differs: this node has {ours.get(name)!r}, the peer has {theirs.get(name)!r}"
+    size = theirs.get("tensor_parallel_size", 1)
+    if not isinstance(size, int) or size < 1 or ours["num_kv_heads"] % size:
+        return (f"tensor_parallel_size {size!r} of the peer does not split the model's "
+                f"{ours['num_kv_heads']} KV heads")
     return None
