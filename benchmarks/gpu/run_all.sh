@@ -11,7 +11,8 @@
 #   masked logits). Logs go to $OUT (or ./out) and one table each to stdout.
 #     bash benchmarks/gpu/run_all.sh [1|2|3|4]  (1: checks, KV, attention, decode; 2: graphs,
 #                                                 profile, overlap, MTP; 3: two GPUs: KV between
-#                                                 them, the mixed load;
+#                                                 them, the mixed load, tensor
+#                                                 parallelism's parity and step;
 #                                                 4: the decode node's host work per request,
 #                                                 prefix caching and serving against the
 #                                                 engine through pd launch)
@@ -80,5 +81,8 @@ fi
 if [[ $PART == 3 ]]; then  # needs two GPUs: P on cuda:0, D on cuda:1
 TAIL=12 step kv_two_gpus timeout 300 python3 benchmarks/gpu/bench_kv.py --devices cuda:0,cuda:1
 TAIL=10 step mixed python3 benchmarks/gpu/bench_mixed.py --stream-tokens 4096 --warmup 0.25
+TAIL=4 step tp_pd env PD_TEST_DEVICE=cuda python3 -m pytest -q -p no:cacheprovider \
+    tests/e2e/test_tp_pd.py
+TAIL=12 step tp timeout 540 python3 benchmarks/gpu/bench_tp.py --check --batch 1 64
 fi
 exit $status

@@ -22,12 +22,14 @@ from __future__ import annotations
 
 import itertools
 import logging
+from contextlib import contextmanager
 from typing import NamedTuple
 
 import numpy as np
 import torch
 
 from kernels.argmax import argmax
+from pd.engine import tp
 from pd.engine.host_ring import HostRing
 from pd.model.context import ForwardContext, forward_context
 
@@ -40,20 +42,48 @@ def _round_up(n: int, sizes) -> int:
     return next(s for s in sizes if s >= n)
 
 
+class Graph:
+    """A CUDA graph whose capture and replays the worker ranks of a tensor-parallel node
+    follow (`pd.engine.tp`): a capture of model calls there captures the same calls on every
+    rank, with the collectives that pair them up, and each replay here replays the twins. With
+    one rank (or no model call in it), a plain CUDA graph."""
+
+    def __init__(self) -> None:
+        self.graph = torch.cuda.CUDAGraph()
+        self.key: int | None = None  # the workers' twin, where they hold one
+
+    @contextmanager
+    def capturing(self, owner):
+        """Capture into this graph, in `owner.pool` (set by the first capture)."""
+        mirror = tp.active()
+        key = mirror.begin_capture() if mirror is not None else None
+        try:
+            with torch.cuda.graph(self.graph, pool=owner.pool):
+                yield
+        finally:
+            if mirror is not None:
+                self.key = mirror.end_capture(key)
+        if owner.pool is None:
+            owner.pool = self.graph.pool()
+
+    def replay(self) -> None:
+        if self.key is not None:
+            tp.active().replay(self.key)
+        self.graph.replay()
+
+
 def capture(forward, owner: "DecodeGraphs", device: torch.device):
-    """A CUDA graph of `forward()` in `owner`'s memory pool (made by the first capture), after
-    one warm-up run on a side stream (the allocator's and kernels' lazy set-up stays out of the
-    graph); returns the graph and its output."""
+    """A CUDA graph (`Graph`) of `forward()` in `owner`'s memory pool (made by the first
+    capture), after one warm-up run on a side stream (the allocator's and kernels' lazy set-up
+    stays out of the graph); returns the graph and its output."""
     side = torch.cuda.Stream(device)
     side.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(side):
         forward()
     torch.cuda.current_stream(device).wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=owner.pool):
+    graph = Graph()
+    with graph.capturing(owner):
         out = forward()
-    if owner.pool is None:
-        owner.pool = graph.pool()
     return graph, out
 
 
@@ -132,7 +162,7 @@ class DecodeGraphs:
             head = model.head_weight
             self.logits = torch.empty(max_batch, head.shape[0], dtype=head.dtype, device=device)
             self.tokens = torch.zeros(max_batch, **long)
-        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.graphs: dict[tuple[int, int], tuple[Graph, torch.Tensor]] = {}
         self.host = HostRing(pin=device.type == "cuda")
         self.pool = None
         self.device = device
@@ -188,7 +218,7 @@ class DecodeGraphs:
         self.staging[:layout.size].copy_(pad)
 
     def _capture(self, batch: int, width: int,
-                 level: int = logging.INFO) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+                 level: int = logging.INFO) -> tuple[Graph, torch.Tensor]:
         self.pad_inputs((batch, width))
         graph, out = capture(lambda: self._forward(batch, width), self, self.device)
         log.log(level, "captured a decode CUDA graph: batch %d, %d KV blocks per sequence",
@@ -238,7 +268,7 @@ class PrefillGraphs:
             _round_up(max_tokens, PREFILL_SIZES + (max_tokens,)),)
         self.staging = torch.zeros(3 * self.sizes[-1] + 1, dtype=torch.int64, device=device)
         self.host = HostRing(pin=device.type == "cuda")
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.graphs: dict[int, tuple[Graph, torch.Tensor]] = {}
         self.enabled = not any(getattr(m, "sliding_window", None) for m in model.modules())
 
     def fits(self, num_tokens: int) -> bool:
@@ -277,7 +307,7 @@ class PrefillGraphs:
         with forward_context(self.context(size)):
             return self.model(ids, positions)
 
-    def _capture(self, size: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    def _capture(self, size: int) -> tuple[Graph, torch.Tensor]:
         self.staging[:size].zero_()
         self.staging[size:2 * size].copy_(torch.arange(size, device=self.device))
         self.staging[2 * size:3 * size].fill_(self.spare_slot)
@@ -341,7 +371,7 @@ class VarlenPrefillGraphs:
         self.kv_slots = torch.zeros(self.max_keys, **long)
         self.cu_q = torch.zeros(self.seqs[-1] + 1, dtype=torch.int32, device=device)
         self.cu_k = torch.zeros(self.seqs[-1] + 1, dtype=torch.int32, device=device)
-        self.graphs: dict[tuple[int, int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.graphs: dict[tuple[int, int, int], tuple[Graph, torch.Tensor]] = {}
         self.enabled = dtype in (torch.float16, torch.bfloat16) and not any(
             getattr(m, "sliding_window", None) for m in model.modules())
 
@@ -370,7 +400,7 @@ class VarlenPrefillGraphs:
         n, k, b = ctx.slot_mapping.shape[0], ctx.kv_slots.shape[0], ctx.num_seqs
         return _round_up(n, self.tokens), _pow2(k), _round_up(b, self.seqs)
 
-    def _capture(self, key: tuple[int, int, int]) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    def _capture(self, key: tuple[int, int, int]) -> tuple[Graph, torch.Tensor]:
         tokens, keys, seqs = key
         self._fill(0, 0, tokens, keys, seqs, 0)
         graph, out = capture(lambda: self._forward(key), self.decode, self.device)

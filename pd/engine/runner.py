@@ -116,8 +116,7 @@ class ModelRunner:
         # NOTE: the margin covers the MTP chain's positions past a sequence's last (k <= 4)
         self.model.rotary.cache_positions(self.max_model_len + ROPE_MARGIN, self.device, self.dtype)
         num_blocks = num_blocks_for(mc, cfg, self.dtype)
-        # NOTE: not yet with tensor parallelism (its ranks follow rank 0 call by call)
-        use_graphs = self.device.type == "cuda" and not cfg.enforce_eager and self.tp is None
+        use_graphs = self.device.type == "cuda" and not cfg.enforce_eager
         # the spare block takes graphs' padding writes (and the MTP layout's on CPU)
         spare = use_graphs or spec_layout_requested()
         kv_heads = self.model.attention_layers()[0].num_kv_heads  # this rank's

@@ -24,13 +24,18 @@ log line): a node missing a rank cannot compute, and its router routes around a 
 is gone. A worker whose rank 0 dies ends too (its next receive fails; on Linux the kernel also
 kills it with its parent).
 
-Not yet: CUDA graphs (a node with N > 1 runs its steps eagerly) and the CUDA IPC KV tier (KV
-crosses by the ring or ZMQ).
+CUDA graphs: rank 0's graphs (`pd.engine.cuda_graph.Graph`) tell the workers when a capture
+begins and ends; the calls between are captured there too, each opening with the broadcast of
+its packed inputs, so a replay on rank 0 (one REPLAY message to the workers) moves the step's
+inputs and meets the twins' collectives on the device, with no other host message.
+
+Not yet: the CUDA IPC KV tier (KV crosses by the ring or ZMQ).
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import logging
 import os
@@ -93,7 +98,12 @@ def _context(parts: dict | None, tensors: list[torch.Tensor]) -> ForwardContext 
 
 
 class Channel:
-    """One rank's end of the node's call channel: rank 0 broadcasts, the workers receive."""
+    """One rank's end of the node's call channel: rank 0 broadcasts, the workers receive. Each
+    message opens with three int64 on the control group: (MESSAGE, header bytes, payload bytes)
+    then the msgpack header (control group) and the packed tensors (data group), or
+    (REPLAY, graph key, 0) alone."""
+
+    MESSAGE, REPLAY = 0, 1
 
     def __init__(self, control, data, device: torch.device) -> None:
         self.control, self.data, self.device = control, data, device
@@ -102,19 +112,26 @@ class Channel:
         header["tensors"] = [(list(t.shape), str(t.dtype)) for t in tensors]
         raw = msgpack.packb(header)
         payload = self._pack(tensors)
-        lens = torch.tensor([len(raw), payload.numel()], dtype=torch.int64)
-        dist.broadcast(lens, 0, group=self.control)
+        head = torch.tensor([self.MESSAGE, len(raw), payload.numel()], dtype=torch.int64)
+        dist.broadcast(head, 0, group=self.control)
         dist.broadcast(torch.frombuffer(bytearray(raw), dtype=torch.uint8), 0, group=self.control)
         if payload.numel():
             dist.broadcast(payload, 0, group=self.data)
 
+    def send_replay(self, key: int) -> None:
+        dist.broadcast(torch.tensor([self.REPLAY, key, 0], dtype=torch.int64), 0,
+                       group=self.control)
+
     def recv(self) -> tuple[dict, list[torch.Tensor]]:
-        lens = torch.empty(2, dtype=torch.int64)
-        dist.broadcast(lens, 0, group=self.control)
-        raw = torch.empty(int(lens[0]), dtype=torch.uint8)
+        head = torch.empty(3, dtype=torch.int64)
+        dist.broadcast(head, 0, group=self.control)
+        kind, a, b = head.tolist()
+        if kind == self.REPLAY:
+            return {"op": "replay", "key": a}, []
+        raw = torch.empty(a, dtype=torch.uint8)
         dist.broadcast(raw, 0, group=self.control)
         header = msgpack.unpackb(raw.numpy().tobytes())
-        payload = torch.empty(int(lens[1]), dtype=torch.uint8, device=self.device)
+        payload = torch.empty(b, dtype=torch.uint8, device=self.device)
         if payload.numel():
             dist.broadcast(payload, 0, group=self.data)
         tensors, offset = [], 0
@@ -145,6 +162,8 @@ class Mirror:
         self.channel, self.kv_heads = channel, kv_heads
         self.size = parallel.group().size
         self.lock = threading.RLock()
+        self.graph_keys = itertools.count()
+        self.calls = 0  # calls sent (a capture with none has no twin)
 
     @contextmanager
     def mirrored(self, op: str, *tensors: torch.Tensor):
@@ -158,7 +177,33 @@ class Mirror:
         with self.lock:
             self.channel.send({"op": op, "num_args": len(tensors), "ctx": scalars},
                               [*tensors, *ctx_tensors])
+            self.calls += 1
             yield
+
+    def begin_capture(self) -> int:
+        """The workers start capturing a graph's twin (`pd.engine.cuda_graph.Graph`): the
+        calls sent until `end_capture` are captured there. Holds the lock meanwhile: no other
+        thread's call may land in the twin."""
+        self.lock.acquire()
+        key = next(self.graph_keys)
+        self.channel.send({"op": "capture_begin", "key": key, "num_args": 0, "ctx": None}, [])
+        self.captured_from = self.calls
+        return key
+
+    def end_capture(self, key: int) -> int | None:
+        """The twin is captured; returns its key, or None where it holds no call (nothing
+        for the workers to replay)."""
+        try:
+            keep = self.calls > self.captured_from
+            self.channel.send({"op": "capture_end", "key": key, "keep": keep, "num_args": 0,
+                               "ctx": None}, [])
+            return key if keep else None
+        finally:
+            self.lock.release()
+
+    def replay(self, key: int) -> None:
+        with self.lock:
+            self.channel.send_replay(key)
 
     def gather_kv(self, kv: torch.Tensor, block_ids) -> torch.Tensor:
         """Blocks `block_ids` of every rank's cache joined by KV head: [L, 2, n, B, H, D] with
@@ -193,6 +238,14 @@ def _install_kv(kv: torch.Tensor, chunk: torch.Tensor, ids: torch.Tensor, l0: in
     heads = kv.shape[4]
     mine = chunk[..., tp.rank * heads:(tp.rank + 1) * heads, :].to(kv.device, kv.dtype)
     kv[l0:l1, :, ids.to(kv.device)] = mine
+
+
+_ACTIVE: Mirror | None = None
+
+
+def active() -> Mirror | None:
+    """Rank 0's mirror while this process runs a tensor-parallel node, else None."""
+    return _ACTIVE
 
 
 class Workers:
@@ -232,7 +285,8 @@ class Workers:
         self.channel.send({"op": "setup", "num_args": 0, "ctx": None,
                            "num_blocks": num_blocks, "spare_blocks": spare_blocks,
                            "max_model_len": max_model_len}, [])
-        self.mirror = Mirror(self.channel, kv_heads)
+        global _ACTIVE
+        self.mirror = _ACTIVE = Mirror(self.channel, kv_heads)
         return self.mirror
 
     def _watch(self) -> None:
@@ -268,6 +322,8 @@ class Workers:
                     p.kill()
             dist.destroy_process_group()
             parallel.init(0, 1, None)
+            global _ACTIVE
+            _ACTIVE = None
 
 
 def _join(rank: int, size: int, store, device: torch.device) -> Channel:
@@ -319,12 +375,32 @@ def worker_main(rank: int, port: int, cfg: EngineConfig) -> None:
     kv_cache.bind(model.attention_layers())
     model.rotary.cache_positions(header["max_model_len"] + ROPE_MARGIN, device, cfg.torch_dtype)
     log.info("tensor parallel rank %d ready on %s", rank, device)
+    graphs: dict[int, torch.cuda.CUDAGraph] = {}  # twins of rank 0's graphs, by key
+    capturing = None  # (key, graph, its capture context) between capture_begin and _end
+    pool = None  # one memory pool for every twin, as rank 0's graphs share one
     with torch.inference_mode():
         while True:
             header, tensors = channel.recv()
-            op, args = header["op"], tensors[:header["num_args"]]
+            op = header["op"]
+            if op == "replay":
+                graphs[header["key"]].replay()
+                continue
             if op == "stop":
                 break
+            if op == "capture_begin":
+                graph = torch.cuda.CUDAGraph()
+                capturing = (header["key"], graph, torch.cuda.graph(graph, pool=pool))
+                capturing[2].__enter__()
+                continue
+            if op == "capture_end":
+                key, graph, cm = capturing
+                cm.__exit__(None, None, None)
+                pool = pool if pool is not None else graph.pool()
+                if header["keep"]:
+                    graphs[key] = graph
+                capturing = None
+                continue
+            args = tensors[:header["num_args"]]
             ctx = _context(header["ctx"], tensors[header["num_args"]:])
             with forward_context(ctx) if ctx is not None else _no_context():
                 if op == "forward":

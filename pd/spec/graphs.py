@@ -45,7 +45,7 @@ from kernels.advance_inputs import INPUTS as ADVANCED, advance_inputs
 from kernels.argmax import argmax
 from kernels.token_logprob import token_logprob
 from kernels.launch import use_kernels
-from pd.engine.cuda_graph import BATCH_SIZES, capture
+from pd.engine.cuda_graph import BATCH_SIZES, Graph, capture
 from pd.engine.host_ring import HostRing
 from pd.engine.logprobs import Logprobs, compute_logprobs
 from pd.model.context import ForwardContext, forward_context
@@ -133,9 +133,9 @@ class StepGraphs:
         self.p_draft = torch.zeros(num_slots, owner.k, device=owner.device)
         self.uniforms = torch.zeros(num_slots, owner.k, device=owner.device)
         self.graphs = None
-        self.lp_graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
-        self.lp0_graph: tuple[torch.cuda.CUDAGraph, torch.Tensor] | None = None  # `draft(lp0)`
-        self.chain_lp0: tuple[torch.cuda.CUDAGraph, torch.Tensor] | None = None  # `chain(lp0)`
+        self.lp_graphs: dict[int, tuple[Graph, torch.Tensor]] = {}
+        self.lp0_graph: tuple[Graph, torch.Tensor] | None = None  # `draft(lp0)`
+        self.chain_lp0: tuple[Graph, torch.Tensor] | None = None  # `chain(lp0)`
         self.verified: Verified | None = None
         self.result: torch.Tensor | None = None  # [S, 2k + 4] int64
         # what the known part of `inputs` (`Layout.tail` on) was last written for: (slot rows,
@@ -156,21 +156,17 @@ class StepGraphs:
             owner._advance(self.views, result)
         torch.cuda.current_stream(dev).wait_stream(side)
         self.inputs.copy_(snapshot)
-        verify, draft = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
-        with torch.cuda.graph(verify, pool=owner.pool_owner.pool):
+        verify, draft, advance, chain = Graph(), Graph(), Graph(), Graph()
+        with verify.capturing(owner.pool_owner):
             self.verified = owner._verify(self.views, self.width)
-        if owner.pool_owner.pool is None:
-            owner.pool_owner.pool = verify.pool()
-        with torch.cuda.graph(draft, pool=owner.pool_owner.pool):
+        with draft.capturing(owner.pool_owner):
             self.result = owner._draft(self.views, self.verified, self.p_draft, self.uniforms, self.width)
-        advance = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(advance, pool=owner.pool_owner.pool):
+        with advance.capturing(owner.pool_owner):
             owner._advance(self.views, self.result)
         # NOTE: a chained step's three in one replay; captured here, where replaying it would
         # only move padding: a capture on first use warms up first, and its advance would move
         # a live step's inputs once more
-        chain = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(chain, pool=owner.pool_owner.pool):
+        with chain.capturing(owner.pool_owner):
             owner._advance(self.views, self.result)
             verified = owner._verify(self.views, self.width)
             self.result.copy_(owner._draft(self.views, verified, self.p_draft, self.uniforms,

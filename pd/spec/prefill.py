@@ -38,7 +38,7 @@ from kernels.argmax import argmax
 from kernels.draft_preprocess import CHUNK, PREFILL
 from kernels.launch import use_kernels
 from kernels.token_logprob import token_logprob
-from pd.engine.cuda_graph import PrefillGraphs, capture
+from pd.engine.cuda_graph import Graph, PrefillGraphs, capture
 from pd.engine.host_ring import HostRing
 from pd.engine.logprobs import compute_logprobs
 from pd.engine.request import Req
@@ -83,7 +83,7 @@ class SpecPrefill:
         # per shape (a prefill size, or a varlen key): the slots' inputs, their device buffer
         # and views of it; per (shape, top-logprob columns): the graph and its result
         self.buffers: dict[object, tuple[Inputs, torch.Tensor, dict]] = {}
-        self.steps: dict[tuple, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.steps: dict[tuple, tuple[Graph, torch.Tensor]] = {}
         self.host = HostRing(pin=self.device.type == "cuda")
 
     # -- which steps ---------------------------------------------------------------------------

@@ -1,6 +1,7 @@
 """Tensor parallelism across the PD path with real processes: a prefill node and a decode node
 with different tensor parallel sizes (2 ranks, gloo on CPU) give the tokens of single-process
-generation through the ring and ZMQ, and a node whose worker rank dies goes down and says why."""
+generation through the ring and ZMQ, and a node whose worker rank dies goes down and says why.
+With PD_TEST_DEVICE=cuda on a host with two GPUs, the ranks are cuda:0 and cuda:1 (NCCL)."""
 
 from __future__ import annotations
 
@@ -11,13 +12,16 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from pd.engine.llm import LLM
 from pd.wire.sampling_params import SamplingParams
 from tests.e2e.conftest import DEVICE, DEVICE_KWARGS, wait_idle
 from tests.e2e.test_pd_path import mixed_prompts
 
-pytestmark = pytest.mark.skipif(DEVICE != "cpu", reason="the CPU's gloo ranks (GPU: run_all.sh)")
+pytestmark = pytest.mark.skipif(
+    DEVICE != "cpu" and torch.cuda.device_count() < 2,
+    reason="two ranks on CUDA need two GPUs (PD_TEST_DEVICE=cuda on a two-GPU host)")
 
 
 @pytest.fixture(scope="module")
