@@ -62,7 +62,7 @@ class Graph:
                 yield
         finally:
             if mirror is not None:
-                self.key = mirror.end_capture(key)
+                self.key = mirror.end_capture(key, self.graph)
         if owner.pool is None:
             owner.pool = self.graph.pool()
 
@@ -159,8 +159,8 @@ class DecodeGraphs:
         # what the last replay's rows 0..batch-1 gave: logits [B, V] and their argmax [B]
         self.logits = self.tokens = None
         if model is not None:
-            head = model.head_weight
-            self.logits = torch.empty(max_batch, head.shape[0], dtype=head.dtype, device=device)
+            self.logits = torch.empty(max_batch, model.config.vocab_size,
+                                      dtype=model.head_weight.dtype, device=device)
             self.tokens = torch.zeros(max_batch, **long)
         self.graphs: dict[tuple[int, int], tuple[Graph, torch.Tensor]] = {}
         self.host = HostRing(pin=device.type == "cuda")

@@ -109,23 +109,28 @@ class ModelRunner:
         if cfg.tensor_parallel_size > 1:
             parallel.check_layout(ModelConfig.from_dir(cfg.model), cfg.tensor_parallel_size)
             self.tp = Workers(cfg)
-        self.model = load_model(cfg.model, self.dtype, self.device)
-        self.model_config = mc = self.model.config
-        self.max_model_len = min(cfg.max_model_len or mc.max_context_len,
-                                 mc.max_context_len)
-        # NOTE: the margin covers the MTP chain's positions past a sequence's last (k <= 4)
-        self.model.rotary.cache_positions(self.max_model_len + ROPE_MARGIN, self.device, self.dtype)
-        num_blocks = num_blocks_for(mc, cfg, self.dtype)
-        use_graphs = self.device.type == "cuda" and not cfg.enforce_eager
-        # the spare block takes graphs' padding writes (and the MTP layout's on CPU)
-        spare = use_graphs or spec_layout_requested()
-        kv_heads = self.model.attention_layers()[0].num_kv_heads  # this rank's
-        self.kv_cache = KVCache(mc, num_blocks, cfg.block_size, self.dtype, self.device,
-                                spare_blocks=1 if spare else 0, kv_heads=kv_heads)
-        self.kv_cache.bind(self.model.attention_layers())
-        if self.tp is not None:
-            self.model.mirror = self.tp.setup(num_blocks, 1 if spare else 0, self.max_model_len,
-                                              kv_heads)
+        try:
+            self.model = load_model(cfg.model, self.dtype, self.device)
+            self.model_config = mc = self.model.config
+            self.max_model_len = min(cfg.max_model_len or mc.max_context_len,
+                                     mc.max_context_len)
+            # NOTE: the margin covers the MTP chain's positions past a sequence's last (k <= 4)
+            self.model.rotary.cache_positions(self.max_model_len + ROPE_MARGIN, self.device, self.dtype)
+            num_blocks = num_blocks_for(mc, cfg, self.dtype)
+            use_graphs = self.device.type == "cuda" and not cfg.enforce_eager
+            # the spare block takes graphs' padding writes (and the MTP layout's on CPU)
+            spare = use_graphs or spec_layout_requested()
+            kv_heads = self.model.attention_layers()[0].num_kv_heads  # this rank's
+            self.kv_cache = KVCache(mc, num_blocks, cfg.block_size, self.dtype, self.device,
+                                    spare_blocks=1 if spare else 0, kv_heads=kv_heads)
+            self.kv_cache.bind(self.model.attention_layers())
+            if self.tp is not None:
+                self.model.mirror = self.tp.setup(num_blocks, 1 if spare else 0, self.max_model_len,
+                                                  kv_heads)
+        except BaseException:  # the workers wait for a setup that will not come
+            if self.tp is not None:
+                self.tp.close()
+            raise
         self.graphs = self.prefill_graphs = self.varlen_graphs = None
         if use_graphs:
             from pd.engine.cuda_graph import DecodeGraphs, PrefillGraphs, VarlenPrefillGraphs

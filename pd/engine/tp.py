@@ -43,7 +43,8 @@ import signal
 import subprocess
 import sys
 import threading
-from contextlib import contextmanager
+import weakref
+from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, fields
 from datetime import timedelta
 
@@ -164,6 +165,9 @@ class Mirror:
         self.lock = threading.RLock()
         self.graph_keys = itertools.count()
         self.calls = 0  # calls sent (a capture with none has no twin)
+        # every graph captured here, whose collectives must be released before the group's
+        # (`release_graphs`)
+        self.graphs: weakref.WeakSet = weakref.WeakSet()
 
     @contextmanager
     def mirrored(self, op: str, *tensors: torch.Tensor):
@@ -190,9 +194,10 @@ class Mirror:
         self.captured_from = self.calls
         return key
 
-    def end_capture(self, key: int) -> int | None:
+    def end_capture(self, key: int, graph: torch.cuda.CUDAGraph) -> int | None:
         """The twin is captured; returns its key, or None where it holds no call (nothing
         for the workers to replay)."""
+        self.graphs.add(graph)
         try:
             keep = self.calls > self.captured_from
             self.channel.send({"op": "capture_end", "key": key, "keep": keep, "num_args": 0,
@@ -204,6 +209,12 @@ class Mirror:
     def replay(self, key: int) -> None:
         with self.lock:
             self.channel.send_replay(key)
+
+    def release_graphs(self) -> None:
+        """Free every graph captured on this rank: a graph holding NCCL work keeps the
+        communicator from being destroyed (its destroy waits forever)."""
+        for graph in list(self.graphs):
+            graph.reset()
 
     def gather_kv(self, kv: torch.Tensor, block_ids) -> torch.Tensor:
         """Blocks `block_ids` of every rank's cache joined by KV head: [L, 2, n, B, H, D] with
@@ -219,10 +230,6 @@ class Mirror:
         ids = torch.as_tensor(list(block_ids), dtype=torch.int64)
         with self.mirrored("install_kv", chunk, ids, torch.tensor([l0, l1])):
             _install_kv(kv, chunk, ids, l0, l1)
-
-    def stop(self) -> None:
-        with self.lock:
-            self.channel.send({"op": "stop", "num_args": 0, "ctx": None}, [])
 
 
 def _gather_kv(kv: torch.Tensor, ids: torch.Tensor, pg) -> torch.Tensor:
@@ -311,16 +318,24 @@ class Workers:
         if self.stopping:
             return
         self.stopping = True
+        # NOTE: the graphs go first (on the workers too): NCCL's destroy waits forever on a
+        # communicator that a live CUDA graph holds work of; then every rank destroys the group
+        # at once (a destroy waits for the other ranks')
+        if self.mirror is not None:
+            self.mirror.release_graphs()
         try:
-            if self.mirror is not None and self.failed is None:
-                self.mirror.stop()
+            if self.failed is None:
+                with self.mirror.lock if self.mirror is not None else nullcontext():
+                    self.channel.send({"op": "stop", "num_args": 0, "ctx": None}, [])
+                dist.destroy_process_group()
         finally:
             for p in self.procs:
                 try:
                     p.wait(timeout=30)
                 except subprocess.TimeoutExpired:
                     p.kill()
-            dist.destroy_process_group()
+            if dist.is_initialized():  # a worker died: nothing to wait for
+                dist.destroy_process_group()
             parallel.init(0, 1, None)
             global _ACTIVE
             _ACTIVE = None
@@ -416,7 +431,12 @@ def worker_main(rank: int, port: int, cfg: EngineConfig) -> None:
                     _install_kv(kv_cache.kv, args[0], args[1], l0, l1)
                 else:
                     raise RuntimeError(f"tensor parallel rank {rank}: unknown call {op!r}")
+    # NOTE: graphs first, then the group, with rank 0 (see Workers.close)
+    for graph in graphs.values():
+        graph.reset()
     dist.destroy_process_group()
+    logging.shutdown()
+    os._exit(0)
 
 
 @contextmanager
