@@ -212,7 +212,7 @@ class DecodeLoop:
                 self.scheduler.update_spec(batch, results)
                 self.times.add("launch", t)
                 self.last = None
-                done = [batch.reqs[i] for i, res in sorted(results.items()) for _ in res.tokens]
+                done = [batch.reqs[i] for i, res in sorted(results.items()) for _ in res.token_ids]
                 self.measure(True, None, len(done))
                 return emitted + done
             cur = self.spec.launch_graphed(batch, key)
@@ -389,7 +389,7 @@ class DecodeLoop:
                                    finish=lambda req, reason: self.finish(req, reason, nxt))
         for req in f.free_after:
             self.scheduler.free_blocks(req)
-        emitted = [f.batch.reqs[i] for i, res in sorted(results.items()) for _ in res.tokens]
+        emitted = [f.batch.reqs[i] for i, res in sorted(results.items()) for _ in res.token_ids]
         self.measure(True, f.batch, len(emitted))
         self.times.add("process", t)
         return emitted

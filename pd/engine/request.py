@@ -113,6 +113,20 @@ class Req:
             self.output_ranks.append(rank)
             self.output_top_logprobs.append(top or [])
 
+    def extend_tokens(self, token_ids: list[int], logprobs: tuple[list, list, list] | None = None
+                      ) -> None:
+        """`append_token` for several tokens at once (an MTP step's kept run): `logprobs` holds
+        their logprobs, ranks and top pairs, one list each, where asked."""
+        self.token_ids.extend(token_ids)
+        if self.grammar is not None:
+            for t in token_ids:
+                self.grammar.accept(t)
+        if self.params.logprobs is not None:
+            lps, ranks, tops = logprobs
+            self.output_logprobs.extend(lps)
+            self.output_ranks.extend(ranks)
+            self.output_top_logprobs.extend(tops)
+
     def check_stop(self, max_model_len: int) -> FinishReason | None:
         """The stop condition after the last appended token, or None to go on."""
         params, last, num_out = self.params, self.token_ids[-1], self.num_output_tokens

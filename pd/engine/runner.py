@@ -115,7 +115,8 @@ class ModelRunner:
             self.max_model_len = min(cfg.max_model_len or mc.max_context_len,
                                      mc.max_context_len)
             # NOTE: the margin covers the MTP chain's positions past a sequence's last (k <= 4)
-            self.model.rotary.cache_positions(self.max_model_len + ROPE_MARGIN, self.device, self.dtype)
+            self.model.rotary.cache_positions(self.max_model_len + ROPE_MARGIN, self.device,
+                                              self.dtype)
             num_blocks = num_blocks_for(mc, cfg, self.dtype)
             use_graphs = self.device.type == "cuda" and not cfg.enforce_eager
             # the spare block takes graphs' padding writes (and the MTP layout's on CPU)
@@ -125,8 +126,8 @@ class ModelRunner:
                                     spare_blocks=1 if spare else 0, kv_heads=kv_heads)
             self.kv_cache.bind(self.model.attention_layers())
             if self.tp is not None:
-                self.model.mirror = self.tp.setup(num_blocks, 1 if spare else 0, self.max_model_len,
-                                                  kv_heads)
+                self.model.mirror = self.tp.setup(num_blocks, 1 if spare else 0,
+                                                  self.max_model_len)
         except BaseException:  # the workers wait for a setup that will not come
             if self.tp is not None:
                 self.tp.close()

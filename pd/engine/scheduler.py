@@ -204,8 +204,7 @@ class Scheduler:
             if res is None:
                 self.register(req)
                 continue
-            for token in res.tokens:
-                req.append_token(*token)
+            req.extend_tokens(res.token_ids, res.logprobs)
             # The target's KV holds every kept token but the newest one.
             req.num_computed_tokens = req.num_tokens - 1
             self.register(req)

@@ -2,7 +2,7 @@
 
 A node (or `pd generate`) with `tensor_parallel_size` N > 1 is N processes. Rank 0 is the node
 itself: its scheduler, sampler, decode loop and transport run once, there. Ranks 1..N-1 are
-worker processes (`python -m pd.engine.tp`, started by `Workers.start`), each holding its slice
+worker processes (`python -m pd.engine.tp`, started by `Workers`), each holding its slice
 of the weights and of the KV cache (`pd.model.parallel`) and no scheduler. They follow rank 0 by
 mirroring its model's calls: each call of rank 0's model (`forward`, `head_logits`,
 `mtp_forward`) first sends the call's name, its inputs and the forward context (the step's
@@ -19,10 +19,11 @@ control group (gloo, host memory); its tensors go packed in one buffer on the da
 on CPU, NCCL on CUDA). Nothing is pickled; the workers' command lines carry the engine config
 as JSON. Rank r runs on `cuda:(i + r)` for a node on `cuda:i`, on the CPU for a CPU node.
 
-A worker that dies takes the node down (`Workers` watches them and ends rank 0's process with a
-log line): a node missing a rank cannot compute, and its router routes around a node that
-is gone. A worker whose rank 0 dies ends too (its next receive fails; on Linux the kernel also
-kills it with its parent).
+A worker that dies takes the node down (`Workers` watches them, logs which one ended, and stops
+rank 0's process as Ctrl-C would, ending it outright if that has not within EXIT_GRACE_S): a
+node missing a rank cannot compute, and its router routes around a node that is gone. A
+worker whose rank 0 dies ends too (its next receive fails; on Linux the kernel also kills it
+with its parent).
 
 CUDA graphs: rank 0's graphs (`pd.engine.cuda_graph.Graph`) tell the workers when a capture
 begins and ends; the calls between are captured there too, each opening with the broadcast of
@@ -58,8 +59,8 @@ from pd.model.context import ForwardContext, forward_context, get_context
 
 log = logging.getLogger(__name__)
 
-INIT_TIMEOUT = timedelta(seconds=300)
-EXIT_GRACE_S = 10.0  # a node whose worker died has this long to stop before it exits  # every rank loads its weights before the first collective
+INIT_TIMEOUT = timedelta(seconds=300)  # every rank loads its weights before the first collective
+EXIT_GRACE_S = 10.0  # a node whose worker died has this long to stop before it exits
 _DTYPES = {str(d): d for d in (torch.float32, torch.float16, torch.bfloat16, torch.int64,
                                torch.int32, torch.bool, torch.uint8)}
 _ALIGN = 16  # bytes: each tensor's place in a call's packed buffer
@@ -159,8 +160,8 @@ class Mirror:
     workers before rank 0 runs its own part (one at a time, in one order on every rank: the
     ranks' collectives must pair up)."""
 
-    def __init__(self, channel: Channel, kv_heads: int) -> None:
-        self.channel, self.kv_heads = channel, kv_heads
+    def __init__(self, channel: Channel) -> None:
+        self.channel = channel
         self.size = parallel.group().size
         self.lock = threading.RLock()
         self.graph_keys = itertools.count()
@@ -286,14 +287,14 @@ class Workers:
         self.channel = _join(0, size, store, self.device)
         self.mirror: Mirror | None = None
 
-    def setup(self, num_blocks: int, spare_blocks: int, max_model_len: int, kv_heads: int) -> Mirror:
+    def setup(self, num_blocks: int, spare_blocks: int, max_model_len: int) -> Mirror:
         """Tell the workers the cache's size (each allocates its heads' share); returns rank
         0's mirror, for its model."""
         self.channel.send({"op": "setup", "num_args": 0, "ctx": None,
                            "num_blocks": num_blocks, "spare_blocks": spare_blocks,
                            "max_model_len": max_model_len}, [])
         global _ACTIVE
-        self.mirror = _ACTIVE = Mirror(self.channel, kv_heads)
+        self.mirror = _ACTIVE = Mirror(self.channel)
         return self.mirror
 
     def _watch(self) -> None:
@@ -417,7 +418,7 @@ def worker_main(rank: int, port: int, cfg: EngineConfig) -> None:
                 continue
             args = tensors[:header["num_args"]]
             ctx = _context(header["ctx"], tensors[header["num_args"]:])
-            with forward_context(ctx) if ctx is not None else _no_context():
+            with forward_context(ctx) if ctx is not None else nullcontext():
                 if op == "forward":
                     model(*args)
                 elif op == "head_logits":
@@ -439,11 +440,6 @@ def worker_main(rank: int, port: int, cfg: EngineConfig) -> None:
     os._exit(0)
 
 
-@contextmanager
-def _no_context():
-    yield
-
-
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m pd.engine.tp",
                                 description="A tensor-parallel worker rank of a pd node (started "
@@ -452,8 +448,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--port", type=int, required=True, help="rank 0's store port on 127.0.0.1")
     p.add_argument("--config", required=True, help="the node's engine config, as JSON")
     args = p.parse_args(argv)
-    logging.basicConfig(level=logging.INFO,
-                        format=f"%(asctime)s %(levelname)s tp-rank-{args.rank} %(name)s: %(message)s")
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s tp-rank-{args.rank} "
+                                                   "%(name)s: %(message)s")
     cfg = EngineConfig(**json.loads(args.config))
     worker_main(args.rank, args.port, cfg)
 

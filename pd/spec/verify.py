@@ -35,7 +35,7 @@ from kernels.update_status import LENGTH, STOP
 from pd.model.context import ForwardContext, build_context
 from pd.engine.logprobs import compute_logprobs, prompt_spans, record_prompt_logprobs
 from pd.engine.request import FinishReason, Req
-from pd.engine.runner import ModelRunner, SampledToken, spec_layout_requested
+from pd.engine.runner import ModelRunner, spec_layout_requested
 from pd.engine.sampler import SamplingRow, probs_after_processing, process_logits, step_seed
 from pd.engine.scheduler import ScheduledBatch
 from pd.spec.graphed import GraphedSteps, stop_ids_of
@@ -78,7 +78,9 @@ class SpecStep(NamedTuple):
 
 
 class SpecResult(NamedTuple):
-    tokens: list[SampledToken]  # the kept tokens, with logprobs where asked
+    token_ids: list[int]  # the kept tokens
+    # where asked, their logprobs, ranks and top pairs, one list each (`Req.extend_tokens`)
+    logprobs: tuple[list[float], list[int], list[list[tuple[int, float]]]] | None
     finish_reason: FinishReason | None
     drafts: list[int]  # the next step's drafts (empty once finished)
     num_drafts: int  # drafts verified this step
@@ -317,25 +319,30 @@ class SpecDecoder(GraphedSteps):
         """Host lists of a step's outputs (one entry per sampled slot) -> {batch index: result}.
         `lp` (`pack_logprobs`) holds k + 1 rows per slot; `lp_slots[b]` is entry b's slot there
         (default b)."""
-        if lp is not None:
-            table, width = lp.tolist(), (lp.shape[1] - 2) // 2
+        if lp is not None:  # NOTE: by column, each converted once for the whole step
+            width = (lp.shape[1] - 2) // 2
+            lps, ranks = lp[:, 0].tolist(), lp[:, 1].int().tolist()
+            top_ids = top_lps = None
         k1 = self.k + 1
         results = {}
         for b, (i, req) in enumerate(zip(batch_index, reqs)):
             want, kept = req.params.logprobs, accepted[b][:num_kept[b]]
-            if want is None:
-                tokens = [(t, None, None, None) for t in kept]
-            else:
+            logprobs = None
+            if want is not None:
                 first = (b if lp_slots is None else lp_slots[b]) * k1
-                rows = table[first:first + len(kept)]
+                end = first + len(kept)
                 if want == 0:
-                    tokens = [(t, row[0], int(row[1]), []) for t, row in zip(kept, rows)]
+                    tops = [[] for _ in kept]
                 else:
-                    tokens = [(t, row[0], int(row[1]), list(zip(map(int, row[2:2 + want]),
-                                                                row[2 + width:2 + width + want])))
-                              for t, row in zip(kept, rows)]
+                    if top_ids is None:
+                        top_ids = lp[:, 2:2 + width].int().tolist()
+                        top_lps = lp[:, 2 + width:].tolist()
+                    tops = [list(zip(top_ids[r][:want], top_lps[r][:want]))
+                            for r in range(first, end)]
+                logprobs = (lps[first:end], ranks[first:end], tops)
             reason = _REASONS.get(flags[b])
             nd = len(req.spec_token_ids)
             self.stats.add(nd, num_verified[b] - 1)
-            results[i] = SpecResult(tokens, reason, [] if reason else drafts[b], nd, num_verified[b] - 1)
+            results[i] = SpecResult(kept, logprobs, reason, [] if reason else drafts[b], nd,
+                                    num_verified[b] - 1)
         return results

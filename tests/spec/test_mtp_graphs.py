@@ -149,9 +149,12 @@ def test_layout_prefill_step_equals_eager(tiny_model_dir):
             seen[key + "_tokens"] = out.token_ids
         first, ref_first = seen["layout"][0], seen["eager"][0]
         assert first.drafts == ref_first.drafts and first.finish_reason == ref_first.finish_reason
-        (token, lp, rank, top), (ref_token, ref_lp, ref_rank, ref_top) = first.tokens + ref_first.tokens
-        assert (token, rank) == (ref_token, ref_rank) and (lp is None) == (ref_lp is None), p
-        if lp is not None:
+        assert first.token_ids == ref_first.token_ids and len(first.token_ids) == 1
+        assert (first.logprobs is None) == (ref_first.logprobs is None), p
+        if first.logprobs is not None:
+            (lp,), (rank,), (top,) = first.logprobs
+            (ref_lp,), (ref_rank,), (ref_top,) = ref_first.logprobs
+            assert rank == ref_rank
             assert lp == pytest.approx(ref_lp, abs=1e-5)
             assert [t for t, _ in top] == [t for t, _ in ref_top]
             assert [x for _, x in top] == pytest.approx([x for _, x in ref_top], abs=1e-5)

@@ -22,7 +22,7 @@ def req(n_prompt=6, max_tokens=20, rid="r") -> Req:
 
 
 def result(tokens, reason=None, drafts=(), num_drafts=0, accepted=0) -> SpecResult:
-    return SpecResult([(t, None, None, None) for t in tokens], reason, list(drafts), num_drafts, accepted)
+    return SpecResult(list(tokens), None, reason, list(drafts), num_drafts, accepted)
 
 
 def test_prefill_then_verify_steps():

@@ -1,0 +1,102 @@
+"""The host's per-request work in a decode step, and a long prompt's, timed alone (no model, no
+device): what a decode node's Python does per step at a batch size, which on a GPU must fit in
+the device's step. Medians of repeated calls, in microseconds.
+
+- graph inputs: a graphed decode step's inputs in its layout (`fill_decode_inputs`);
+- sampler rows: a step's `SamplingRow`s (`ModelRunner.sampling_row`);
+- append + stop: each request's token appended and its stop checked (`DecodeLoop.process`);
+- register: a prompt's full blocks entered in the prefix cache after its step
+  (`BlockAllocator.register_all`, at --prompt tokens);
+- prompt slots: a prompt chunk's KV slots (`run_slots`).
+
+    python benchmarks/bench_host_step.py [--batch 64 256] [--prompt 8192]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import numpy as np  # noqa: E402
+
+from pd.engine.allocator import BlockAllocator  # noqa: E402
+from pd.engine.cuda_graph import DecodeLayout, fill_decode_inputs  # noqa: E402
+from pd.engine.prefix import chain_hashes  # noqa: E402
+from pd.engine.request import Req, ReqStatus  # noqa: E402
+from pd.engine.runner import ModelRunner  # noqa: E402
+from pd.model.context import run_slots  # noqa: E402
+from pd.wire.sampling_params import SamplingParams  # noqa: E402
+
+BLOCK = 16
+
+
+def median_us(fn, repeat: int = 300) -> float:
+    fn()
+    times = []
+    for _ in range(repeat):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times) * 1e6
+
+
+def running(batch: int, context: int) -> list[Req]:
+    """`batch` decoding requests of 16-token prompts, `context` tokens each so far."""
+    params = SamplingParams(max_tokens=4096, temperature=0.0, ignore_eos=True)
+    reqs = []
+    for i in range(batch):
+        req = Req(str(i), list(range(3, 19)), params)
+        req.token_ids += list(range(100, 100 + context - 16))
+        req.num_computed_tokens = req.num_tokens - 1
+        req.block_ids = list(range(i * 64, i * 64 + -(-context // BLOCK)))
+        req.status = ReqStatus.RUNNING
+        reqs.append(req)
+    return reqs
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--batch", type=int, nargs="+", default=[64, 256])
+    p.add_argument("--context", type=int, default=144, help="tokens per decoding request")
+    p.add_argument("--prompt", type=int, default=8192, help="prompt tokens for register and slots")
+    args = p.parse_args()
+    print(f"{'batch':>5} | {'graph inputs':>12} {'sampler rows':>12} {'append + stop':>13} (us)")
+    for batch in args.batch:
+        reqs = running(batch, args.context)
+        width = 1 << (max(len(r.block_ids) for r in reqs) - 1).bit_length()
+        layout = DecodeLayout(batch, width)
+        flat = np.zeros(layout.size, dtype=np.int64)
+
+        def append_and_stop() -> None:
+            for req in reqs:
+                req.append_token(5)
+                req.check_stop(1 << 20)
+            for req in reqs:
+                req.token_ids.pop()
+
+        print(f"{batch:>5} | {median_us(lambda: fill_decode_inputs(flat, layout, reqs, BLOCK, 0)):>12.1f} "
+              f"{median_us(lambda: [ModelRunner.sampling_row(r, mask=False) for r in reqs]):>12.1f} "
+              f"{median_us(append_and_stop):>13.1f}")
+    rng = random.Random(0)
+    tokens = [rng.randrange(32000) for _ in range(args.prompt)]
+    hashes = chain_hashes(tokens, BLOCK, 12345)
+    blocks_needed = len(hashes)
+
+    def register() -> None:
+        allocator = BlockAllocator(blocks_needed + 1, caching=True)
+        allocator.register_all(allocator.allocate(blocks_needed), hashes)
+
+    alloc_only = median_us(lambda: BlockAllocator(blocks_needed + 1, caching=True).allocate(blocks_needed), 50)
+    table = list(range(blocks_needed))
+    print(f"prompt of {args.prompt} tokens: register {median_us(register, 50) - alloc_only:.1f} us "
+          f"({blocks_needed} blocks), KV slots {median_us(lambda: run_slots(table, 0, args.prompt, BLOCK)):.1f} us")
+
+
+if __name__ == "__main__":
+    main()

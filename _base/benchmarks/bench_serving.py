@@ -1,0 +1,350 @@
+"""Serving throughput through `pd launch` (router, one prefill and one decode node): `pd bench`
+at one concurrency, and beside it the decode node's mean step time and batch size from its own
+metrics, so that the serving path can be held against the engine.
+
+    python benchmarks/bench_serving.py                                  # CPU, the embedded model
+    python benchmarks/bench_serving.py --device cuda --synthetic-1b     # random Llama-3.2-1B shape
+
+A warm-up run comes first (--warmup prompts); the nodes' figures (decode step and batch, a
+request's way in, the decode loop's host time per step by phase, the device's step gap, the
+share of the decode node's steps and of the client's token gaps over 2.5 and 5 ms: where the
+inter-token tail comes from; the share of first tokens and of gaps over 100 ms as the client,
+the router and the prefill node saw them: where the far tail arises) are the measured run's
+alone. --router-workers N serves through N router processes, --client-processes N measures
+with N client processes.
+
+Beside the figures: how busy each process was over the run (CPU seconds per second of wall:
+1.0 is one core flat out), the router (inside `pd launch`, or each worker), each node and this
+client; with --profile-router the router's hottest functions (cProfile, which slows it down,
+one router process only); with --spy S
+(`py-spy` on PATH) S seconds of samples of the router and both nodes from the middle of
+the run, each process's threads and its hottest frames (py-spy barely slows them).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pstats
+import resource
+import shlex
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from collections import Counter
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "gpu"))
+
+from bench_prefix_cache import launch, run_bench  # noqa: E402
+from pd.config import default_model_dir  # noqa: E402
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=str(default_model_dir()))
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--num-blocks", type=int, default=None,
+                   help="KV blocks of each node and of the engine alone (default: 4096, or room "
+                        "for every request in flight at once with a quarter to spare: at "
+                        "concurrency 256, 272-token requests need 4352 16-token blocks)")
+    p.add_argument("--synthetic-1b", action="store_true",
+                   help="a random bf16 Llama-3.2-1B-shaped checkpoint with the tiny tokenizer's "
+                        "512-token vocabulary")
+    p.add_argument("--launch-args", default="",
+                   help="more pd launch flags, one string (e.g. '--prefill-max-num-batched-tokens "
+                        "256')")
+    p.add_argument("--input-len", type=int, default=16)
+    p.add_argument("--output-len", type=int, default=256)
+    p.add_argument("--num-prompts", type=int, default=256)
+    p.add_argument("--concurrency", type=int, default=64)
+    p.add_argument("--range-ratio", type=float, default=0.0,
+                   help="pd bench --random-range-ratio (0: every request the same length, so "
+                        "the batch's requests end together and the batch refills in waves)")
+    p.add_argument("--warmup", type=int, default=None, metavar="N",
+                   help="prompts (16 tokens out) sent before the measured run, so that the "
+                        "prefill graphs of its shapes are captured; the nodes' figures are the "
+                        "measured run's alone (default: 2 x --concurrency)")
+    p.add_argument("--router-workers", type=int, default=1,
+                   help="pd launch --router-workers: router processes on the port")
+    p.add_argument("--profile-router", type=int, default=0, metavar="N",
+                   help="profile the router and print its N hottest functions")
+    p.add_argument("--spy", type=float, default=0, metavar="S",
+                   help="sample the router and the nodes with py-spy for S seconds")
+    p.add_argument("--client-processes", type=int, default=1, metavar="N",
+                   help="pd bench --client-processes: the measured run's client split among N "
+                        "processes (its CPU use, summed, is the client's)")
+    p.add_argument("--result-json", default=None, metavar="PATH",
+                   help="write the measured run's pd bench result there (per-request TTFTs and "
+                        "inter-token gaps)")
+    p.add_argument("--no-engine", action="store_true",
+                   help="skip the engine-alone run (pd.LLM, batch = --concurrency) it is held against")
+    args = p.parse_args()
+    if args.num_blocks is None:
+        longest = (args.input_len + args.output_len) * (1 + args.range_ratio)
+        per_request = -(-int(longest) // 16)
+        args.num_blocks = max(4096, args.concurrency * per_request * 5 // 4)
+    if args.synthetic_1b:
+        from bench_decode import LLAMA_1B
+
+        from pd.testing.tiny import write_tiny_checkpoint
+
+        args.model = str(write_tiny_checkpoint(tempfile.mkdtemp(prefix="pd-serving-"), "llama",
+                                               mtp=False, dtype="bfloat16",
+                                               **{**LLAMA_1B, "vocab_size": 512}))
+    profile = tempfile.mktemp(suffix=".prof") if args.profile_router else ""
+    os.environ["PD_ROUTER_PROFILE"] = profile
+    lau = launch(args, "--router-workers", str(args.router_workers), *shlex.split(args.launch_args))
+    pids = {"router": lau.proc.pid, **{f"router-{i}": pid for i, pid in enumerate(lau.router_pids)},
+            **{name: n["pid"] for name, n in lau.nodes.items()}}
+    try:
+        warmup = 2 * args.concurrency if args.warmup is None else args.warmup
+        if warmup:
+            run_bench(lau, args, "--num-prompts", str(warmup), "--random-input-len",
+                      str(args.input_len), "--random-output-len", "16", "--max-concurrency",
+                      str(args.concurrency), "--seed", "4")
+        first = snapshot(lau)
+        lines_before = len(lau.lines)
+        before, wall = {k: cpu_seconds(pid) for k, pid in pids.items()}, time.perf_counter()
+        own = time.process_time() + children_cpu()
+        spies = spy(args.spy, {k: pids[k] for k in (
+            "router" if not lau.router_pids else "router-0", "prefill-0", "decode-0")}) if args.spy else []
+        r = run_bench(lau, args, "--num-prompts", str(args.num_prompts),
+                      "--random-input-len", str(args.input_len),
+                      "--random-output-len", str(args.output_len),
+                      "--max-concurrency", str(args.concurrency), "--seed", "3",
+                      "--random-range-ratio", str(args.range_ratio),
+                      "--client-processes", str(args.client_processes))
+        wall = time.perf_counter() - wall
+        # NOTE: counted from the nodes' log lines, so only with --launch-args '--log-level info'
+        captures = Counter(line.split("captured a ")[1].split(" CUDA graph")[0]
+                           for line in lau.lines[lines_before:] if "captured a " in line)
+        if args.result_json:
+            with open(args.result_json, "w") as f:
+                json.dump(r, f)
+        busy = {k: (cpu_seconds(pid) - before[k]) / wall for k, pid in pids.items()}
+        # the client: this process, and its client processes once they have ended
+        busy["client"] = (time.process_time() + children_cpu() - own) / wall
+        for t in spies:
+            t.join()
+        last = snapshot(lau)
+
+        def delta(role: str, name: str) -> float:  # over the measured run
+            return last.get((role, name), 0.0) - first.get((role, name), 0.0)
+
+        def mean(role: str, name: str) -> float:  # ms
+            return 1000 * delta(role, name + "_sum") / max(delta(role, name + "_count"), 1.0)
+
+        step = mean("decode", "pd_step_duration_seconds")
+        batch = mean("decode", "pd_batch_size") / 1000
+        life = {name: mean(role, metric) for name, role, metric in (
+            ("prefill arrival -> first token sent", "prefill", "pd_first_token_send_seconds"),
+            ("prefill step", "prefill", "pd_step_duration_seconds"),
+            ("KV send -> ack", "prefill", "pd_kv_transfer_seconds"),
+            ("KV accept -> last record in (decode)", "decode", "pd_kv_transfer_seconds"),
+            ("first token -> joined the batch", "decode", "pd_request_join_seconds"))}
+        steps = delta("decode", "pd_batch_size_count")
+        host = {k[1].split('"')[1]: 1000 * delta(*k) / max(steps, 1.0)
+                for k in last if k[0] == "decode" and k[1].startswith("phase=")}
+        host["sum"] = sum(host.values())
+        gap = mean("decode", "pd_decode_step_gap_seconds")
+
+        def steps_over(bound: str) -> float:  # share of the decode node's steps longer
+            return 1 - (delta("decode", f'step_le="{bound}"')
+                        / max(delta("decode", "pd_step_duration_seconds_count"), 1.0))
+
+        flat = [g for one in r["itls"] for g in one]
+        tail = {b: (steps_over(b), sum(g > float(b) for g in flat) / max(1, len(flat)))
+                for b in ("0.0025", "0.005")}
+
+        def over(role: str, name: str, bound: str) -> float:  # share of a histogram's samples
+            return 1 - delta(role, f'{name}_le="{bound}"') / max(delta(role, name + "_count"), 1.0)
+
+        # where the slowest first tokens and gaps arise: the client's against the router's own
+        # (arrival to the first token written; its gaps between tokens written) and the
+        # prefill node's (arrival to the first token sent)
+        slow = (sum(t > 0.1 for t in r["ttfts"]) / max(1, len(r["ttfts"])),
+                over("router", "pd_time_to_first_token_seconds", "0.1"),
+                over("prefill", "pd_first_token_send_seconds", "0.1"),
+                sum(g > 0.1 for g in flat) / max(1, len(flat)),
+                over("router", "pd_inter_token_latency_seconds", "0.1"))
+    finally:
+        lau.stop()
+    print(f"{args.device}: {args.num_prompts} prompts of {args.input_len} tokens, "
+          f"{args.output_len} out, concurrency {args.concurrency}: "
+          f"{r['output_throughput']:.0f} output tok/s, TPOT p50 {r['median_tpot_ms']:.2f} ms, "
+          f"ITL p50 / p99 {r['median_itl_ms']:.2f} / {r['p99_itl_ms']:.2f} ms; decode node: "
+          f"step {step:.2f} ms, batch {batch:.1f}", flush=True)
+    if not args.no_engine:
+        alone = engine_alone(args)
+        print(f"engine alone ({args.device}, batch {args.concurrency}, {args.output_len} out): "
+              f"{alone:.0f} tok/s; served / engine = {r['output_throughput'] / alone:.2f}", flush=True)
+    print(f"TTFT p50 / p99 {r['median_ttft_ms']:.1f} / {r['p99_ttft_ms']:.1f} ms; " + gaps(r["itls"]),
+          flush=True)
+    print("a request's way in, means (ms): " + ", ".join(f"{k} {v:.2f}" for k, v in life.items()),
+          flush=True)
+    print(f"decode node per step (ms): step gap {gap:.3f} on the device; host " + ", ".join(
+        f"{k} {v:.3f}" for k, v in host.items()), flush=True)
+    print("the tail: " + ", ".join(
+        f"over {float(b) * 1e3:g} ms {node:.2%} of the decode node's steps, {client:.2%} of the "
+        f"client's gaps" for b, (node, client) in tail.items()), flush=True)
+    print(f"over 100 ms: first tokens {slow[0]:.2%} at the client, {slow[1]:.2%} at the router, "
+          f"{slow[2]:.2%} at the prefill node; gaps {slow[3]:.3%} at the client, {slow[4]:.3%} at "
+          f"the router", flush=True)
+    print("busy (CPU s per s): " + ", ".join(f"{k} {v:.2f}" for k, v in busy.items()), flush=True)
+    if captures:
+        print("CUDA graphs captured during the measured run: " + ", ".join(
+            f"{n} {kind}" for kind, n in captures.items()), flush=True)
+    for t in spies:
+        print(t.summary, flush=True)
+
+    if profile:
+        pstats.Stats(profile).sort_stats("tottime").print_stats(args.profile_router)
+        os.unlink(profile)
+
+
+def children_cpu() -> float:
+    """CPU seconds of this process's children that have ended and been waited for (the pd bench
+    client processes, and py-spy's with --spy; not `pd launch`, which runs to the end)."""
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r.ru_utime + r.ru_stime
+
+
+class Spy(threading.Thread):
+    """`delay` s from its start, records `seconds` of py-spy samples of one process; `summary`
+    holds what it found once joined."""
+
+    def __init__(self, exe: str, name: str, pid: int, seconds: float, delay: float) -> None:
+        super().__init__(daemon=True)
+        self.exe, self.name, self.pid, self.seconds, self.delay = exe, name, pid, seconds, delay
+        self.summary = ""
+
+    def run(self) -> None:
+        time.sleep(self.delay)
+        out = tempfile.mktemp(suffix=".txt")
+        run = subprocess.run([self.exe, "record", "-p", str(self.pid), "-d", str(max(1, round(self.seconds))),
+                              "-r", "250", "-f", "raw", "-o", out, "--threads", "--nonblocking"],
+                             capture_output=True, text=True)
+        found = summarize_spy(out, max(1, round(self.seconds)) * 250) if os.path.exists(out) else run.stderr[-500:]
+        self.summary = f"py-spy {self.name}: {found}"
+
+
+def spy(seconds: float, pids: dict[str, int], delay: float = 3.0) -> list[Spy]:
+    exe = shutil.which("py-spy")
+    if exe is None:
+        print("--spy: py-spy is not on PATH; no samples", flush=True)
+        return []
+    spies = [Spy(exe, name, pid, seconds, delay) for name, pid in pids.items()]
+    for t in spies:
+        t.start()
+    return spies
+
+
+def summarize_spy(path: str, possible: float, top: int = 18) -> str:
+    """Busy share per thread and the frames with the most samples of their own (py-spy raw)."""
+    own, threads, compiling, total = Counter(), Counter(), Counter(), 0
+    for line in open(path):
+        stack, n = line.rsplit(" ", 1)
+        frames = stack.split(";")
+        threads[frames[0]] += int(n)
+        own[frames[-1]] += int(n)
+        total += int(n)
+        if any("triton/compiler" in f or "triton/backends" in f for f in frames):
+            ours = [f for f in frames if "(pd/" in f or "(kernels/" in f or "_node/" in f]
+            compiling[ours[-1] if ours else "?"] += int(n)
+    os.unlink(path)
+    lines = [f"{total} samples of {possible:.0f} per thread"]
+    lines += [f"  {n / possible:6.1%}  {name}" for name, n in threads.most_common(6)]
+    lines += [f"  {n / possible:6.1%}  own: {frame[:140]}" for frame, n in own.most_common(top)]
+    lines += [f"  {n / possible:6.1%}  compiling Triton from: {frame[:140]}"
+              for frame, n in compiling.most_common(6)]
+    return "\n".join(lines)
+
+
+def engine_alone(args) -> float:
+    """Output tokens/s of pd.LLM on the same model, `concurrency` prompts of `input_len` random
+    ids decoding `output_len` tokens at once (the figure serving is held against)."""
+    import random
+
+    from pd.engine.llm import LLM
+    from pd.wire.sampling_params import SamplingParams
+
+    llm = LLM(args.model, device=args.device, num_blocks=args.num_blocks)
+    rng = random.Random(3)
+    vocab = min(llm.tokenizer.vocab_size, llm.engine.model_config.vocab_size)
+    prompts = [[rng.randrange(vocab) for _ in range(args.input_len)] for _ in range(args.concurrency)]
+    params = SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True)
+    llm.generate(prompts[:2], SamplingParams(max_tokens=4, temperature=0.0))  # warm-up
+    best = 0.0
+    for _ in range(2):
+        t0 = time.perf_counter()
+        outs = llm.generate(prompts, params)
+        best = max(best, sum(len(o.token_ids) for o in outs) / (time.perf_counter() - t0))
+    llm.engine.close()
+    return best
+
+
+def gaps(itls: list[list[float]]) -> str:
+    """How the tokens reached the client: the share of gaps under 1 ms (tokens that came
+    together) and one request's first gaps in ms."""
+    flat = [g for one in itls for g in one]
+    together = sum(g < 1e-3 for g in flat) / max(1, len(flat))
+    one = max(itls, key=len) if itls else []
+    return (f"{together:.0%} of the {len(flat)} gaps under 1 ms; one request's first gaps (ms): "
+            + " ".join(f"{g * 1e3:.1f}" for g in one[:40]))
+
+
+def snapshot(lau) -> dict[tuple[str, str], float]:
+    """The nodes' and the router's histogram sums and counts and the decode node's host time by
+    phase, summed over the nodes of each role: {(role, name): value}; a phase is keyed
+    'phase="NAME"'."""
+    out: dict[tuple[str, str], float] = {}
+    for node_name, n in lau.nodes.items():
+        role = node_name.split("-")[0]
+        for key, value in node_sums(n["metrics"]).items():
+            out[(role, key)] = out.get((role, key), 0.0) + value
+    for key, value in node_sums(lau.url.split("//", 1)[1]).items():
+        out[("router", key)] = value
+    return out
+
+
+TAIL_BUCKETS = ("pd_time_to_first_token_seconds_bucket", "pd_inter_token_latency_seconds_bucket",
+                "pd_first_token_send_seconds_bucket")
+
+
+def node_sums(address: str) -> dict[str, float]:
+    """One node's (or the router's) histogram sums and counts, host time by phase and
+    step-duration buckets, from its /metrics at `address` (host:port): {name: value}, a phase
+    keyed 'phase="NAME"', a bucket 'step_le="BOUND"' (steps that took at most BOUND seconds),
+    and the `TAIL_BUCKETS`' buckets as 'NAME_le="BOUND"' (NAME without `_bucket`)."""
+    out: dict[str, float] = {}
+    for line in urllib.request.urlopen(f"http://{address}/metrics", timeout=10).read().decode().splitlines():
+        name, _, rest = line.partition("{")
+        if line.startswith("pd_decode_host_seconds_total{"):
+            key = 'phase="' + line.split('phase="', 1)[1].split('"', 1)[0] + '"'
+        elif name == "pd_step_duration_seconds_bucket":
+            key = 'step_le="' + line.split('le="', 1)[1].split('"', 1)[0] + '"'
+        elif name in TAIL_BUCKETS:
+            key = name[:-len("_bucket")] + '_le="' + line.split('le="', 1)[1].split('"', 1)[0] + '"'
+        elif name.endswith(("_sum", "_count")) and rest:
+            key = name
+        else:
+            continue
+        out[key] = out.get(key, 0.0) + float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of a live process and its threads (Linux /proc)."""
+    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+if __name__ == "__main__":
+    main()

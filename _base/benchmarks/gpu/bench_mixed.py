@@ -1,0 +1,224 @@
+"""Decode inter-token latency under a mixed load: prefill and decode on two GPUs (PD) beside one
+colocated engine doing both, in one run.
+
+The load: `--streams` steady decode streams (`--stream-prompt` random tokens of prompt,
+`--stream-tokens` tokens each, EOS ignored), and in the mixed phase, besides them, prompts of
+`--prompt-len` tokens arriving every `--interval` seconds (each asks for `--long-tokens`
+tokens) until the streams end. Each setup runs the streams alone, then the mixed load. ITL is
+every gap between two consecutive tokens of a steady stream (its first `--skip` tokens left
+out), pooled: p50, p99 and max.
+
+- PD: a prefill node on `--prefill-device` and a decode node on `--decode-device`, real
+  processes joined by ZMQ and the KV transport (`--transports`: one row each, CUDA IPC and
+  the shm ring by default on GPUs), driven by `pd.service.client.NodeClient`; a token's time is
+  when the client receives it.
+- colocated: one `Engine` on `--prefill-device` doing both, driven in this process (chunked
+  prefill of up to `--max-num-batched-tokens` tokens per step, mixed into the decode steps); a
+  token's time is when the step that sampled it returns.
+
+The PD column carries one more hop (decode node -> client over ZMQ) than the colocated one; the
+ratio that matters is each setup's mixed p99 over its own streams-alone p99.
+
+    python benchmarks/gpu/bench_mixed.py                         (2 GPUs, random Llama-3.2-1B)
+    python benchmarks/gpu/bench_mixed.py --tiny --prefill-device cpu --decode-device cpu
+        --prompt-len 1024 --streams 4 --stream-tokens 64          (a quick CPU check of the script)
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench_decode import LLAMA_1B  # noqa: E402
+from bench_serving import node_sums  # noqa: E402
+
+from pd.service.client import NodeClient  # noqa: E402
+from pd.config import EngineConfig, ModelConfig  # noqa: E402
+from pd.engine.engine import Engine  # noqa: E402
+from pd.service.procs import start_node  # noqa: E402
+from pd.wire.sampling_params import SamplingParams  # noqa: E402
+from pd.testing.tiny import write_tiny_checkpoint  # noqa: E402
+
+
+class Load:
+    """The prompts of one phase, and the arrival times of the long ones."""
+
+    def __init__(self, args, vocab: int, mixed: bool, seed: int):
+        rng = random.Random(seed)
+        self.args = args
+        self.streams = [[rng.randrange(vocab) for _ in range(args.stream_prompt)]
+                        for _ in range(args.streams)]
+        self.longs = [[rng.randrange(vocab) for _ in range(args.prompt_len)]
+                      for _ in range(args.max_long)] if mixed else []
+        self.stream_params = SamplingParams(max_tokens=args.stream_tokens, temperature=0.0,
+                                            ignore_eos=True)
+        self.long_params = SamplingParams(max_tokens=args.long_tokens, temperature=0.0,
+                                          ignore_eos=True)
+
+    def due(self, start: float, sent: int) -> bool:
+        """Whether the next long prompt is due now."""
+        return (sent < len(self.longs)
+                and time.perf_counter() >= start + self.args.warmup + sent * self.args.interval)
+
+
+def gaps(times: dict[str, list[float]], skip: int) -> np.ndarray:
+    out = [np.diff(ts[skip:]) for ts in times.values() if len(ts) > skip + 1]
+    return np.concatenate(out) * 1e3 if out else np.zeros(1)
+
+
+def run_colocated(engine: Engine, load: Load) -> tuple[np.ndarray, int]:
+    reqs = {f"s{i}": engine.add_request(p, load.stream_params, f"s{i}")
+            for i, p in enumerate(load.streams)}
+    seen = {rid: r.num_tokens for rid, r in reqs.items()}
+    times: dict[str, list[float]] = {rid: [] for rid in reqs}
+    start, sent = time.perf_counter(), 0
+    while engine.has_unfinished():
+        while any(not r.is_finished for r in reqs.values()) and load.due(start, sent):
+            engine.add_request(load.longs[sent], load.long_params, f"l{sent}")
+            sent += 1
+        engine.step()
+        now = time.perf_counter()
+        for rid, r in reqs.items():
+            times[rid] += [now] * (r.num_tokens - seen[rid])
+            seen[rid] = r.num_tokens
+    return gaps(times, load.args.skip), sent
+
+
+def run_pd(client: NodeClient, prefill, decode, load: Load) -> tuple[np.ndarray, int, np.ndarray]:
+    """The streams' ITL gaps (ms), the prompts sent, and each arriving prompt's gap from its
+    first token (sent on by the decode node as it arrives, before the KV) to its second (its
+    first decode step, once its KV is in): the transfer's exposed time plus one step."""
+    streams = [client.submit(prefill.addr, decode.kv_addr, p, load.stream_params)
+               for p in load.streams]
+    times: dict[str, list[float]] = {rid: [] for rid in streams}
+    longs: list[str] = []
+    start = time.perf_counter()
+    while not all(client.results[r].done for r in streams + longs):
+        while (not all(client.results[r].done for r in streams)) and load.due(start, len(longs)):
+            longs.append(client.submit(prefill.addr, decode.kv_addr, load.longs[len(longs)],
+                                       load.long_params))
+            times[longs[-1]] = []
+        msgs = client.poll(0.001)
+        now = time.perf_counter()
+        for msg in msgs:
+            if msg.req_id in times:
+                times[msg.req_id] += [now] * len(msg.token_ids)
+    failed = [r.error for r in client.results.values() if r.error]
+    if failed:
+        raise RuntimeError(f"{len(failed)} request(s) failed: {failed[0]}")
+    joins = np.array([(times[r][1] - times[r][0]) * 1e3 for r in longs if len(times[r]) > 1])
+    return gaps({r: times[r] for r in streams}, load.args.skip), len(longs), joins
+
+
+def exposed(decode) -> tuple[float, float]:
+    """The decode node's pd_kv_exposed_seconds (sum, count) from its /metrics."""
+    got = node_sums(f"127.0.0.1:{decode.info['metrics_port']}")
+    return got.get("pd_kv_exposed_seconds_sum", 0.0), got.get("pd_kv_exposed_seconds_count", 0.0)
+
+
+def row(name: str, alone: np.ndarray, mixed: np.ndarray, sent: int) -> str:
+    p = lambda a, q: float(np.percentile(a, q))  # noqa: E731
+    return (f"{name:>10} | {p(alone, 50):7.2f} {p(alone, 99):7.2f} {alone.max():7.2f} | "
+            f"{p(mixed, 50):7.2f} {p(mixed, 99):7.2f} {mixed.max():8.2f} | {sent:5d} | "
+            f"{p(mixed, 99) / p(alone, 99):6.2f}x")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None, help="model dir (default: random Llama-3.2-1B shape)")
+    ap.add_argument("--tiny", action="store_true", help="a tiny random model (checks the script)")
+    ap.add_argument("--prefill-device", default="cuda:0", help="P's device, and the colocated engine's")
+    ap.add_argument("--decode-device", default="cuda:1", help="D's device")
+    ap.add_argument("--streams", type=int, default=16, help="steady decode streams")
+    ap.add_argument("--stream-prompt", type=int, default=128, help="prompt tokens of a stream")
+    ap.add_argument("--stream-tokens", type=int, default=512, help="tokens each stream decodes")
+    ap.add_argument("--prompt-len", type=int, default=4096, help="tokens of an arriving prompt")
+    ap.add_argument("--long-tokens", type=int, default=16, help="tokens an arriving prompt asks for")
+    ap.add_argument("--interval", type=float, default=0.25, help="seconds between arriving prompts")
+    ap.add_argument("--warmup", type=float, default=0.5, help="seconds before the first arrives")
+    ap.add_argument("--max-long", type=int, default=256, help="at most this many arriving prompts")
+    ap.add_argument("--skip", type=int, default=4, help="first tokens of a stream left out of ITL")
+    ap.add_argument("--max-num-batched-tokens", type=int, default=2048,
+                    help="prefill chunk per step, for P and the colocated engine")
+    ap.add_argument("--setups", nargs="+", default=["pd", "colocated"], choices=["pd", "colocated"])
+    ap.add_argument("--transports", nargs="+", default=None, choices=["ipc", "shm", "zmq"],
+                    help="the PD setup's KV transports, one row each (default: ipc and shm on "
+                         "GPUs, shm on CPU)")
+    args = ap.parse_args()
+
+    cuda = args.prefill_device.startswith("cuda")
+    transports = args.transports or (["ipc", "shm"] if cuda else ["shm"])
+    dtype = "bfloat16" if cuda else "float32"
+    ctx = args.prompt_len + args.long_tokens + 16
+    if args.model:
+        model = args.model
+    elif args.tiny:
+        model = str(write_tiny_checkpoint(tempfile.mkdtemp(prefix="pd-mixed-"), "llama",
+                                          max_position_embeddings=max(ctx, 1024), vocab_size=512))
+    else:
+        model = str(write_tiny_checkpoint(tempfile.mkdtemp(prefix="pd-mixed-"), "llama", mtp=False,
+                                          dtype="bfloat16", **LLAMA_1B))
+    blocks = (args.streams * (args.stream_prompt + args.stream_tokens) + 8 * ctx) // 16 + 64
+    common = ["--model", model, "--dtype", dtype, "--num-blocks", str(blocks),
+              "--max-num-batched-tokens", str(args.max_num_batched_tokens)]
+    vocab = ModelConfig.from_dir(model).vocab_size
+    print(f"model {model}; {args.streams} streams of {args.stream_tokens} tokens; mixed: "
+          f"{args.prompt_len}-token prompts every {args.interval}s")
+    results, joins, ready = {}, {}, {}
+    for transport in transports if "pd" in args.setups else []:
+        decode = start_node("decode", [*common, "--device", args.decode_device, "--port", "0",
+                                       "--kv-port", "0", "--metrics-port", "0"], timeout=600,
+                            die_with_parent=True)
+        prefill = start_node("prefill", [*common, "--device", args.prefill_device, "--port", "0",
+                                         "--transport", transport], timeout=600, die_with_parent=True)
+        decode.addr, decode.kv_addr = f"tcp://127.0.0.1:{decode.info['port']}", decode.info["kv_addr"]
+        prefill.addr = f"tcp://127.0.0.1:{prefill.info['port']}"
+        client = NodeClient()
+        try:
+            run_pd(client, prefill, decode, Load(args, vocab, mixed=True, seed=99))  # warm-up
+            alone, _, _ = run_pd(client, prefill, decode, Load(args, vocab, mixed=False, seed=1))
+            before = exposed(decode)
+            mixed, sent, joins[transport] = run_pd(client, prefill, decode,
+                                                   Load(args, vocab, mixed=True, seed=2))
+            after = exposed(decode)
+            ready[transport] = ((after[0] - before[0]) / max(after[1] - before[1], 1),
+                                after[1] - before[1])
+            results[f"PD {transport}"] = (alone, mixed, sent)
+        finally:
+            client.close()
+            prefill.stop()
+            decode.stop()
+    if "colocated" in args.setups:
+        engine = Engine(EngineConfig(model=model, device=args.prefill_device, dtype=dtype,
+                                     num_blocks=blocks,
+                                     max_num_batched_tokens=args.max_num_batched_tokens))
+        run_colocated(engine, Load(args, vocab, mixed=True, seed=99))  # warm-up
+        alone, _ = run_colocated(engine, Load(args, vocab, mixed=False, seed=1))
+        mixed, sent = run_colocated(engine, Load(args, vocab, mixed=True, seed=2))
+        results["colocated"] = (alone, mixed, sent)
+    print(f"\ndecode ITL of the steady streams, ms   (P on {args.prefill_device}, D on "
+          f"{args.decode_device}; colocated on {args.prefill_device})")
+    print(f"{'setup':>10} | {'streams alone':>23} | {'with arriving prompts':>24} | {'sent':>5} | "
+          f"p99 mixed/alone")
+    print(f"{'':>10} | {'p50':>7} {'p99':>7} {'max':>7} | {'p50':>7} {'p99':>7} {'max':>8} |       |")
+    for name, (alone, mixed, sent) in results.items():
+        print(row(name, alone, mixed, sent))
+    for transport, ms in joins.items():
+        if ms.size:
+            print(f"PD {transport}: an arriving prompt's first -> second token (its KV's way in "
+                  f"+ one step), ms: p50 {np.percentile(ms, 50):.2f}, max {ms.max():.2f}; the "
+                  f"decode node's KV in -> first decoded token (pd_kv_exposed_seconds), mean "
+                  f"{ready[transport][0] * 1e3:.2f} ms over {ready[transport][1]:.0f} requests")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,88 @@
+#!/usr/bin/env bash
+# Every GPU check and figure of the project in one call of the device machine:
+#   the checkpoint parity matrix through pd generate --device cuda, kernels vs their torch
+#   twins, MTP engine parity, GPU tests (graphs, fused kernels, KV fast path, P+D on CUDA), KV
+#   transfer (the ring by hand, then each tier through the transport's API), decode
+#   attention, the skinny product vs cuBLAS, decode/prefill vs floors and HF (and without the
+#   skinny kernel), where a prefill's time goes, CUDA graphs vs eager, the decode step's kernels
+#   and host time (profiler), overlap on/off (parity of 64 requests, sync check, throughput and
+#   step gap), MTP on/off (graphed, overlap on/off, logprobs) and the MTP machinery on the 1B
+#   shape, structured output's cost (grammars on the GPU: the same tokens as transformers'
+#   masked logits). Logs go to $OUT (or ./out) and one table each to stdout.
+#     bash benchmarks/gpu/run_all.sh [1|2|3|4]  (1: checks, KV, attention, decode; 2: graphs,
+#                                                 profile, overlap, MTP; 3: two GPUs: KV between
+#                                                 them, the mixed load, tensor
+#                                                 parallelism's parity and step;
+#                                                 4: the decode node's host work per request,
+#                                                 prefix caching and serving against the
+#                                                 engine through pd launch)
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+OUT=${OUT:-out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+status=0
+step() {  # step NAME CMD...: run one part, keep its log, remember a failure
+    local name=$1; shift
+    echo "=== $name: $*"
+    "$@" > "$OUT/$name.log" 2>&1 || { echo "FAILED ($?): $name"; status=1; }
+    tail -n "${TAIL:-25}" "$OUT/$name.log"
+}
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+python3 -c "import torch, cupy; print('torch', torch.__version__, 'cupy', cupy.__version__)"
+PART=${1:-all}
+if [[ $PART == all || $PART == 1 ]]; then
+TAIL=14 step checkpoints python3 benchmarks/gpu/check_checkpoints.py
+TAIL=8 step kernels python3 benchmarks/gpu/check_kernels.py
+TAIL=12 step mtp_engine python3 benchmarks/gpu/check_mtp_engine.py
+TAIL=8 step mtp_engine_torch_attention env PD_ATTENTION=torch python3 benchmarks/gpu/check_mtp_engine.py
+TAIL=4 step pytest python3 -m pytest -q -p no:cacheprovider tests/engine/test_cuda_graph.py tests/kernels \
+    tests/shm_ipc/test_kv.py
+TAIL=4 step pd_path env PD_TEST_DEVICE=cuda python3 -m pytest -q -p no:cacheprovider \
+    tests/e2e/test_pd_path.py -k equals_single_process
+TAIL=4 step grammar_logprobs env PD_TEST_DEVICE=cuda python3 -m pytest -q -p no:cacheprovider \
+    tests/engine/test_grammar.py tests/engine/test_logprobs.py
+TAIL=15 step kv timeout 300 python3 benchmarks/gpu/bench_kv.py --record-mib 16 64 --profile \
+    --trace-dir "$OUT"
+TAIL=6 step kv_tiers timeout 300 python3 benchmarks/bench_kv_tiers.py --device cuda
+TAIL=8 step attention python3 benchmarks/gpu/bench_attention.py
+TAIL=12 step skinny python3 benchmarks/gpu/bench_skinny.py --quick --rows 1 64
+TAIL=14 step decode python3 benchmarks/gpu/bench_decode.py
+TAIL=6 step decode_no_skinny env PD_SKINNY=0 python3 benchmarks/gpu/bench_decode.py --no-hf --prefill
+TAIL=22 step profile_prefill python3 benchmarks/gpu/profile_prefill.py --top 8
+fi
+if [[ $PART == all || $PART == 2 ]]; then
+TAIL=8 step graphs python3 benchmarks/gpu/check_graphs.py
+TAIL=60 step profile env PD_PDL=0 python3 benchmarks/gpu/profile_decode.py --batch 1 64 --host 64
+TAIL=9 step overlap_tiny python3 benchmarks/bench_overlap.py --device cuda --parity 64 --check-sync
+TAIL=6 step overlap_small python3 benchmarks/bench_overlap.py --device cuda --synthetic small
+TAIL=6 step overlap_small_eager python3 benchmarks/bench_overlap.py --device cuda --synthetic small --enforce-eager
+TAIL=64 step mtp python3 benchmarks/bench_mtp.py --device cuda --ks 0,1,3 --max-tokens 256 --repeats 3
+TAIL=24 step mtp_eager python3 benchmarks/bench_mtp.py --device cuda --enforce-eager --ks 0,3 --overlap on
+TAIL=36 step mtp_mechanism python3 benchmarks/gpu/bench_mtp_mechanism.py
+TAIL=14 step profile_mtp python3 benchmarks/gpu/profile_mtp.py --k 3 --batch 16 --top 8
+TAIL=40 step mtp_kernels python3 benchmarks/gpu/profile_mtp.py --k 3 --batch 1 --kernels --top 10 \
+    --max-tokens 64
+TAIL=7 step structured python3 benchmarks/bench_structured.py --device cuda --synthetic-1b \
+    --batch 1 32 --max-tokens 128 --repeats 2
+fi
+if [[ $PART == all || $PART == 4 ]]; then  # prefix caching through pd launch
+TAIL=5 step host_step python3 benchmarks/bench_host_step.py
+TAIL=24 step prefix_cache python3 benchmarks/bench_prefix_cache.py --device cuda --synthetic-1b \
+    --prefix-len 2048 --input-len 128 --output-len 16 --num-prompts 64 --concurrency 8 \
+    --first-turn-len 1024 --routing-prompts 320
+TAIL=7 step serving python3 benchmarks/bench_serving.py --device cuda --synthetic-1b \
+    --num-prompts 1024 --router-workers 4 --client-processes 4 --result-json "$OUT/serving.json"
+TAIL=6 step serving_one_router python3 benchmarks/bench_serving.py --device cuda --synthetic-1b \
+    --num-prompts 1024 --no-engine
+TAIL=7 step serving_256 python3 benchmarks/bench_serving.py --device cuda --synthetic-1b \
+    --concurrency 256 --num-prompts 1536 --router-workers 4 --client-processes 4
+fi
+if [[ $PART == 3 ]]; then  # needs two GPUs: P on cuda:0, D on cuda:1
+TAIL=12 step kv_two_gpus timeout 300 python3 benchmarks/gpu/bench_kv.py --devices cuda:0,cuda:1
+TAIL=10 step mixed python3 benchmarks/gpu/bench_mixed.py --stream-tokens 4096 --warmup 0.25
+TAIL=4 step tp_pd env PD_TEST_DEVICE=cuda python3 -m pytest -q -p no:cacheprovider \
+    tests/e2e/test_tp_pd.py
+TAIL=12 step tp timeout 540 python3 benchmarks/gpu/bench_tp.py --check --batch 1 64
+fi
+exit $status

@@ -1,0 +1,80 @@
+"""`argmax`: the column of each row's largest value, the lowest column on ties (torch's rule),
+as two Triton kernels with a torch twin.
+
+Greedy decoding takes it over a batch's logits [B, V] every step. torch's reduction gives one
+block to a row, so one row of a 128k vocabulary takes ~28 us on an H100; here the first kernel
+splits each row into chunks of `CHUNK` columns (one program each: the chunk's max and its
+column), the second picks each row's best chunk, the leftmost among equals, so ties still go
+to the lowest column. NaN is not ordered (logits hold none). On the current stream, capturable
+in a CUDA graph. `triton` is imported on first use; CPU machines run the twin.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from kernels.triton_support import triton_usable
+
+CHUNK = 4096  # columns per program of the first kernel
+
+
+@functools.cache
+def _kernels():
+    import triton  # noqa: PLC0415 (deferred: CPU machines have no triton)
+    import triton.language as tl
+
+    @triton.jit
+    def argmax_chunk_kernel(x_ptr, val_ptr, col_ptr, stride_x, n_cols, num_chunks,
+                            CHUNK: tl.constexpr):
+        row, c = tl.program_id(0).to(tl.int64), tl.program_id(1)
+        cols = c * CHUNK + tl.arange(0, CHUNK)
+        x = tl.load(x_ptr + row * stride_x + cols, mask=cols < n_cols, other=float("-inf"))
+        best, at = tl.max(x.to(tl.float32), 0, return_indices=True,
+                          return_indices_tie_break_left=True)
+        tl.store(val_ptr + row * num_chunks + c, best)
+        tl.store(col_ptr + row * num_chunks + c, c * CHUNK + at)
+
+    @triton.jit
+    def argmax_row_kernel(val_ptr, col_ptr, out_ptr, num_chunks, CP: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        j = tl.arange(0, CP)
+        vals = tl.load(val_ptr + row * num_chunks + j, mask=j < num_chunks, other=float("-inf"))
+        _, best = tl.max(vals, 0, return_indices=True, return_indices_tie_break_left=True)
+        tl.store(out_ptr + row, tl.load(col_ptr + row * num_chunks + best).to(tl.int64))
+
+    return argmax_chunk_kernel, argmax_row_kernel
+
+
+def argmax_ref(x: torch.Tensor) -> torch.Tensor:
+    """The torch twin: [B, V] -> [B] int64."""
+    return x.argmax(dim=-1)
+
+
+def argmax(x: torch.Tensor, out: torch.Tensor | None = None,
+           use_kernel: bool | None = None) -> torch.Tensor:
+    """Each row's argmax of x [B, V] (float32, bfloat16 or float16) -> [B] int64, written into
+    `out` when given: the kernels on CUDA, else the twin."""
+    if x.dim() != 2 or x.shape[1] == 0:
+        raise ValueError(f"argmax takes [rows, columns], got {tuple(x.shape)}")
+    if out is not None and (out.shape != x.shape[:1] or out.dtype != torch.int64):
+        raise ValueError(f"out {tuple(out.shape)} {out.dtype} does not fit {x.shape[0]} rows")
+    if use_kernel is None:
+        use_kernel = triton_usable(x) and x.stride(-1) == 1
+    if not use_kernel:
+        result = argmax_ref(x)
+        return result if out is None else out.copy_(result)
+    if x.stride(-1) != 1:
+        raise ValueError("argmax needs contiguous rows")
+    rows, cols = x.shape
+    num_chunks = -(-cols // CHUNK)
+    vals = torch.empty(rows, num_chunks, dtype=torch.float32, device=x.device)
+    at = torch.empty(rows, num_chunks, dtype=torch.int32, device=x.device)
+    out = torch.empty(rows, dtype=torch.int64, device=x.device) if out is None else out
+    chunk_kernel, row_kernel = _kernels()
+    chunk_kernel[(rows, num_chunks)](x, vals, at, x.stride(0), cols, num_chunks, CHUNK=CHUNK,
+                                     num_warps=8)
+    row_kernel[(rows,)](vals, at, out, num_chunks, CP=max(16, 1 << (num_chunks - 1).bit_length()),
+                        num_warps=1)
+    return out

@@ -1,0 +1,212 @@
+"""`skinny_linear`: y = x W^T (+ b) for a few rows of x (a decode step of up to `MAX_ROWS`
+sequences), as one Triton kernel with a torch twin.
+
+At such a batch a linear layer is a stream of its weight matrix; for the 1B shape's layers
+cuBLAS picks kernels that read the weights at 45-95% of the copy bandwidth. Here each program
+owns `BN` output columns and one of `SPLITS` equal slices of the K dimension, and streams that
+slice of its weight rows in `BK` steps, software-pipelined `STAGES` deep; the rows of x are
+padded to 16, 32 or 64 (`BM`) for one tensor-core dot per step. With several slices, each
+program writes its float32 partial and counts itself done on a per-column-tile counter; the
+last one adds the partials in slice order and writes the tile (one launch, no reduction
+kernel). Each output row is computed alone, in the same order whatever the number of rows of
+its `BM` bucket: a sequence's result does not depend on the batch it is in, within a bucket.
+
+Launched with programmatic dependent launch where there is one (`triton_support.pdl_options`):
+a program first asks L2 for the first two steps of its weight rows, which depend on nothing,
+then waits for the kernel before it (the norm that computes x), so the weight stream starts
+while that kernel finishes.
+
+Used for 16-bit weights where `config_for` has a measured configuration (`SHAPES`, from
+`benchmarks/gpu/bench_skinny.py`); everywhere else cuBLAS. On the current stream, capturable in
+a CUDA graph. `triton` is imported on first use; CPU machines run the twin.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import torch.nn.functional as F
+
+from kernels.triton_support import pdl_options, triton_usable
+
+MAX_ROWS = 64  # rows of x one program multiplies at most (the largest BM)
+
+
+@functools.cache
+def _kernel():
+    import triton  # noqa: PLC0415 (deferred: CPU machines have no triton)
+    import triton.language as tl
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait  # noqa: PLC0415
+
+    @triton.jit
+    def skinny_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, count_ptr, M, N, K, stride_xm,
+                      stride_wn, stride_ym, HAS_BIAS: tl.constexpr, BM: tl.constexpr,
+                      BN: tl.constexpr, BK: tl.constexpr, SPLITS: tl.constexpr,
+                      STAGES: tl.constexpr, PDL: tl.constexpr):
+        tile, s = tl.program_id(0), tl.program_id(1)
+        rm = tl.arange(0, BM)
+        rn = tile * BN + tl.arange(0, BN)
+        rk = tl.arange(0, BK)
+        row_ok = rm < M
+        col_ok = rn < N
+        if SPLITS == 1:
+            k_lo = 0
+            k_hi = K
+        else:
+            span = tl.cdiv(tl.cdiv(K, SPLITS), BK) * BK  # each slice a whole number of BK steps
+            k_lo = s * span
+            k_hi = tl.minimum(K, k_lo + span)
+        w_base = w_ptr + rn[:, None].to(tl.int64) * stride_wn
+        if PDL:  # see kernels.triton_support.pdl_options
+            # the first two steps of the slice into L2, one 128-byte line per request (the
+            # weights are 16-bit: 64 per line), rows and columns clamped inside the matrix
+            lines = tl.minimum(k_lo + tl.arange(0, 2 * BK // 64) * 64, K - 1)
+            first = (w_ptr + tl.minimum(rn, N - 1)[:, None].to(tl.int64) * stride_wn
+                     + lines[None, :])
+            tl.inline_asm_elementwise("prefetch.global.L2::evict_last [$1]; mov.u32 $0, 0;",
+                                      "=r,l", [first], dtype=tl.int32, is_pure=False, pack=1)
+            gdc_wait()
+            gdc_launch_dependents()
+        x_base = x_ptr + rm[:, None].to(tl.int64) * stride_xm
+        acc = tl.zeros([BM, BN], tl.float32)
+        for k0 in tl.range(k_lo, k_hi, BK, num_stages=STAGES):
+            k_ok = (k0 + rk) < k_hi
+            x = tl.load(x_base + (k0 + rk)[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            w = tl.load(w_base + (k0 + rk)[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+            acc = tl.dot(x, tl.trans(w), acc)  # [BM, BN]
+        y = y_ptr + rm[:, None].to(tl.int64) * stride_ym + rn[None, :]
+        ok = row_ok[:, None] & col_ok[None, :]
+        if SPLITS == 1:
+            if HAS_BIAS:
+                acc += tl.load(b_ptr + rn, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+            tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=ok)
+            return
+        # part [SPLITS, BM, N] float32
+        part = part_ptr + (rm[:, None].to(tl.int64) * N + rn[None, :])
+        tl.store(part + s * BM * N, acc, mask=ok)
+        # NOTE: as in kernels.paged_decode: every thread's partial is stored (barrier) before
+        # the release of the count; the last program's acquire makes the others' partials
+        # visible to its loads (which bypass L1). It resets the count for the next launch and
+        # adds the slices in their order, whichever program is last
+        tl.debug_barrier()
+        if tl.atomic_add(count_ptr + tile, 1, sem="acq_rel") == SPLITS - 1:
+            tl.atomic_xchg(count_ptr + tile, 0)
+            total = tl.zeros([BM, BN], tl.float32)
+            for i in range(SPLITS):
+                total += tl.load(part + i * BM * N, mask=ok, other=0.0, cache_modifier=".cg")
+            if HAS_BIAS:
+                total += tl.load(b_ptr + rn, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+            tl.store(y, total.to(y_ptr.dtype.element_ty), mask=ok)
+
+    return skinny_kernel
+
+
+# (N, K, BM) of a weight and a row bucket -> (BN, BK, SPLITS, STAGES, warps): where the kernel
+# measured faster than cuBLAS on an H100, alone (`benchmarks/gpu/bench_skinny.py`, the speedup
+# beside each) and in the 1B shape's decode step (`bench_decode.py`); any other shape keeps
+# cuBLAS. PD_SKINNY=0 turns the kernel off, PD_SKINNY=all tries it on every 16-bit shape with
+# DEFAULT_CONFIG (for the benchmark).
+DEFAULT_CONFIG = (16, 512, 1, 4, 4)
+SHAPES: dict[tuple[int, int, int], tuple[int, int, int, int, int]] = {
+    (3072, 2048, 16): (16, 256, 1, 4, 4),  # qkv: 1.0x alone, 8 us less per step at batch 1
+    (2048, 2048, 16): (16, 512, 1, 4, 4),  # o_proj: 1.19x
+    (16384, 2048, 16): (64, 256, 1, 4, 4),  # gate_up: 1.05x, 15 us less per step at batch 1
+    (2048, 8192, 16): (16, 512, 1, 4, 4),  # down: 1.06-1.07x
+    (128256, 2048, 16): (64, 256, 1, 4, 4),  # the LM head: 1.09-1.13x
+    (2048, 2048, 64): (16, 256, 1, 4, 4),  # o_proj: 1.20x
+    (16384, 2048, 64): (128, 128, 1, 4, 4),  # gate_up: 1.05x
+    (2048, 8192, 64): (32, 256, 2, 4, 4),  # down: 1.13x (cuBLAS: split K and a reduction kernel)
+    (128256, 2048, 64): (128, 128, 1, 4, 4),  # the LM head: 1.07x
+    # the embedded model's (pd-tiny-code) at up to 16 rows, DEFAULT_CONFIG: its MTP graphs at
+    # batch 1 took 117-119 / 133-134 us (verify / draft) against 131-132 / 143 with cuBLAS
+    # (`profile_mtp.py --k 3 --batch 1`, two calls): launched programmatically, each product's
+    # weight stream starts before the kernel before it ends
+    (512, 256, 16): DEFAULT_CONFIG,  # qkv
+    (256, 256, 16): DEFAULT_CONFIG,  # o_proj
+    (1536, 256, 16): DEFAULT_CONFIG,  # gate_up
+    (256, 768, 16): DEFAULT_CONFIG,  # down
+    (4096, 256, 16): DEFAULT_CONFIG,  # the LM head (the embedding, tied)
+    (256, 512, 16): DEFAULT_CONFIG,  # the MTP layer's eh_proj
+}
+
+
+def row_bucket(m: int) -> int:
+    """BM: the rows a program multiplies for m rows of x (16, 32 or 64)."""
+    return 16 if m <= 16 else 32 if m <= 32 else 64
+
+
+@functools.cache
+def config_for(n: int, k: int, bm: int = 16) -> tuple[int, int, int, int, int] | None:
+    mode = os.environ.get("PD_SKINNY", "1")
+    if mode == "0":
+        return None
+    if mode == "all":
+        return SHAPES.get((n, k, bm), DEFAULT_CONFIG)
+    return SHAPES.get((n, k, bm))
+
+
+def use_skinny(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether `skinny_linear` runs the kernel for this x [M, K] and weight [N, K]."""
+    return (x.dim() == 2 and x.shape[0] <= MAX_ROWS and x.dtype in (torch.bfloat16, torch.float16)
+            and weight.dtype == x.dtype and x.stride(-1) == 1 and weight.stride(-1) == 1
+            and x.shape[1] == weight.shape[1]
+            and triton_usable(x) and config_for(*weight.shape, row_bucket(x.shape[0])) is not None)
+
+
+def skinny_linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                      out: torch.Tensor | None = None) -> torch.Tensor:
+    """The torch twin: F.linear, or the product it runs written into `out`."""
+    if out is None:
+        return F.linear(x, weight, bias)
+    if bias is None:
+        return torch.mm(x, weight.t(), out=out)
+    return torch.addmm(bias, x, weight.t(), out=out)
+
+
+_COUNTS: dict[torch.device, torch.Tensor] = {}
+
+
+def _counts(device: torch.device, size: int) -> torch.Tensor:
+    """The slice counters of `device` (int32 zeros; every launch leaves them zero again), made
+    on first use, before a graph captures the kernel (its warm-up run). One product runs at a
+    time per device (a forward's layers are in stream order): its launches share them."""
+    counts = _COUNTS.get(device)
+    if counts is None or counts.numel() < size:
+        counts = _COUNTS[device] = torch.zeros(max(size, 1 << 14), dtype=torch.int32, device=device)
+    return counts
+
+
+def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                  out: torch.Tensor | None = None, use_kernel: bool | None = None,
+                  config: tuple[int, int, int, int, int] | None = None) -> torch.Tensor:
+    """x [M, K] @ weight [N, K]^T (+ bias [N]) -> [M, N] in x's dtype, written into `out`
+    when given: the kernel where `use_skinny` says so (or `use_kernel`), else the twin.
+    `config` (BN, BK, SPLITS, STAGES, warps) overrides the table's, for the benchmark."""
+    if use_kernel is None:
+        use_kernel = use_skinny(x, weight)
+    if not use_kernel:
+        return skinny_linear_ref(x, weight, bias, out)
+    m, k = x.shape
+    n = weight.shape[0]
+    if m > MAX_ROWS or weight.shape[1] != k or (bias is not None and bias.shape != (n,)):
+        raise ValueError(f"x {tuple(x.shape)}, weight {tuple(weight.shape)}"
+                         f"{'' if bias is None else f', bias {tuple(bias.shape)}'} do not fit "
+                         f"(at most {MAX_ROWS} rows)")
+    if x.stride(-1) != 1 or weight.stride(-1) != 1:
+        raise ValueError("skinny_linear needs contiguous rows of x and of the weight")
+    bm = row_bucket(m)
+    bn, bk, splits, stages, warps = config or config_for(n, k, bm) or DEFAULT_CONFIG
+    if out is None:
+        out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    elif out.shape != (m, n) or out.dtype != x.dtype or out.stride(-1) != 1:
+        raise ValueError(f"out {tuple(out.shape)} {out.dtype} does not fit [{m}, {n}] {x.dtype}")
+    tiles = -(-n // bn)
+    part = (torch.empty(splits, bm, n, dtype=torch.float32, device=x.device) if splits > 1
+            else out)
+    _kernel()[(tiles, splits)](x, weight, bias if bias is not None else weight, out, part,
+                               _counts(x.device, tiles), m, n, k, x.stride(0), weight.stride(0),
+                               out.stride(0), HAS_BIAS=bias is not None, BM=bm, BN=bn, BK=bk,
+                               SPLITS=splits, STAGES=stages, num_warps=warps, **pdl_options(x))
+    return out

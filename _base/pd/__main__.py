@@ -1,0 +1,5 @@
+import sys
+
+from pd.cli.main import main
+
+sys.exit(main())

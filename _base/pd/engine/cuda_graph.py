@@ -1,0 +1,442 @@
+"""CUDA graphs of the target model's decode forward (one query token per sequence).
+
+A graph is captured per (padded batch, padded KV blocks) on first use: the batch is rounded up
+to the next size of `BATCH_SIZES`, the block-table width to the next power of two. Padding rows
+point at the cache's spare block (`KVCache.dummy_block`, never handed out by the allocator), so
+their K/V writes land there and their outputs are dropped. The attention mask is computed inside
+the graph from the context lengths, so one graph serves every length up to its width. All
+graphs share one memory pool and one staging buffer for their inputs, which the host builds in
+the graph's layout and copies in one transfer on the current stream before the replay, so a
+step composes with the overlap loop's compute stream and never waits on the host.
+
+Each decode graph also runs the LM head into one static logits buffer (`logits`, in the model's
+dtype, shared by every graph) and the greedy argmax of it into `tokens`: a batch of plain
+greedy rows needs nothing after the replay; any other sampling runs eagerly on `logits`.
+
+Which steps run as graphs (pure decode, no invalid slot, a batch no larger than the largest
+size) is decided here (`can_run`); everything else, and everything with `--enforce-eager`, runs
+eagerly.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from contextlib import contextmanager
+from typing import NamedTuple
+
+import numpy as np
+import torch
+
+from kernels.argmax import argmax
+from pd.engine import tp
+from pd.engine.host_ring import HostRing
+from pd.model.context import ForwardContext, forward_context
+
+log = logging.getLogger(__name__)
+
+BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
+
+
+def _round_up(n: int, sizes) -> int:
+    return next(s for s in sizes if s >= n)
+
+
+class Graph:
+    """A CUDA graph whose capture and replays the worker ranks of a tensor-parallel node
+    follow (`pd.engine.tp`): a capture of model calls there captures the same calls on every
+    rank, with the collectives that pair them up, and each replay here replays the twins. With
+    one rank (or no model call in it), a plain CUDA graph."""
+
+    def __init__(self) -> None:
+        self.graph = torch.cuda.CUDAGraph()
+        self.key: int | None = None  # the workers' twin, where they hold one
+
+    @contextmanager
+    def capturing(self, owner):
+        """Capture into this graph, in `owner.pool` (set by the first capture)."""
+        mirror = tp.active()
+        key = mirror.begin_capture() if mirror is not None else None
+        try:
+            with torch.cuda.graph(self.graph, pool=owner.pool):
+                yield
+        finally:
+            if mirror is not None:
+                self.key = mirror.end_capture(key, self.graph)
+        if owner.pool is None:
+            owner.pool = self.graph.pool()
+
+    def replay(self) -> None:
+        if self.key is not None:
+            tp.active().replay(self.key)
+        self.graph.replay()
+
+
+def capture(forward, owner: "DecodeGraphs", device: torch.device):
+    """A CUDA graph (`Graph`) of `forward()` in `owner`'s memory pool (made by the first
+    capture), after one warm-up run on a side stream (the allocator's and kernels' lazy set-up
+    stays out of the graph); returns the graph and its output."""
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        forward()
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = Graph()
+    with graph.capturing(owner):
+        out = forward()
+    return graph, out
+
+
+class DecodeLayout(NamedTuple):
+    """Where a decode graph of (batch B, block-table width W) finds its inputs in one flat
+    int64 buffer: ids, positions, KV slots, context lengths and future rows (B each), then the
+    block tables [B, W]. A future row j >= 0 means "this row's id is row j of the previous
+    step's tokens" (sampled by the step still in flight; its id is read on the device)."""
+
+    batch: int
+    width: int
+
+    @property
+    def size(self) -> int:
+        return self.batch * (5 + self.width)
+
+    def views(self, flat):
+        """(ids, positions, slots, context_lens, future, block_tables) of `flat` (a tensor or
+        an array)."""
+        b = self.batch
+        cols = [flat[i * b:(i + 1) * b] for i in range(5)]
+        return (*cols, flat[5 * b:self.size].reshape(b, self.width))
+
+
+def fill_decode_inputs(flat: np.ndarray, layout: DecodeLayout, reqs, block_size: int,
+                       dummy_block: int) -> None:
+    """A decode step's inputs in `layout` (`flat` int64): each request's one new token at
+    position num_computed_tokens, rows past the batch padded (token 0 at position 0 in the
+    spare block). A negative id -(j + 1) (the overlap loop's placeholder) becomes future row j."""
+    n = len(reqs)
+    ids, pos, slots, lens, future, tables = layout.views(flat)
+    start = np.fromiter((r.num_computed_tokens for r in reqs), np.int64, n)
+    new = np.fromiter((r.token_ids[r.num_computed_tokens] for r in reqs), np.int64, n)
+    tables.fill(dummy_block)
+    # NOTE: every table at once, row-major under a mask (256 rows: 135 -> 64 us on the CPU)
+    block_ids = [r.block_ids for r in reqs]
+    widths = np.fromiter(map(len, block_ids), np.int64, n)
+    tables[:n][np.arange(layout.width) < widths[:, None]] = np.fromiter(
+        itertools.chain.from_iterable(block_ids), np.int64, int(widths.sum()))
+    ids[:n] = np.maximum(new, 0)
+    ids[n:] = 0
+    future[:n] = np.where(new < 0, -new - 1, -1)
+    future[n:] = -1
+    pos[:n] = start
+    pos[n:] = 0
+    lens[:n] = start + 1
+    lens[n:] = 1
+    slots[:n] = tables[np.arange(n), start // block_size] * block_size + start % block_size
+    slots[n:] = dummy_block * block_size
+
+
+class DecodeGraphs:
+    """Decode graphs per (padded batch, padded width). A step's inputs are built on the host
+    straight into a pinned buffer in the graph's layout (`DecodeLayout`, `fill_decode_inputs`)
+    and reach the device in one copy into a staging buffer shared by every graph, which the
+    graph reads at its start (stream order keeps a step's copy behind the replay before it).
+    The ids of future rows are gathered inside the graph from `tokens`, the previous step's
+    tokens (its argmax, or what the sampler drew, copied there by `ModelRunner.execute`)."""
+
+    def __init__(self, model: torch.nn.Module, dummy_block: int, block_size: int,
+                 max_num_seqs: int, max_model_len: int, device: torch.device) -> None:
+        self.model = model
+        self.dummy_block = dummy_block
+        self.block_size = block_size
+        self.batch_sizes = tuple(s for s in BATCH_SIZES if s < max_num_seqs) + (
+            _round_up(max_num_seqs, BATCH_SIZES + (max_num_seqs,)),)
+        max_blocks = -(-max_model_len // block_size)
+        self.block_widths = tuple(1 << i for i in range((max_blocks - 1).bit_length() + 1))
+        max_batch, width = self.batch_sizes[-1], self.block_widths[-1]
+        long = dict(dtype=torch.int64, device=device)
+        self.staging = torch.zeros(DecodeLayout(max_batch, width).size, **long)
+        self.block_tables = torch.full((1, 1), dummy_block, **long)  # the prefill graphs' dummy
+        # what the last replay's rows 0..batch-1 gave: logits [B, V] and their argmax [B]
+        self.logits = self.tokens = None
+        if model is not None:
+            self.logits = torch.empty(max_batch, model.config.vocab_size,
+                                      dtype=model.head_weight.dtype, device=device)
+            self.tokens = torch.zeros(max_batch, **long)
+        self.graphs: dict[tuple[int, int], tuple[Graph, torch.Tensor]] = {}
+        self.host = HostRing(pin=device.type == "cuda")
+        self.pool = None
+        self.device = device
+
+    def key(self, num_seqs: int, width: int) -> tuple[int, int] | None:
+        """(padded batch, padded width) of a decode step, or None when it is too large."""
+        if num_seqs > self.batch_sizes[-1] or width > self.block_widths[-1]:
+            return None
+        return _round_up(num_seqs, self.batch_sizes), _round_up(width, self.block_widths)
+
+    def keys_up_to(self, max_tokens: int) -> list[tuple[int, int]]:
+        """Every (batch, width) key whose sequences hold at most `max_tokens` tokens (widths
+        rounded up, so the first width that holds them is included)."""
+        top = _round_up(-(-max_tokens // self.block_size), self.block_widths)
+        return [(b, w) for w in self.block_widths if w <= top for b in self.batch_sizes]
+
+    @torch.inference_mode()
+    def capture_all(self, keys: list[tuple[int, int]]) -> None:
+        """Capture these keys now: a step that meets a new key captures it on the spot, tens
+        of ms (and Triton compiling on a first use) in which every running stream waits."""
+        for key in keys:
+            if key not in self.graphs:
+                self.graphs[key] = self._capture(*key, level=logging.DEBUG)
+
+    def host_inputs(self, reqs, key: tuple[int, int]) -> torch.Tensor:
+        """A pinned buffer (`HostRing`) holding the step's inputs in the graph's layout."""
+        layout = DecodeLayout(*key)
+        buf = self.host.get((layout.size,))
+        fill_decode_inputs(buf.numpy(), layout, reqs, self.block_size, self.dummy_block)
+        return buf
+
+    def _forward(self, batch: int, width: int) -> torch.Tensor:
+        layout = DecodeLayout(batch, width)
+        ids, positions, slots, lens, future, tables = layout.views(self.staging)
+        ids = torch.where(future >= 0, self.tokens[future.clamp(min=0)], ids)
+        keys = torch.arange(width * self.block_size, device=self.device)
+        mask = (keys[None, :] < lens[:, None])[:, None, None, :]  # [B, 1, 1, max_kv]
+        ctx = ForwardContext(
+            slot_mapping=slots, block_tables=tables, context_lens=lens,
+            padded_index=torch.arange(batch, device=self.device), attn_mask=mask, max_q_len=1,
+            max_kv_len=width * self.block_size, plain_decode=True)
+        with forward_context(ctx):
+            hidden = self.model(ids, positions)
+        argmax(self.model.head_logits(hidden, out=self.logits[:batch]), out=self.tokens[:batch])
+        return hidden
+
+    def pad_inputs(self, key: tuple[int, int]) -> None:
+        """Staging holds key's layout with every row padding (for a capture, or a benchmark
+        that replays a graph alone: a graph replayed over another key's inputs reads nonsense)."""
+        layout = DecodeLayout(*key)
+        pad = torch.empty(layout.size, dtype=torch.int64)
+        fill_decode_inputs(pad.numpy(), layout, [], self.block_size, self.dummy_block)
+        self.staging[:layout.size].copy_(pad)
+
+    def _capture(self, batch: int, width: int,
+                 level: int = logging.INFO) -> tuple[Graph, torch.Tensor]:
+        self.pad_inputs((batch, width))
+        graph, out = capture(lambda: self._forward(batch, width), self, self.device)
+        log.log(level, "captured a decode CUDA graph: batch %d, %d KV blocks per sequence",
+                batch, width)
+        return graph, out
+
+    @torch.inference_mode()
+    def launch(self, host: torch.Tensor, key: tuple[int, int]) -> None:
+        """Copy a step's inputs (`host_inputs`) and replay its graph on the current stream;
+        its logits and greedy tokens are then `logits[:n]` and `tokens[:n]`.
+
+        NOTE: the results are views of static buffers; they are valid until the next replay,
+        which stream order puts after everything queued behind this one."""
+        if key not in self.graphs:
+            saved = self.tokens.clone()  # the capture's warm-up writes them; the step reads them
+            self.graphs[key] = self._capture(*key)
+            self.tokens.copy_(saved)
+        self.staging[:host.numel()].copy_(host, non_blocking=True)
+        self.graphs[key][0].replay()
+
+
+PREFILL_SIZES = (256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096, 6144, 8192, 12288, 16384)
+
+
+class PrefillGraphs:
+    """CUDA graphs of one prompt prefilled from position 0 (the common first chunk), per token
+    count rounded up to `PREFILL_SIZES`: eager, such a prefill is bound by the host launching
+    its few hundred kernels (a 1k-token prompt of a 1B model: 5.6 ms on the GPU, 16 ms of wall
+    time). Padding rows sit after the prompt, write the spare block, and are causally invisible
+    to it (`ForwardContext.causal_self`); the graph returns the hidden states of every row.
+    As a decode step's, a prefill's inputs are built on the host straight into a pinned buffer
+    in the graph's layout (`host_inputs`: ids, positions and KV slots of `size` rows each, then
+    the index of the prompt's last row) and reach the device in one copy (`launch`).
+    Captured on first use of a size; they share the decode graphs' memory pool."""
+
+    def __init__(self, model: torch.nn.Module, decode: DecodeGraphs | None, max_tokens: int,
+                 device: torch.device, spare_block: int | None = None,
+                 block_size: int | None = None) -> None:
+        """`decode` None: the same layout computed eagerly by `launch`, padding written to
+        `spare_block` (on CPU, MTP's prefill step under PD_SPEC_LAYOUT=1, `pd.spec.prefill`)."""
+        self.model, self.decode, self.device = model, decode, device
+        if decode is not None:
+            spare_block, block_size = decode.dummy_block, decode.block_size
+        self.spare_slot = spare_block * block_size
+        self.table = torch.full((1, 1), spare_block, dtype=torch.int64, device=device)
+        self.sizes = tuple(s for s in PREFILL_SIZES if s < max_tokens) + (
+            _round_up(max_tokens, PREFILL_SIZES + (max_tokens,)),)
+        self.staging = torch.zeros(3 * self.sizes[-1] + 1, dtype=torch.int64, device=device)
+        self.host = HostRing(pin=device.type == "cuda")
+        self.graphs: dict[int, tuple[Graph, torch.Tensor]] = {}
+        self.enabled = not any(getattr(m, "sliding_window", None) for m in model.modules())
+
+    def fits(self, num_tokens: int) -> bool:
+        """Whether a graph runs a prompt's first chunk of `num_tokens` tokens prefilled alone."""
+        return self.enabled and 1 < num_tokens <= self.sizes[-1]
+
+    def host_inputs(self, ids: np.ndarray, slots: np.ndarray) -> torch.Tensor:
+        """A pinned buffer (`HostRing`) with a first chunk's inputs in its graph's layout."""
+        n = len(ids)
+        size = _round_up(n, self.sizes)
+        buf = self.host.get((3 * size + 1,))
+        flat = buf.numpy()
+        flat[:n], flat[n:size] = ids, 0
+        flat[size:size + n], flat[size + n:2 * size] = np.arange(n), n
+        flat[2 * size:2 * size + n] = slots
+        flat[2 * size + n:3 * size] = self.spare_slot
+        flat[3 * size] = n - 1
+        return buf
+
+    def inputs(self, size: int) -> tuple[torch.Tensor, ...]:
+        """The staged (ids, positions, KV slots) [size] each and the last row's index [1]."""
+        return (*(self.staging[i * size:(i + 1) * size] for i in range(3)),
+                self.staging[3 * size:3 * size + 1])
+
+    def context(self, size: int) -> ForwardContext:
+        """The rows of `size` as one causal sequence over their own keys (the spare block's
+        padding after the prompt is invisible to it)."""
+        return ForwardContext(
+            slot_mapping=self.inputs(size)[2], block_tables=self.table,
+            context_lens=torch.full((1,), size, dtype=torch.int64, device=self.device),
+            padded_index=torch.arange(size, device=self.device), attn_mask=None,
+            max_q_len=size, max_kv_len=size, causal_self=True)
+
+    def _forward(self, size: int) -> torch.Tensor:
+        ids, positions = self.inputs(size)[:2]
+        with forward_context(self.context(size)):
+            return self.model(ids, positions)
+
+    def _capture(self, size: int) -> tuple[Graph, torch.Tensor]:
+        self.staging[:size].zero_()
+        self.staging[size:2 * size].copy_(torch.arange(size, device=self.device))
+        self.staging[2 * size:3 * size].fill_(self.spare_slot)
+        graph, out = capture(lambda: self._forward(size), self.decode, self.device)
+        log.info("captured a prefill CUDA graph: %d tokens", size)
+        return graph, out
+
+    @torch.inference_mode()
+    def launch(self, host: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Copy a first chunk's inputs (`host_inputs`) and replay its graph on the current
+        stream; returns the hidden states [n, H] of its rows and the index [1] of the last one
+        on the device (views of static buffers, valid until the next replay of that size)."""
+        size = (host.numel() - 1) // 3
+        return self.forward(host)[:n], self.inputs(size)[3]
+
+    def forward(self, host: torch.Tensor) -> torch.Tensor:
+        """`launch`'s replay; returns the hidden states of every row of the size [size, H]
+        (the graph's static output; computed eagerly without decode graphs)."""
+        size = (host.numel() - 1) // 3
+        if self.decode is None:  # the layout without capture
+            self.staging[:host.numel()].copy_(host)
+            return self._forward(size)
+        if size not in self.graphs:
+            self.graphs[size] = self._capture(size)
+        graph, out = self.graphs[size]
+        self.staging[:host.numel()].copy_(host, non_blocking=True)
+        graph.replay()
+        return out
+
+
+VARLEN_TOKENS = (16, 32, 64, 128) + PREFILL_SIZES
+VARLEN_SEQS = (1, 4, 16, 64, 256)
+
+
+def _pow2(n: int, least: int = 256) -> int:
+    return max(least, 1 << (n - 1).bit_length())
+
+
+class VarlenPrefillGraphs:
+    """CUDA graphs of any prompt-chunk step in 16 bits (several prompts, chunks continuing a
+    cached prefix or earlier chunks, decode rows mixed in): the attention is one
+    variable-length flash call over gathered keys (`pd.model.attention.prefill_varlen`), so a
+    step is fixed by three sizes, each rounded up: its tokens (`VARLEN_TOKENS`), its keys (a
+    power of two) and its sequences (`VARLEN_SEQS`). Padding rows write the spare block and
+    belong to no sequence; padding sequences are empty. Eager, such a step of 8 x 128 tokens
+    after 2k cached ones spends ~14 ms of host time on ~5 ms of GPU work (the 1B shape).
+    Captured on first use; they share the decode graphs' memory pool."""
+
+    def __init__(self, model: torch.nn.Module, decode: DecodeGraphs, max_tokens: int,
+                 max_seqs: int, max_keys: int, dtype: torch.dtype, device: torch.device) -> None:
+        self.model, self.decode, self.device = model, decode, device
+        self.tokens = tuple(s for s in VARLEN_TOKENS if s < max_tokens) + (
+            _round_up(max_tokens, VARLEN_TOKENS + (max_tokens,)),)
+        self.seqs = tuple(s for s in VARLEN_SEQS if s < max_seqs) + (
+            _round_up(max_seqs, VARLEN_SEQS + (max_seqs,)),)
+        self.max_keys = _pow2(max_keys)
+        long = dict(dtype=torch.int64, device=device)
+        self.input_ids = torch.zeros(self.tokens[-1], **long)
+        self.positions = torch.zeros(self.tokens[-1], **long)
+        self.slot_mapping = torch.zeros(self.tokens[-1], **long)
+        self.kv_slots = torch.zeros(self.max_keys, **long)
+        self.cu_q = torch.zeros(self.seqs[-1] + 1, dtype=torch.int32, device=device)
+        self.cu_k = torch.zeros(self.seqs[-1] + 1, dtype=torch.int32, device=device)
+        self.graphs: dict[tuple[int, int, int], tuple[Graph, torch.Tensor]] = {}
+        self.enabled = dtype in (torch.float16, torch.bfloat16) and not any(
+            getattr(m, "sliding_window", None) for m in model.modules())
+
+    def can_run(self, ctx: ForwardContext) -> bool:
+        if not self.enabled or ctx.is_decode or ctx.kv_slots is None or ctx.write_index is not None:
+            return False
+        return (ctx.slot_mapping.shape[0] <= self.tokens[-1] and ctx.num_seqs <= self.seqs[-1]
+                and ctx.kv_slots.shape[0] <= self.max_keys)
+
+    def context(self, key: tuple[int, int, int]) -> ForwardContext:
+        """The context of a step of `key` over the staged inputs (`run` copies them in)."""
+        tokens, keys, seqs = key
+        return ForwardContext(
+            slot_mapping=self.slot_mapping[:tokens], block_tables=self.decode.block_tables[:1, :1],
+            context_lens=self.cu_k[1:seqs + 1], padded_index=self.positions[:tokens],
+            attn_mask=None, max_q_len=tokens, max_kv_len=keys, kv_slots=self.kv_slots[:keys],
+            cu_seqlens_q=self.cu_q[:seqs + 1], cu_seqlens_k=self.cu_k[:seqs + 1])
+
+    def _forward(self, key: tuple[int, int, int]) -> torch.Tensor:
+        tokens = key[0]
+        with forward_context(self.context(key)):
+            return self.model(self.input_ids[:tokens], self.positions[:tokens])
+
+    def key(self, ctx: ForwardContext) -> tuple[int, int, int]:
+        """(tokens, keys, sequences) of a step (`can_run`), each rounded up."""
+        n, k, b = ctx.slot_mapping.shape[0], ctx.kv_slots.shape[0], ctx.num_seqs
+        return _round_up(n, self.tokens), _pow2(k), _round_up(b, self.seqs)
+
+    def _capture(self, key: tuple[int, int, int]) -> tuple[Graph, torch.Tensor]:
+        tokens, keys, seqs = key
+        self._fill(0, 0, tokens, keys, seqs, 0)
+        graph, out = capture(lambda: self._forward(key), self.decode, self.device)
+        log.info("captured a varlen prefill CUDA graph: %d tokens, %d keys, %d sequences", *key)
+        return graph, out
+
+    def _fill(self, n: int, k: int, tokens: int, keys: int, seqs: int, b: int) -> None:
+        """Padding: rows n..tokens write the spare block, keys k..keys read it, sequences
+        b..seqs are empty."""
+        spare = self.decode.dummy_block * self.decode.block_size
+        self.input_ids[n:tokens].zero_()
+        self.positions[n:tokens].zero_()
+        self.slot_mapping[n:tokens].fill_(spare)
+        self.kv_slots[k:keys].fill_(spare)
+        if b == 0:
+            self.cu_q[:seqs + 1].zero_()
+            self.cu_k[:seqs + 1].zero_()
+        else:
+            self.cu_q[b + 1:seqs + 1].copy_(self.cu_q[b].expand(seqs - b))
+            self.cu_k[b + 1:seqs + 1].copy_(self.cu_k[b].expand(seqs - b))
+
+    @torch.inference_mode()
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """Hidden states [T, H] of the step's tokens (a view of the graph's output, valid until
+        the next replay of that graph)."""
+        n, k, b = ctx.slot_mapping.shape[0], ctx.kv_slots.shape[0], ctx.num_seqs
+        key = self.key(ctx)
+        if key not in self.graphs:
+            self.graphs[key] = self._capture(key)
+        graph, out = self.graphs[key]
+        self.input_ids[:n].copy_(input_ids, non_blocking=True)
+        self.positions[:n].copy_(positions, non_blocking=True)
+        self.slot_mapping[:n].copy_(ctx.slot_mapping, non_blocking=True)
+        self.kv_slots[:k].copy_(ctx.kv_slots, non_blocking=True)
+        self.cu_q[:b + 1].copy_(ctx.cu_seqlens_q, non_blocking=True)
+        self.cu_k[:b + 1].copy_(ctx.cu_seqlens_k, non_blocking=True)
+        self._fill(n, k, *key, b)
+        graph.replay()
+        return out[:n]

@@ -1,0 +1,442 @@
+"""The decode loop: one step ahead of the device (overlap), or the plain loop.
+
+With overlap, each call of `DecodeLoop.step` does `last = step(last)`: it schedules and launches
+step N+1 while step N may still run, then waits for step N's results (its `copy_done`) and
+processes them (append, stop checks). Step N+1 is predicted from step N: every request that
+sampled in N and is still running gets one more token, whose id the host does not know yet; in
+`token_ids` it stands, only while N+1 is scheduled and prepared, as the placeholder `-(j + 1)`:
+row j of step N's next tokens, read on the device (future-token slots, see `pd.engine.runner`).
+Requests admitted since (a decode node's newly handed-over requests, re-prefills) correct the
+prediction: the ordinary scheduler builds the batch, placeholders and all.
+
+A request found finished (stop, length, abort) while a launched step still holds it leaves an
+invalid slot (-1) in that step: its result is discarded, and its blocks are freed only after
+that step has completed, since the step still reads and writes them.
+
+When the host needs N's tokens before N+1's sampler (a running request with penalties, whose
+token sets the sampler builds on the host, or with a grammar, whose matcher walks each token
+before the next mask), step N+1's forward is launched ahead all the same and its sampler after
+step N is processed (the executors' `sample_deferred`; an executor without it makes the loop
+wait for step N first). The loop waits for step N before scheduling N+1 when the batch might
+preempt (preemption frees blocks that step N still writes). Without overlap, each step is
+launched and waited for at once. Both produce the same tokens. With MTP (a
+`pd.spec.verify.SpecDecoder` given as `spec`), each step verifies the requests' drafts and
+proposes the next ones. A graphed MTP step (`pd.spec.graphs`) whose requests all continue
+greedily is followed, with overlap, by the next one before the host reads it: how many tokens a
+step keeps is known only on the device, so the next step's inputs are computed there from its
+result (`SpecDecoder.launch_chained`), with blocks reserved for the most both steps can take.
+Anything else (new requests, sampled rows, prompt chunks, eager steps) waits for the step in
+flight. With `spec_fallback` the loop also runs plain steps where they measure faster
+(`pd.engine.loop_stats.SpecChoice`, beside what else the loop measures of itself). A request
+is emitted once per kept token. Where a plain step's device work runs is the executor's
+business (`pd.engine.executor`; MTP steps run on the current stream); streaming the tokens is
+the node's.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from typing import Callable, NamedTuple
+
+from pd.engine.executor import make_executor
+from pd.engine.grammar import step_masks
+from pd.engine.loop_stats import HostTimes, SpecChoice, StepGaps
+from pd.engine.request import FinishReason, Req, ReqStatus
+from pd.engine.runner import ForwardInput, ForwardOutput, ModelRunner, SampledToken, unpack_sampled
+from pd.engine.scheduler import ScheduledBatch, Scheduler
+
+log = logging.getLogger(__name__)
+
+ENV_DISABLE = "PD_DISABLE_OVERLAP"
+
+
+def overlap_disabled_by_env(environ) -> bool:
+    """PD_DISABLE_OVERLAP: 1/true/yes/on disable the overlap loop; 0/false/no/off or unset don't."""
+    value = environ.get(ENV_DISABLE, "").strip().lower()
+    if value in ("", "0", "false", "no", "off"):
+        return False
+    if value in ("1", "true", "yes", "on"):
+        return True
+    raise ValueError(f"{ENV_DISABLE}={environ[ENV_DISABLE]!r}: expected 1/0, true/false, yes/no or on/off")
+
+
+class InFlight(NamedTuple):
+    batch: ScheduledBatch
+    inp: ForwardInput
+    out: ForwardOutput
+    rows: list[int]  # batch index of each sampled row; -1: an invalid slot, its result discarded
+    members: dict[Req, int]  # each request of the batch -> its sampled row, or -1
+    free_after: list[Req]  # finished while in flight: their blocks are freed once this step is done
+
+
+class DecodeLoop:
+    def __init__(self, runner: ModelRunner, scheduler: Scheduler, *, overlap: bool = True,
+                 executor=None, on_gap: Callable[[float], None] | None = None,
+                 spec=None, spec_fallback: bool = False) -> None:
+        self.runner = runner
+        self.spec = spec
+        # with MTP: plain steps where they measure faster for the batch size (`SpecChoice`)
+        self.choice = SpecChoice() if spec is not None and spec_fallback else None
+        self.mtp_mode = True  # the kind of the step in flight / last run
+        self.last_done = 0.0  # wall clock of the last processed step, for `choice`
+        self.skip_measure = 0  # steps after a switch that `choice` does not measure
+        self.scheduler = scheduler
+        self.overlap = overlap
+        self.executor = executor or make_executor(runner.device, overlap)
+        self.max_model_len = runner.max_model_len
+        self.last: InFlight | None = None  # the step launched and not yet processed
+        self.prev_done: ForwardOutput | None = None  # the last processed step, for its end time
+        self.gaps = StepGaps()
+        self.busy: deque[float] = deque(maxlen=4096)  # device time of each step, for benchmarks
+        self.on_gap = on_gap
+        self.num_syncs = 0  # overlap steps that had to wait for the previous one first
+        self.num_ahead = 0  # steps launched while the previous one was still unprocessed
+        self.num_deferred = 0  # of those, steps whose sampler waited for the previous one's tokens
+        self.batch_size = 0  # requests in the step launched last (0: none)
+        self.times = HostTimes()
+
+    @property
+    def in_flight(self) -> bool:
+        return self.last is not None
+
+    @property
+    def has_work(self) -> bool:
+        return self.last is not None or self.scheduler.has_work
+
+    # -- the loop ------------------------------------------------------------------------------
+    def step(self) -> list[Req]:
+        """Launch the next step and process the previous one (or, without overlap, run one step
+        to the end). Returns the requests that got a token, in row order; those that finished
+        have their finish_reason set."""
+        emitted = []
+        if self.spec is not None:
+            mtp, emitted = self.choose_kind()
+            if mtp:
+                return emitted + self.spec_step()
+        if not self.overlap:
+            cur = self.launch(None)
+            return emitted + (self.process(cur, None) if cur is not None else self.idle())
+        last, defer = self.last, False
+        if last is not None:
+            blocks, host_tokens = self.can_predict(last)
+            if not blocks or (host_tokens and not self.executor.can_defer):
+                self.num_syncs += 1
+                emitted, last = emitted + self.process(last, None), None
+            else:
+                defer = host_tokens
+        cur = self.launch(last, defer)
+        masks = None
+        if last is not None:
+            # NOTE: step N+1 is already queued behind step N; only now does the host wait for N.
+            self.num_ahead += cur is not None
+            if defer and cur is not None and any(cur.batch.reqs[i].grammar is not None
+                                                 for i in cur.inp.sample_reqs):
+                masks = self.runner.mask_buffer(len(cur.inp.sample_reqs))
+            emitted += self.process(last, cur, masks)
+        if defer and cur is not None:
+            # NOTE: step N's tokens are on the host now (and in the requests' grammars, whose
+            # masks for N+1 `process` filled): step N+1's sampler follows its forward, which
+            # ran meanwhile
+            self.num_deferred += 1
+            t = time.perf_counter()
+            reqs = [cur.batch.reqs[i] for i in cur.inp.sample_reqs]
+            rows = self.runner.sampling_rows(reqs, filled=masks)
+            self.executor.sample_deferred(self.runner, cur.out, rows)
+            self.times.add("launch", t)
+        self.last = cur
+        if cur is None:
+            self.idle()
+        return emitted
+
+    def choose_kind(self) -> tuple[bool, list[Req]]:
+        """MTP (True) or plain for the next step, and the tokens of the step a switch drained
+        (a switch waits for the step in flight). Plain steps drop the requests' drafts; the MTP
+        layer's KV of their positions is not written, so later drafts may be accepted less
+        often, never wrongly."""
+        if self.choice is None:
+            return True, []
+        mtp = self.choice.use_mtp(max(1, len(self.scheduler.running)))
+        drained = []
+        if mtp != self.mtp_mode:
+            drained = self.drain()
+            self.last_done, self.skip_measure = 0.0, 2
+            self.prev_done = None  # no step gap across kinds
+            self.mtp_mode = mtp
+        if not mtp:  # requests handed over since carry drafts too
+            for req in (*self.scheduler.running, *self.scheduler.waiting):
+                req.spec_token_ids = []
+        return mtp, drained
+
+    def measure(self, mtp: bool, batch: ScheduledBatch | None, tokens: int) -> None:
+        """Feed `choice` the wall time since the previous processed step, for steps of decode
+        rows only (`batch` None: a step not to measure, such as an eager MTP step with prompt
+        chunks), and not the first two after a switch (the drafts refill)."""
+        if self.choice is None:
+            return
+        now = time.perf_counter()
+        decode = batch is not None and all(r.num_output_tokens > 1 for r in batch.reqs)
+        if decode and self.last_done and self.skip_measure <= 0:
+            self.choice.record(len(batch.reqs), mtp, now - self.last_done, tokens)
+        self.skip_measure -= 1
+        self.last_done = now if decode else 0.0
+
+    def spec_step(self) -> list[Req]:
+        """One MTP step: verify, keep, stop, draft. With overlap, a graphed step whose slots all
+        continue is followed by the next one, computed on the device from its result
+        (`SpecDecoder.launch_chained`), before the host reads it; anything else (new requests,
+        sampling that needs the host, prefill slots, a batch too big for the graphs) waits for
+        the step in flight, then schedules as usual."""
+        last, emitted = self.last, []
+        if last is not None and not (self.overlap and self.reserve_chain(last)):
+            self.num_syncs += self.overlap
+            emitted, last = self.process(last, None), None
+        if last is not None:
+            t = time.perf_counter()
+            cur = self.spec.launch_chained(last)
+            self.times.add("launch", t)
+            self.num_ahead += 1
+            emitted += self.process(last, cur)
+        else:
+            t = time.perf_counter()
+            batch = self.scheduler.schedule()
+            t = self.times.add("schedule", t)
+            self.batch_size = len(batch.reqs) if batch is not None else 0
+            if batch is None:
+                self.last = None
+                return emitted + self.idle()
+            key = self.spec.graph_key(batch)
+            if key is None:  # eager: run to the end
+                results = self.spec.run(batch)
+                self.scheduler.update_spec(batch, results)
+                self.times.add("launch", t)
+                self.last = None
+                done = [batch.reqs[i] for i, res in sorted(results.items()) for _ in res.tokens]
+                self.measure(True, None, len(done))
+                return emitted + done
+            cur = self.spec.launch_graphed(batch, key)
+            self.times.add("launch", t)
+        if not self.overlap:
+            emitted += self.process(cur, None)
+            cur = None
+        self.last = cur
+        return emitted
+
+    def reserve_chain(self, last) -> bool:
+        """Whether the step after `last` can be launched before `last` is read, reserving its
+        blocks if so: same requests, all running and greedy without processing, nothing
+        waiting, within the token budget, blocks for `last`'s k + 1 tokens plus this step's
+        1 + k rows and k - 1 chained draft positions, and the same graph."""
+        spec, sched = self.spec, self.scheduler
+        if not last.chainable or sched.waiting:
+            return False
+        live = [r for r, b in last.members.items() if last.rows[b] >= 0]
+        if (not live or len(live) != len(sched.running)
+                or any(r.status is not ReqStatus.RUNNING for r in live)):
+            return False
+        if len(last.batch.reqs) * (spec.k + 1) > sched.max_num_batched_tokens:
+            return False
+        horizon = 3 * spec.k + 1  # past num_tokens - 1: k + 1 kept, then 1 + k rows and k - 1 chained
+        need = {r: max(0, sched.blocks_needed(r, r.num_tokens + horizon)) for r in live}
+        if sum(need.values()) > sched.allocator.num_free:
+            return False
+        for r, n in need.items():
+            if n:
+                r.block_ids += sched.allocator.allocate(n)
+        width = max(len(r.block_ids) for r in last.batch.reqs)
+        return spec.graphs.key(len(last.batch.reqs), width) == last.key
+
+    def drain(self) -> list[Req]:
+        """Process the step in flight, launching nothing new."""
+        last, self.last = self.last, None
+        return self.process(last, None) if last is not None else []
+
+    def idle(self) -> list[Req]:
+        self.prev_done = None  # the device idles for want of work: that is not a step gap
+        return []
+
+    def can_predict(self, last: InFlight) -> tuple[bool, bool]:
+        """Whether step N+1 can be scheduled before step N's tokens are on the host (its
+        blocks are there without preempting), and whether its sampler needs them there first
+        (a request's penalties or grammar): then only its forward can go ahead."""
+        need, host_tokens = 0, False
+        for req in self.scheduler.running:
+            row = last.members.get(req, -1)
+            pending = row >= 0 and last.rows[row] >= 0
+            host_tokens = host_tokens or (pending and req.params.needs_host_tokens)
+            need += max(0, self.scheduler.blocks_needed(req, req.num_tokens + pending))
+        return need <= self.scheduler.allocator.num_free, host_tokens
+
+    def launch(self, last: InFlight | None, defer: bool = False) -> InFlight | None:
+        pending = []  # (request, row of `last`) whose newest token is still on the device
+        if last is not None:
+            for row, i in enumerate(last.rows):
+                req = last.batch.reqs[i] if i >= 0 else None
+                if req is not None and req.status is ReqStatus.RUNNING:
+                    pending.append(req)
+                    req.token_ids.append(-(row + 1))
+        # a request whose pending token is its last by length sits the next step out
+        done = frozenset(r for r in pending if r.num_output_tokens >= r.params.max_tokens
+                         or r.num_tokens >= self.max_model_len)
+        preemptions = self.scheduler.num_preemptions
+        try:
+            t = time.perf_counter()
+            batch = self.scheduler.schedule(done)
+            t = self.times.add("schedule", t)
+            self.batch_size = len(batch.reqs) if batch is not None else 0
+            if batch is None:
+                return None
+            if last is not None and self.scheduler.num_preemptions != preemptions:
+                raise RuntimeError("a step preempted while another was in flight")
+            prev = last.out if last else None
+            inp, out = (self.executor.launch(self.runner, batch, prev, defer=True) if defer
+                        else self.executor.launch(self.runner, batch, prev))
+            self.times.add("launch", t)
+        finally:
+            for req in pending:
+                req.token_ids.pop()
+        prefix = self.scheduler.prefix
+        for req, n in zip(batch.reqs, batch.num_new_tokens):
+            req.num_computed_tokens += n  # computed by the launched step
+            if prefix is not None and n > 1:
+                # NOTE: a prompt chunk's block hashes, while the device runs the step: its
+                # registration after the step then has them (0.6 ms for 8k tokens)
+                prefix.hashes(req)
+        members = dict.fromkeys(batch.reqs, -1)
+        for row, i in enumerate(inp.sample_reqs):
+            members[batch.reqs[i]] = row
+        return InFlight(batch, inp, out, list(inp.sample_reqs), members, [])
+
+    def process(self, f: InFlight, nxt: InFlight | None, masks=None) -> list[Req]:
+        """Wait for step f's results and apply them; `nxt` is the step launched after it.
+        `masks` (a `ModelRunner.mask_buffer` of nxt's rows): fill there the grammar masks of
+        nxt's sampled rows, which follow f's tokens (a deferred sampler's)."""
+        if not isinstance(f, InFlight):
+            return self.process_spec(f, nxt)
+        t = time.perf_counter()
+        f.out.copy_done.wait()
+        t = self.times.add("wait", t)
+        self.busy.append(self.executor.busy_seconds(f.out))
+        if self.prev_done is not None:
+            gap = self.executor.gap_seconds(self.prev_done, f.out)
+            self.gaps.add(gap)
+            if self.on_gap is not None:
+                self.on_gap(gap)
+        self.prev_done = f.out
+        emitted = []
+        prefix = self.scheduler.prefix
+        if prefix is not None:  # prompt chunks that sample nothing yet
+            for req, row in f.members.items():
+                if row < 0 and req.status is ReqStatus.RUNNING:
+                    prefix.register(req)
+        if f.inp.rows:
+            sampled = self.unpack(f)
+            self.walk_grammars(f, sampled, nxt, masks)
+            for row, i in enumerate(f.rows):
+                if i < 0:
+                    continue  # invalid slot: the request ended after this step was launched
+                req = f.batch.reqs[i]
+                req.append_token(*sampled[row])
+                emitted.append(req)
+                if prefix is not None:
+                    prefix.register(req)
+                reason = req.check_stop(self.max_model_len)
+                if reason is not None:
+                    self.finish(req, reason, nxt)
+        for req in f.free_after:
+            self.scheduler.free_blocks(req)
+        self.measure(False, f.batch, len(emitted))
+        self.times.add("process", t)
+        return emitted
+
+    @staticmethod
+    def walk_grammars(f: InFlight, sampled: list[SampledToken], nxt: InFlight | None,
+                      masks) -> None:
+        """The grammar work of step f's tokens, at once on several threads (`step_masks`):
+        each request's grammar walks its new token (which appending it then takes), then, with
+        `masks`, fills its mask of nxt's row."""
+        tokens = {}
+        for row, i in enumerate(f.rows):
+            if i >= 0 and f.batch.reqs[i].grammar is not None:
+                tokens[f.batch.reqs[i]] = sampled[row][0]
+        jobs = []
+        if masks is not None:
+            for j, i in enumerate(nxt.inp.sample_reqs):
+                req = nxt.batch.reqs[i]
+                if req.grammar is not None:
+                    jobs.append((req.grammar, tokens.pop(req, None), j))
+        jobs += [(req.grammar, token, None) for req, token in tokens.items()]
+        if len(jobs) > 1 or masks is not None:
+            step_masks(jobs, masks)
+
+    def process_spec(self, f, nxt) -> list[Req]:
+        """Apply a graphed MTP step's results (`pd.spec.graphed.SpecFlight`)."""
+        t = time.perf_counter()
+        if f.end is not None:
+            f.end.synchronize()
+        t = self.times.add("wait", t)
+        results = self.spec.collect(f)
+        if f.start is not None:
+            self.busy.append(f.start.elapsed_time(f.end) / 1000.0)
+            if self.prev_done is not None:
+                gap = max(0.0, self.prev_done.elapsed_time(f.start) / 1000.0)
+                self.gaps.add(gap)
+                if self.on_gap is not None:
+                    self.on_gap(gap)
+            self.prev_done = f.end
+        self.scheduler.update_spec(f.batch, results,
+                                   finish=lambda req, reason: self.finish(req, reason, nxt))
+        for req in f.free_after:
+            self.scheduler.free_blocks(req)
+        emitted = [f.batch.reqs[i] for i, res in sorted(results.items()) for _ in res.tokens]
+        self.measure(True, f.batch, len(emitted))
+        self.times.add("process", t)
+        return emitted
+
+    def unpack(self, f: InFlight) -> list[SampledToken]:
+        out = f.out.logprobs_cpu
+        if out is None:
+            return [(t, None, None, None) for t in f.out.next_tokens_cpu.tolist()]
+        by_index = unpack_sampled(out, list(range(len(f.inp.rows))), f.inp.rows)
+        return [by_index[row] for row in range(len(f.inp.rows))]
+
+    # -- endings -------------------------------------------------------------------------------
+    def finish(self, req: Req, reason: FinishReason, holder: InFlight | None) -> None:
+        """End a request; if `holder` (a launched step) holds it, invalidate its slot there and
+        free its blocks once that step is done."""
+        if holder is None or req not in holder.members:
+            self.scheduler.finish(req, reason)
+            return
+        row = holder.members[req]
+        if row >= 0:
+            holder.rows[row] = -1
+        # NOTE: the launched step still writes this request's KV; its blocks must not be
+        # handed to anyone (a KV import on the host) before that step has completed.
+        held, req.hold_blocks_on_finish = req.hold_blocks_on_finish, True
+        self.scheduler.finish(req, reason)
+        req.hold_blocks_on_finish = held
+        if not held:
+            holder.free_after.append(req)
+
+    def abort(self, req: Req) -> None:
+        """End a request now (the client went away); takes effect within one step."""
+        if not req.is_finished:
+            self.finish(req, FinishReason.ABORT, self.last)
+
+    def take_gap_summary(self) -> str | None:
+        return self.gaps.take_summary()
+
+    def close(self) -> None:
+        self.drain()
+        self.executor.close()
+
+
+def make_decode_loop(runner: ModelRunner, scheduler: Scheduler, overlap: bool,
+                     on_gap: Callable[[float], None] | None = None, spec=None,
+                     spec_fallback: bool = False) -> DecodeLoop:
+    loop = DecodeLoop(runner, scheduler, overlap=overlap, on_gap=on_gap, spec=spec,
+                      spec_fallback=spec_fallback)
+    log.info("decode loop: overlap %s (executor %s)", "on" if overlap else "off", loop.executor.name)
+    return loop
+

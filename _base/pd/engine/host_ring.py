@@ -1,0 +1,69 @@
+"""Host buffers reused step after step instead of allocated per step (page-locked on CUDA, where
+an allocation per step costs host time and the copies from them must not block): `HostRing`
+for a step's fixed-shape buffers, `to_device` for small host data of any size (the sampler's
+indices and parameters, a grammar's masks)."""
+
+from __future__ import annotations
+
+import torch
+
+
+class HostRing:
+    """Host buffers (page-locked when `pin`) handed out in rotation, `size` per use (`name`),
+    shape and dtype: a step's buffer is filled or read before the step after next is launched
+    (the decode loop processes step N before it launches N + 2), so with three a buffer is free
+    again when its turn comes, and no step allocates page-locked memory."""
+
+    def __init__(self, pin: bool, size: int = 3) -> None:
+        self.pin, self.size = pin, size
+        self.rings: dict[tuple, list[torch.Tensor]] = {}
+
+    def get(self, shape: tuple[int, ...], dtype: torch.dtype = torch.int64,
+            name: str = "") -> torch.Tensor:
+        """The next buffer for `name` (a step taking two buffers of one shape names them apart)."""
+        key = (name, tuple(shape), dtype)
+        ring = self.rings.get(key)
+        if ring is None:
+            ring = self.rings[key] = [torch.empty(shape, dtype=dtype, pin_memory=self.pin)
+                                      for _ in range(self.size)]
+        ring.append(ring.pop(0))  # the least recently handed out goes next
+        return ring[-1]
+
+
+class _Staging:
+    """Page-locked staging buffers for `to_device`, each reused once the copy that last read
+    it has completed (an event recorded after the copy says so), grown as copies in flight
+    need: a `pin_memory()` per copy cost a step up to a millisecond of host time on the H100
+    host (the allocator's page-locked blocks)."""
+
+    def __init__(self) -> None:
+        # (current device, size) -> buffers with their events: an event belongs to the device
+        # whose stream it was recorded on
+        self.free: dict[tuple[int, int], list[tuple[torch.Tensor, object]]] = {}
+
+    def to_device(self, t: torch.Tensor, device: torch.device) -> torch.Tensor:
+        nbytes = t.numel() * t.element_size()
+        size = 1 << max(12, (nbytes - 1).bit_length())
+        pool = self.free.setdefault((torch.cuda.current_device(), size), [])
+        # NOTE: the oldest first; a buffer keeps its event, recorded again at each use
+        if pool and pool[0][1].query():
+            buf, event = pool.pop(0)
+        else:
+            buf, event = torch.empty(size, dtype=torch.uint8, pin_memory=True), torch.cuda.Event()
+        staged = buf[:nbytes].view(t.dtype).view(t.shape)
+        staged.copy_(t)
+        out = staged.to(device, non_blocking=True)
+        event.record()
+        pool.append((buf, event))
+        return out
+
+
+_STAGING = _Staging()
+
+
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on `device` without blocking: on CUDA through a reused page-locked buffer,
+    on the current stream."""
+    if device.type != "cuda":
+        return t
+    return _STAGING.to_device(t.contiguous(), device)

@@ -1,0 +1,454 @@
+"""CUDA graphs of the MTP step: the verify forward and the whole draft chain, per padded batch.
+
+A step whose slots are all decode (verify) slots is laid out at a fixed stride: slot b owns
+query rows b * (k + 1) .. b * (k + 1) + k, its newest token then its n <= k drafts, and rows
+past n are padding (token 0 at position 0, written to the cache's spare block). Every row is
+run as its own one-query sequence over its slot's block table with KV length position + 1, so
+the verify forward is a plain decode forward of S * (k + 1) rows: the same layers and the same
+attention kernel as a plain decode step (`kernels.paged_decode`), and no mask.
+
+Graphs per (padded slot count, padded block-table width; no narrower than MIN_WIDTH_TOKENS),
+sharing the decode graphs' memory pool:
+- verify: target forward, logits of every row, the greedy target (argmax) of every row;
+- draft: acceptance (`kernels.verify_accept`), stops inside the accepted run
+  (`kernels.update_status`), the MTP layer's inputs (`kernels.draft_preprocess`), its pass over
+  the step's rows and the k - 1 chained single-token passes, each with its argmax, and one
+  packed int64 result [S, 2k + 4] (accepted ids, kept count, verified count, stop flag, drafts)
+  that the host copies back in one transfer;
+- advance: the next step's inputs from that result, on the device, for a step launched before
+  the host has read this one (`kernels.advance_inputs`, one kernel; the overlap loop);
+- chain: advance, verify and draft in one graph, for such a step when no logprobs are asked;
+- logprobs: the raw logprobs of every row's accepted token, one graph per top-k width; with
+  top_logprobs 0 a second draft graph instead, the draft chain followed by each row's token
+  logprob and rank (`kernels.token_logprob`) packed after the result, so one replay and one host
+  copy carry both.
+Greedy rows without logit processing need nothing between the two replays. Other rows
+(sampling, penalties, min_tokens) overwrite the target ids, the target's draft probabilities
+and the acceptance uniforms between the replays (`pd.spec.verify`); the kernels read them from
+these static buffers. Padding slots have slot index -1: every kernel skips them.
+
+Inputs travel in one int64 buffer per (S, W), filled by one host-to-device copy (`host_inputs`
+builds it; a chained step copies only the part the host knows, `Layout.tail`). On CPU the same
+layout runs without capture (`pool_owner` None), which is how the tests check it.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import NamedTuple
+
+import numpy as np
+import torch
+
+from kernels import draft_preprocess, update_status, verify_accept
+from kernels.advance_inputs import INPUTS as ADVANCED, advance_inputs
+from kernels.argmax import argmax
+from kernels.token_logprob import token_logprob
+from kernels.launch import use_kernels
+from pd.engine.cuda_graph import BATCH_SIZES, Graph, capture
+from pd.engine.host_ring import HostRing
+from pd.engine.logprobs import Logprobs, compute_logprobs
+from pd.model.context import ForwardContext, forward_context
+
+log = logging.getLogger(__name__)
+
+STOP_WIDTH = 8  # stop ids a graphed slot may carry (EOS ids + stop_token_ids); more: eager
+MAX_ROWS = 1024  # S * (k + 1) rows at most per graph (the logits of every row are kept)
+LOGPROB_GRAPH_ELEMENTS = 1 << 25  # logits larger than this compute their logprobs eagerly
+MIN_WIDTH_TOKENS = 512  # the narrowest block table of a graph holds this many tokens
+
+
+def pack_logprobs(lp: Logprobs) -> torch.Tensor:
+    """[R, 2 + 2K] float32: token logprob, rank, K top ids, K top logprobs: one host copy. Ids
+    and ranks are exact in float32 below 2**24 (`SpecDecoder` refuses larger vocabularies)."""
+    return torch.cat([lp.token_logprobs[:, None], lp.ranks[:, None].float(), lp.topk_ids.float(),
+                      lp.topk_logprobs], dim=1)
+
+
+def unpack_lp0(columns: torch.Tensor) -> torch.Tensor:
+    """The host copy of `StepGraphs.draft(lp0=True)`'s last k + 1 columns -> [S * (k + 1), 2]
+    float32 (token logprob, rank), as `pack_logprobs` packs top_logprobs 0."""
+    return columns.contiguous().view(torch.float32).view(-1, 2)
+
+
+def _round_up(n: int, sizes) -> int:
+    return next(s for s in sizes if s >= n)
+
+
+class FlatLayout:
+    """Named arrays laid out one after another in one flat buffer: `fields` (name, start, end,
+    shape) in the order of `shapes`, `size` in all."""
+
+    def __init__(self, shapes: dict[str, tuple[int, ...]]) -> None:
+        self.fields, total = [], 0
+        for name, shape in shapes.items():
+            size = int(np.prod(shape))
+            self.fields.append((name, total, total + size, shape))
+            total += size
+        self.size = total
+
+    def views(self, flat):
+        """name -> view of `flat` (a numpy array or a torch tensor) in its shape."""
+        return {name: flat[start:end].reshape(shape) for name, start, end, shape in self.fields}
+
+
+class Layout(FlatLayout):
+    """Where each input lives in the flat int64 buffer of one (S, W) graph."""
+
+    def __init__(self, num_slots: int, width: int, k: int) -> None:
+        super().__init__({
+            # what a chained step computes on the device from the previous step's result
+            "input_ids": (num_slots, k + 1), "positions": (num_slots, k + 1),
+            "slot_mapping": (num_slots, k + 1), "context_lens": (num_slots, k + 1),
+            "draft_ids": (num_slots, k), "num_drafts": (num_slots,), "seq_lens": (num_slots,),
+            "num_outputs": (num_slots,),
+            # what the host knows before that result (from `tail` on)
+            "block_tables": (num_slots, width), "greedy": (num_slots,),
+            "max_seq_lens": (num_slots,), "min_tokens": (num_slots,),
+            "stop_ids": (num_slots, STOP_WIDTH), "slot_index": (num_slots,),
+        })
+        self.tail = next(start for name, start, _, _ in self.fields if name == "block_tables")
+        self.template: np.ndarray | None = None  # every slot padding (`SpecGraphs.host_inputs`)
+
+
+class Verified(NamedTuple):
+    hidden: torch.Tensor  # [T, H]
+    logits: torch.Tensor  # [T, V] float32
+    target: torch.Tensor  # [S, k + 1] int64 (argmax; overwritten for sampled rows)
+    context: ForwardContext  # the rows as one-query sequences
+
+
+class StepGraphs:
+    """The graphs of one (S, W) (verify, draft, advance; logprobs per top-k width) and their
+    static buffers. Without capture (CPU, where the layout is tested) each computes eagerly into
+    the same attributes."""
+
+    def __init__(self, owner: "SpecGraphs", key: tuple[int, int], capture: bool) -> None:
+        num_slots, width = key
+        self.owner, self.width = owner, width
+        self.layout = owner.layout(key)
+        host, _ = owner.host_inputs(key)
+        self.inputs = host.to(owner.device)
+        self.views = self.layout.views(self.inputs)
+        self.p_draft = torch.zeros(num_slots, owner.k, device=owner.device)
+        self.uniforms = torch.zeros(num_slots, owner.k, device=owner.device)
+        self.graphs = None
+        self.lp_graphs: dict[int, tuple[Graph, torch.Tensor]] = {}
+        self.lp0_graph: tuple[Graph, torch.Tensor] | None = None  # `draft(lp0)`
+        self.chain_lp0: tuple[Graph, torch.Tensor] | None = None  # `chain(lp0)`
+        self.verified: Verified | None = None
+        self.result: torch.Tensor | None = None  # [S, 2k + 4] int64
+        # what the known part of `inputs` (`Layout.tail` on) was last written for: (slot rows,
+        # (request id, blocks, last block) per slot), or None (`SpecDecoder.launch_chained`)
+        self.known: tuple | None = None
+        self.rings = HostRing(pin=owner.device.type == "cuda")  # `host_buffer`'s
+        if capture:
+            self._capture()
+
+    def _capture(self) -> None:
+        owner, dev = self.owner, self.owner.device
+        side = torch.cuda.Stream(dev)
+        side.wait_stream(torch.cuda.current_stream(dev))
+        snapshot = self.inputs.clone()  # the warm-up of `advance` moves the inputs
+        with torch.cuda.stream(side):  # warm-up outside the capture (allocator, kernel loads)
+            result = owner._draft(self.views, owner._verify(self.views, self.width), self.p_draft,
+                                  self.uniforms, self.width)
+            owner._advance(self.views, result)
+        torch.cuda.current_stream(dev).wait_stream(side)
+        self.inputs.copy_(snapshot)
+        verify, draft, advance, chain = Graph(), Graph(), Graph(), Graph()
+        with verify.capturing(owner.pool_owner):
+            self.verified = owner._verify(self.views, self.width)
+        with draft.capturing(owner.pool_owner):
+            self.result = owner._draft(self.views, self.verified, self.p_draft, self.uniforms, self.width)
+        with advance.capturing(owner.pool_owner):
+            owner._advance(self.views, self.result)
+        # NOTE: a chained step's three in one replay; captured here, where replaying it would
+        # only move padding: a capture on first use warms up first, and its advance would move
+        # a live step's inputs once more
+        with chain.capturing(owner.pool_owner):
+            owner._advance(self.views, self.result)
+            verified = owner._verify(self.views, self.width)
+            self.result.copy_(owner._draft(self.views, verified, self.p_draft, self.uniforms,
+                                           self.width))
+        self.graphs = (verify, draft, advance, chain)
+
+    def host_buffer(self, like: torch.Tensor) -> torch.Tensor:
+        """A host buffer shaped like `like` for a step's device-to-host copy (`HostRing`)."""
+        return self.rings.get(like.shape, like.dtype)
+
+    def verify(self) -> None:
+        if self.graphs is not None:
+            self.graphs[0].replay()
+        else:
+            self.verified = self.owner._verify(self.views, self.width)
+
+    def draft(self, lp0: bool = False) -> torch.Tensor | None:
+        """The draft chain into `result`. With `lp0` (a step whose rows ask top_logprobs 0) it
+        also returns the result followed by each verified row's token logprob and rank
+        (`token_logprob`'s float32 pairs as k + 1 int64 columns) [S, 3k + 5], for one host copy
+        (`unpack_lp0`): a graph of its own, captured on first use, where the logits are small
+        enough to keep (`LOGPROB_GRAPH_ELEMENTS`)."""
+        if lp0 and self.graphs is not None and self.verified.logits.numel() <= LOGPROB_GRAPH_ELEMENTS:
+            if self.lp0_graph is None:
+                self.lp0_graph = capture(self._draft_lp0, self.owner.pool_owner, self.owner.device)
+            graph, out = self.lp0_graph
+            graph.replay()
+            return out
+        if self.graphs is not None:
+            self.graphs[1].replay()
+        else:
+            self.result = self.owner._draft(self.views, self.verified, self.p_draft, self.uniforms,
+                                            self.width)
+        return self._with_lp0(self.result) if lp0 else None
+
+    def _draft_lp0(self) -> torch.Tensor:
+        result = self.owner._draft(self.views, self.verified, self.p_draft, self.uniforms, self.width)
+        self.result.copy_(result)  # where `advance` reads it
+        return self._with_lp0(result)
+
+    def _with_lp0(self, result: torch.Tensor, verified: Verified | None = None) -> torch.Tensor:
+        k1 = self.owner.k + 1
+        logits = (verified or self.verified).logits
+        lp = token_logprob(logits, result[:, :k1].clamp(min=0).reshape(-1))
+        return torch.cat([result, lp.view(torch.int64).view(result.shape[0], k1)], dim=1)
+
+    def logprobs(self, num_top: int) -> torch.Tensor:
+        """Raw logprobs of each row's accepted token with `num_top` top columns, from the
+        verified logits and the result, packed (`pack_logprobs`) [S * (k + 1), 2 + 2 num_top];
+        a graph per `num_top` where the logits are small enough to keep the temporaries
+        (`LOGPROB_GRAPH_ELEMENTS`). With no top columns, `kernels.token_logprob`'s one kernel."""
+        def packed() -> torch.Tensor:
+            accepted = self.result[:, :self.owner.k + 1].clamp(min=0).reshape(-1)
+            if num_top == 0:  # one kernel, no [rows, V] temporaries
+                return token_logprob(self.verified.logits, accepted)
+            return pack_logprobs(compute_logprobs(self.verified.logits, accepted, num_top))
+
+        if self.graphs is None or self.verified.logits.numel() > LOGPROB_GRAPH_ELEMENTS:
+            return packed()
+        if num_top not in self.lp_graphs:
+            self.lp_graphs[num_top] = capture(packed, self.owner.pool_owner, self.owner.device)
+        graph, out = self.lp_graphs[num_top]
+        graph.replay()
+        return out
+
+    def advance(self) -> None:
+        """The next step's inputs from this step's result, in place (a chained step)."""
+        if self.graphs is not None:
+            self.graphs[2].replay()
+        else:
+            self.owner._advance(self.views, self.result)
+
+    def chain(self, lp0: bool = False) -> torch.Tensor | None:
+        """`advance`, `verify` and `draft` in one replay (a chained step; its result in
+        `result`; `verified` is not this step's: the logprobs graphs read it). With `lp0` (its
+        rows ask top_logprobs 0) it returns what `draft(lp0=True)` returns, from a graph of its
+        own captured on first use where the logits are small enough to keep; else three
+        replays."""
+        if self.graphs is None or (lp0 and self.verified.logits.numel() > LOGPROB_GRAPH_ELEMENTS):
+            self.advance()
+            self.verify()
+            return self.draft(lp0)
+        if not lp0:
+            self.graphs[3].replay()
+            return None
+        if self.chain_lp0 is None:
+            # NOTE: the capture's warm-up runs this very step (the same KV writes as the
+            # replay), then its moved inputs and result are put back for the replay
+            saved = self.inputs.clone(), self.result.clone()
+            self.chain_lp0 = capture(self._chain_lp0, self.owner.pool_owner, self.owner.device)
+            self.inputs.copy_(saved[0])
+            self.result.copy_(saved[1])
+        graph, out = self.chain_lp0
+        graph.replay()
+        return out
+
+    def _chain_lp0(self) -> torch.Tensor:
+        owner = self.owner
+        owner._advance(self.views, self.result)
+        verified = owner._verify(self.views, self.width)
+        result = owner._draft(self.views, verified, self.p_draft, self.uniforms, self.width)
+        self.result.copy_(result)
+        return self._with_lp0(result, verified)
+
+
+class SpecGraphs:
+    """`pool_owner`: the decode graphs (`pd.engine.cuda_graph.DecodeGraphs`), whose memory pool
+    these graphs share; None runs the same layout without capture."""
+
+    def __init__(self, model: torch.nn.Module, k: int, *, block_size: int, dummy_block: int,
+                 batch_sizes: tuple[int, ...], block_widths: tuple[int, ...],
+                 device: torch.device, pool_owner=None) -> None:
+        self.model, self.k, self.device = model, k, device
+        self.block_size, self.dummy_block = block_size, dummy_block
+        self.pool_owner = pool_owner
+        self.slot_counts = tuple(s for s in batch_sizes if s == 1 or s * (k + 1) <= MAX_ROWS)
+        self.block_widths = block_widths
+        # NOTE: the narrowest table a step's graph gets: a request crossing into a wider graph
+        # breaks the chain of steps computed on the device (the host waits for the step in
+        # flight, then launches the next), 5 times in a 256-token request at batch 1 with
+        # widths from 1 block; a wider table only adds attention splits that do nothing
+        self.min_width = next((w for w in block_widths if w * block_size >= MIN_WIDTH_TOKENS),
+                              block_widths[-1])
+        self.graphs: dict[tuple[int, int], StepGraphs] = {}
+        # NOTE: a benchmark hook (benchmarks/gpu/bench_mtp_mechanism.py): the greedy
+        # continuation every slot shares [L], proposed as the drafts (after the MTP layer ran,
+        # or instead of it with oracle_only), to time the machinery with every draft accepted.
+        # Set before the first capture.
+        self.oracle: torch.Tensor | None = None
+        self.oracle_only = False
+        self.layouts: dict[tuple[int, int], Layout] = {}
+
+    @classmethod
+    def for_decode_graphs(cls, model: torch.nn.Module, k: int, decode, device: torch.device):
+        return cls(model, k, block_size=decode.block_size, dummy_block=decode.dummy_block,
+                   batch_sizes=decode.batch_sizes, block_widths=decode.block_widths,
+                   device=device, pool_owner=decode)
+
+    @classmethod
+    def uncaptured(cls, model: torch.nn.Module, k: int, runner) -> "SpecGraphs":
+        """The layout without capture, for a runner with a spare block
+        (`pd.engine.runner.SPEC_LAYOUT_ENV`)."""
+        max_blocks = -(-runner.max_model_len // runner.block_size)
+        sizes = tuple(s for s in BATCH_SIZES if s < runner.config.max_num_seqs) + (
+            runner.config.max_num_seqs,)
+        widths = tuple(1 << i for i in range((max_blocks - 1).bit_length() + 1))
+        return cls(model, k, block_size=runner.block_size, dummy_block=runner.kv_cache.dummy_block,
+                   batch_sizes=sizes, block_widths=widths, device=runner.device)
+
+    def key(self, num_slots: int, num_blocks: int) -> tuple[int, int] | None:
+        """(padded slots, padded width) of a step, or None when it is too large for a graph
+        or the bookkeeping runs as torch twins (PD_KERNELS=torch: they wait on the host)."""
+        if num_slots > self.slot_counts[-1] or num_blocks > self.block_widths[-1]:
+            return None
+        if self.pool_owner is not None and not use_kernels(self.pool_owner.staging):
+            return None
+        return (_round_up(num_slots, self.slot_counts),
+                _round_up(max(num_blocks, self.min_width), self.block_widths))
+
+    # -- host: the inputs ----------------------------------------------------------------------
+    def layout(self, key: tuple[int, int]) -> Layout:
+        layout = self.layouts.get(key)
+        if layout is None:
+            layout = self.layouts[key] = Layout(*key, self.k)
+            template = np.empty(layout.size, dtype=np.int64)
+            views = layout.views(template)
+            spare = self.dummy_block * self.block_size
+            for name, value in (("input_ids", 0), ("positions", 0), ("slot_mapping", spare),
+                                ("context_lens", 1), ("block_tables", self.dummy_block),
+                                ("draft_ids", 0), ("num_drafts", 0), ("greedy", 1),
+                                ("seq_lens", 0), ("num_outputs", 0), ("max_seq_lens", 1 << 40),
+                                ("min_tokens", 0), ("stop_ids", -1), ("slot_index", -1)):
+                views[name][...] = value
+            layout.template = template
+        return layout
+
+    def host_inputs(self, key: tuple[int, int]) -> tuple[torch.Tensor, dict[str, np.ndarray]]:
+        """A host int64 buffer for `key` (pinned on CUDA) with every slot set to padding, and
+        numpy views of it for the caller to fill its slots."""
+        layout = self.layout(key)
+        host = torch.empty(layout.size, dtype=torch.int64, pin_memory=self.device.type == "cuda")
+        flat = host.numpy()
+        flat[:] = layout.template
+        return host, layout.views(flat)
+
+    # -- device --------------------------------------------------------------------------------
+    def _verify(self, v: dict[str, torch.Tensor], width: int) -> Verified:
+        num_slots = v["slot_index"].shape[0]
+        k1 = self.k + 1
+        rows = num_slots * k1
+        token_slot = torch.arange(rows, device=self.device) // k1
+        ctx = ForwardContext(
+            slot_mapping=v["slot_mapping"].reshape(rows),
+            block_tables=v["block_tables"][token_slot],
+            context_lens=v["context_lens"].reshape(rows),
+            padded_index=torch.arange(rows, device=self.device),
+            attn_mask=None, max_q_len=1, max_kv_len=width * self.block_size)
+        with forward_context(ctx):
+            hidden = self.model(v["input_ids"].reshape(rows), v["positions"].reshape(rows))
+        logits = self.model.compute_logits(hidden)
+        return Verified(hidden, logits, argmax(logits).view(num_slots, k1), ctx)
+
+    def _draft(self, v: dict[str, torch.Tensor], ver: Verified, p_draft: torch.Tensor,
+               uniforms: torch.Tensor, width: int) -> torch.Tensor:
+        k, dev = self.k, self.device
+        accepted, num_kept, num_verified, stop_flags = self.accept(v, ver.target, p_draft, uniforms)
+        if self.oracle is None or not self.oracle_only:
+            drafts = self._mtp_drafts(v, ver, accepted, num_verified, width)
+        if self.oracle is not None:  # the benchmark's perfect drafter
+            done = v["num_outputs"] + num_kept.long()
+            index = done[:, None] + torch.arange(k, device=dev)[None, :]
+            drafts = self.oracle[index.clamp(max=self.oracle.shape[0] - 1)]
+        counts = torch.stack([num_kept, num_verified, stop_flags], dim=1).long()
+        return torch.cat([accepted, counts, drafts], dim=1)
+
+    def accept(self, v: dict[str, torch.Tensor], target: torch.Tensor, p_draft: torch.Tensor,
+               uniforms: torch.Tensor):
+        """Acceptance (`verify_accept`) and stops inside the accepted run (`update_status`) of
+        the slots in `v`: (accepted [S, k + 1], kept [S], verified [S], stop flags [S])."""
+        slot_index = v["slot_index"]
+        accepted, num_kept = verify_accept(
+            slot_index, v["num_drafts"].to(torch.int32), v["draft_ids"], target,
+            torch.ones_like(p_draft), p_draft, uniforms, v["greedy"].to(torch.int32))
+        num_verified = num_kept.clone()
+        stop_flags = torch.zeros(slot_index.shape[0], dtype=torch.int32, device=self.device)
+        update_status(slot_index, accepted, num_kept, v["seq_lens"].clone(), v["num_outputs"].clone(),
+                      v["max_seq_lens"], v["min_tokens"], v["stop_ids"], stop_flags)
+        return accepted, num_kept, num_verified, stop_flags
+
+    def _mtp_drafts(self, v: dict[str, torch.Tensor], ver: Verified, accepted: torch.Tensor,
+                    num_verified: torch.Tensor, width: int) -> torch.Tensor:
+        """The MTP layer's pass over the step's rows, then its k - 1 chained passes: [S, k]."""
+        k, model, dev = self.k, self.model, self.device
+        num_slots = v["slot_index"].shape[0]
+        cu = torch.arange(num_slots + 1, device=dev) * (k + 1)
+        positions = v["positions"].reshape(-1)
+        mtp_ids, draft_rows, chain_pos, chain_slots = draft_preprocess(
+            v["slot_index"], cu, v["input_ids"].reshape(-1), positions, accepted, num_verified,
+            torch.zeros(num_slots, dtype=torch.int32, device=dev), v["block_tables"],
+            self.block_size, k - 1)
+        with forward_context(ver.context):
+            out = model.mtp_forward(mtp_ids, positions, ver.hidden)
+        return self.chain_drafts(out[draft_rows], chain_pos, chain_slots, v["block_tables"], width)
+
+    def chain_drafts(self, prev: torch.Tensor, chain_pos: torch.Tensor, chain_slots: torch.Tensor,
+                     block_tables: torch.Tensor, width: int) -> torch.Tensor:
+        """The drafts [S, k] from the MTP layer's output at each slot's drafting row `prev`
+        [S, H]: its argmax, then k - 1 chained single-token passes at `chain_pos` + m, writing
+        the MTP layer's KV at `chain_slots` [S, k - 1] (negative: the spare block)."""
+        k, model, dev = self.k, self.model, self.device
+        num_slots = prev.shape[0]
+        drafts = [argmax(model.head_logits(prev))]
+        # NOTE: padding slots, and chained positions past the table, write the spare block;
+        # every chained pass's slots and positions at once (rows m), not a few small kernels
+        # per pass
+        chain_slots = torch.where(chain_slots < 0, self.dummy_block * self.block_size, chain_slots)
+        slots_by_pass = chain_slots.t().contiguous()  # [k - 1, S]
+        chain = chain_pos[None, :] + torch.arange(k, device=dev)[:, None]  # [k, S]
+        rows = torch.arange(num_slots, device=dev)
+        for m in range(k - 1):
+            ctx = ForwardContext(
+                slot_mapping=slots_by_pass[m], block_tables=block_tables,
+                context_lens=chain[m + 1], padded_index=rows,
+                attn_mask=None, max_q_len=1, max_kv_len=width * self.block_size)
+            with forward_context(ctx):
+                prev = model.mtp_forward(drafts[-1], chain[m], prev)
+            drafts.append(argmax(model.head_logits(prev)))
+        return torch.stack(drafts, dim=1)
+
+    def _advance(self, v: dict[str, torch.Tensor], result: torch.Tensor) -> None:
+        """Step N + 1's device-dependent inputs from step N's `result`, for the same slots, in
+        one kernel (`kernels.advance_inputs`): each live slot moves past the tokens it kept, its
+        newest token and its drafts (as many as its length budget leaves, as the scheduler cuts
+        them) become the next rows; a slot that stopped in N, or was invalid in it, becomes
+        invalid and padding. The host has already written the known part (`Layout.tail`)."""
+        advance_inputs(result, *(v[name] for name in ADVANCED), block_size=self.block_size,
+                       spare_slot=self.dummy_block * self.block_size)
+
+    def get(self, key: tuple[int, int]) -> StepGraphs:
+        if key not in self.graphs:
+            self.graphs[key] = StepGraphs(self, key, capture=self.pool_owner is not None)
+            if self.pool_owner is not None:
+                log.info("captured MTP CUDA graphs (k=%d): %d slots, %d KV blocks per sequence",
+                         self.k, *key)
+        return self.graphs[key]

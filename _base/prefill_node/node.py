@@ -1,0 +1,326 @@
+"""The prefill node: takes `PrefillRequest`s from routers, prefills prompts in batches (chunked,
+under a token budget), samples each request's first token, and hands the request to the decode
+node it names: RequestMeta + FIRST_TOKEN at once, the KV once the decode node has reserved
+blocks (KVAccept), and frees its own blocks when the decode node acknowledges (KVAck).
+
+With MTP (`--num-speculative-tokens k`), the prefill step also runs the MTP layer over the
+prompt (its KV is the last cache layer and travels with the target's) and proposes the first k
+drafts, sent as a DRAFT_TOKENS record right after FIRST_TOKEN, so the decode node's first step
+is already a verify step.
+
+A request that ends with its first token (max_tokens 1, EOS) is answered to the router here and
+never reaches a decode node. Every waiting state has a deadline: queued or prefilling
+(`--queue-timeout`), handed off but not acknowledged (`--handoff-timeout`); on expiry the
+router gets an error, the decode node an Abort, and the blocks are freed. A request whose router
+is gone, or whose decode node disconnected, ends the same way. While draining (SIGTERM) new
+requests are refused, so the router retries them elsewhere, and those in flight run to their
+hand-off. Talking to one decode node (handshake, transport) is `link.py`'s job.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import time
+from dataclasses import dataclass, field
+
+from pd.engine.engine import Engine
+from pd.engine.grammar import GrammarError
+from pd.engine.request import Req
+from pd.service import metrics as node_metrics
+from pd.service.flags import default
+from pd.service.node import NodeService
+from pd.service.states import Transitions
+from pd.wire import messages as m
+from pd.wire.sampling_params import SamplingParams
+from prefill_node.link import DecodeLink, prompt_logprobs_wire
+from shm_ipc.kv import prepare as prepare_kv_copies
+
+log = logging.getLogger(__name__)
+
+
+class JobState(enum.Enum):
+    QUEUED = "queued"  # waiting for or in its prefill
+    HANDED_OFF = "handed_off"  # RequestMeta + first token sent, waiting for KVAccept
+    KV_SENT = "kv_sent"  # KV in flight, waiting for KVAck
+    DONE = "done"
+
+
+JOB_STATES = Transitions({
+    JobState.QUEUED: (JobState.HANDED_OFF, JobState.DONE),
+    JobState.HANDED_OFF: (JobState.KV_SENT, JobState.DONE),
+    JobState.KV_SENT: (JobState.DONE,),
+    JobState.DONE: (),
+})
+AT_DECODE = (JobState.HANDED_OFF, JobState.KV_SENT)  # the decode node knows of the request
+
+
+@dataclass(eq=False)
+class Job:
+    msg: m.PrefillRequest
+    req: Req
+    deadline: float
+    state: JobState = JobState.QUEUED
+    link: DecodeLink | None = None
+    arrival: float = field(default_factory=time.monotonic)
+    kv_started: float = 0.0
+    kv_bytes: int = 0  # KV bytes sent for it
+
+
+class PrefillNode(NodeService):
+    role = "prefill"
+
+    def __init__(self, node_id: str, engine: Engine, *, host: str, port: int,
+                 metrics_port: int | None, transport: str = default("transport", "prefill"),
+                 max_queue: int = default("max_queue", "prefill"),
+                 queue_timeout: float = default("queue_timeout", "prefill"),
+                 handoff_timeout: float = default("handoff_timeout", "prefill"),
+                 drain_timeout: float = default("drain_timeout", "prefill")) -> None:
+        super().__init__(node_id, host, port, metrics_port, drain_timeout)
+        self.engine = engine
+        prepare_kv_copies(engine.runner.kv_cache.kv)  # the first transfer compiles nothing
+        self.scheduler = engine.scheduler
+        self.transport = transport
+        self.max_queue = max_queue
+        self.queue_timeout = queue_timeout
+        self.handoff_timeout = handoff_timeout
+        self.jobs: dict[str, Job] = {}
+        self.links: dict[str, DecodeLink] = {}
+        self.geometry = engine.geometry(mtp_enabled=engine.spec is not None)
+        self.metrics = node_metrics.for_node(self.role, node_id)
+        self.kv_sent_bytes = 0
+        self.prompt_tokens_computed = 0
+
+    # -- intake --------------------------------------------------------------------------------
+    def on_control(self, identity: bytes, msg) -> None:
+        if isinstance(msg, m.PrefillRequest):
+            self.admit(msg)
+        elif isinstance(msg, m.Abort):
+            self.abort(msg.req_id, msg.reason)
+        else:
+            super().on_control(identity, msg)
+
+    def admit(self, msg: m.PrefillRequest) -> None:
+        if self.draining:
+            self.metrics.refused("draining").inc()
+            self.events.send(msg.reply_to, m.TokenStream(
+                msg.req_id, [], error=f"prefill node {self.node_id} is draining (shutting down)"))
+            return
+        try:
+            if msg.req_id in self.jobs:
+                raise ValueError(f"duplicate request id {msg.req_id!r}")
+            if len(self.jobs) >= self.max_queue:
+                raise ValueError(f"prefill node {self.node_id} is full ({self.max_queue} requests)")
+            params = SamplingParams.from_dict(msg.params)
+            ids = self.engine.validate_prompt(msg.prompt_ids)
+            req = Req(msg.req_id, list(msg.prompt_ids), params, prompt_ids_np=ids,
+                      eos_token_ids=self.engine.eos_token_ids, hold_blocks_on_finish=True)
+            try:
+                self.engine.bind_grammar(req)
+            except GrammarError as e:  # the client's spec: the router answers 400
+                raise ValueError(f"{m.INVALID_PREFIX}: structured output: {e}") from None
+            self.scheduler.add(req)
+        except (ValueError, TypeError) as e:
+            self.metrics.refused("bad_request").inc()
+            log.warning("refused request %s: %s", msg.req_id, e)
+            self.events.send(msg.reply_to, m.TokenStream(msg.req_id, [], error=str(e)))
+            return
+        self.jobs[msg.req_id] = Job(msg, req, time.monotonic() + self.queue_timeout)
+
+    # -- the step --------------------------------------------------------------------------------
+    def has_work(self) -> bool:
+        return self.scheduler.has_work or any(link.writes for link in self.links.values())
+
+    def step(self) -> None:
+        for link in self.links.values():
+            link.finish_writes()  # KVDone for the direct KV copies done
+        batch = self.scheduler.schedule()
+        if batch is None:
+            return
+        start = time.perf_counter()
+        spec = self.engine.spec
+        sampled = spec.run(batch) if spec is not None else self.engine.runner.run(batch)
+        self.metrics.prompt_tokens.inc(batch.num_tokens)
+        self.prompt_tokens_computed += batch.num_tokens
+        self.metrics.step_seconds.observe(time.perf_counter() - start)
+        self.metrics.batch_size.observe(len(batch.reqs))
+        node_metrics.export_prefix_cache(self.metrics, self.engine)
+        if spec is not None:  # the first token, and the MTP layer's first drafts
+            self.scheduler.update_spec(batch, sampled)
+        else:
+            self.scheduler.update(batch, sampled)
+        for i in sampled:
+            req = batch.reqs[i]
+            job = self.jobs.get(req.req_id)
+            if job is None:
+                continue
+            if req.is_finished:  # ended with its first token: answer here
+                self.finish_here(job)
+            else:
+                self.scheduler.detach(req)
+                self.hand_off(job)
+        self.may_check_integrity()
+
+    def finish_here(self, job: Job) -> None:
+        req = job.req
+        self.events.send(job.msg.reply_to, m.TokenStream(
+            req.req_id, req.output_token_ids, **first_token_logprobs(req),
+            finish_reason=req.finish_reason.value,
+            num_prompt_tokens=req.num_prompt_tokens, num_output_tokens=req.num_output_tokens))
+        self.metrics.first_token_send_seconds.observe(time.monotonic() - job.arrival)
+        self.release(job)
+
+    def hand_off(self, job: Job) -> None:
+        JOB_STATES.move(job, JobState.HANDED_OFF)
+        job.deadline = time.monotonic() + self.handoff_timeout
+        link = self.links.get(job.msg.decode_addr)
+        if link is None or link.failed:
+            if link is not None:
+                link.close()
+            link = DecodeLink(self, job.msg.decode_addr, kv=self.engine.runner.kv_cache.kv,
+                              block_size=self.engine.config.block_size,
+                              handoff_timeout=self.handoff_timeout, transport=self.transport,
+                              tp=self.engine.runner.model.mirror)
+            self.links[job.msg.decode_addr] = link
+        job.link = link
+        link.submit(job)
+
+    # -- hand-off events (raised by DecodeLink, see prefill_node.link.LinkOwner) ---------------
+    def on_first_token_sent(self, job: Job) -> None:
+        self.metrics.first_token_send_seconds.observe(time.monotonic() - job.arrival)
+
+    def on_link_broken(self, link: DecodeLink, reason: str, jobs: list[Job] | None) -> None:
+        if jobs is None:
+            jobs = [j for j in self.jobs.values() if j.link is link]
+        for job in jobs:
+            if job.state is not JobState.DONE:
+                self.fail(job, reason)
+
+    def on_kv_accept(self, link: DecodeLink, msg: m.KVAccept) -> None:
+        job = self.jobs.get(msg.req_id)
+        if job is None or job.state is not JobState.HANDED_OFF or job.link is not link:
+            log.warning("KVAccept for %s, which is not waiting for one here", msg.req_id)
+            if msg.block_ids is not None:
+                link.release(msg.req_id)  # the decode node holds those blocks until told
+            return
+        JOB_STATES.move(job, JobState.KV_SENT)
+        job.kv_started = time.perf_counter()
+        nbytes = link.send_kv(job, msg.num_cached_blocks, msg.block_ids)
+        job.kv_bytes = nbytes
+        self.metrics.kv_sent_bytes(link.tier).inc(nbytes)
+        self.kv_sent_bytes += nbytes
+
+    def on_kv_ack(self, link: DecodeLink, req_id: str) -> None:
+        job = self.jobs.get(req_id)
+        if job is None or job.link is not link or job.state is not JobState.KV_SENT:
+            log.warning("KVAck for %s, which has no KV in flight to that node", req_id)
+            return
+        self.metrics.kv_transfer_seconds(link.tier).observe(time.perf_counter() - job.kv_started)
+        self.metrics.kv_transfer_bytes(link.tier).observe(job.kv_bytes)
+        self.release(job)
+
+    def on_kv_refuse(self, link: DecodeLink, req_id: str, reason: str) -> None:
+        job = self.jobs.get(req_id)
+        if job is not None and job.link is link:
+            # NOTE: the decode node has told the router; only the blocks are ours to free.
+            log.warning("decode node %s refused %s: %s", link.addr, req_id, reason)
+            self.release(job)
+
+    def fail(self, job: Job, error: str) -> None:
+        """End a request with an error to the router, wherever it is."""
+        log.warning("request %s failed: %s", job.req.req_id, error)
+        self.metrics.refused("failed").inc()
+        self.events.send(job.msg.reply_to, m.TokenStream(job.req.req_id, [], error=error))
+        if job.state in AT_DECODE and job.link is not None:
+            job.link.send_abort(job.req.req_id, error)
+        self.release(job)
+
+    # -- endings ---------------------------------------------------------------------------------
+    def release(self, job: Job) -> None:
+        self.jobs.pop(job.req.req_id, None)
+        if job.state is JobState.QUEUED:
+            self.scheduler.abort(job.req)
+        if job.link is not None:
+            job.link.withdraw(job)
+        self.scheduler.free_blocks(job.req)
+        JOB_STATES.move(job, JobState.DONE)
+
+    def abort(self, req_id: str, reason: str) -> None:
+        job = self.jobs.get(req_id)
+        if job is None:
+            return
+        if job.state in AT_DECODE and job.link is not None:
+            job.link.send_abort(req_id, reason)
+        self.release(job)
+
+    def tick(self, now: float) -> None:
+        for job in [j for j in self.jobs.values() if now > j.deadline]:
+            where = {JobState.QUEUED: "queued at the prefill node",
+                     JobState.HANDED_OFF: f"waiting for decode node {job.msg.decode_addr} to accept",
+                     JobState.KV_SENT: f"KV in flight to decode node {job.msg.decode_addr}"}[job.state]
+            self.fail(job, f"{m.TIMEOUT_PREFIX} {where}")
+        for addr, link in list(self.links.items()):
+            link.tick(now)
+            if link.failed and not any(j.link is link for j in self.jobs.values()):
+                link.close()  # NOTE: its ring goes now; the next request to addr reconnects
+                del self.links[addr]
+        self.update_gauges()
+
+    def busy(self) -> bool:
+        return bool(self.jobs)
+
+    def on_router_gone(self, reply_to: str) -> None:
+        for job in [j for j in self.jobs.values() if j.msg.reply_to == reply_to]:
+            self.metrics.refused("router_gone").inc()
+            log.warning("request %s: its router is gone", job.req.req_id)
+            self.abort(job.req.req_id, "router gone")
+
+    def update_gauges(self) -> None:
+        mt = self.metrics
+        mt.waiting.set(len(self.scheduler.waiting))
+        mt.running.set(len(self.scheduler.running))
+        mt.kv_usage.set(self.engine.allocator.usage)
+        mt.transfers_waiting.set(sum(j.state is not JobState.QUEUED for j in self.jobs.values()))
+        mt.count_preemptions(self.scheduler.num_preemptions)
+        node_metrics.export_prefix_cache(mt, self.engine)
+
+    def may_check_integrity(self) -> None:
+        if not self.jobs and not self.scheduler.has_work and self.integrity_due():
+            self.engine.allocator.check_integrity()
+
+    def stats(self) -> dict:
+        alloc = self.engine.allocator
+        return {
+            "queue_len": len(self.scheduler.waiting),
+            "running": len(self.scheduler.running),
+            "handing_off": sum(j.state is not JobState.QUEUED for j in self.jobs.values()),
+            "outstanding_prefill_tokens": sum(
+                j.req.num_tokens - j.req.num_computed_tokens for j in self.jobs.values()
+                if j.state is JobState.QUEUED),
+            "free_blocks": alloc.num_free,
+            "total_blocks": alloc.num_blocks,
+            "block_size": self.engine.config.block_size,
+            "prompt_tokens_computed": self.prompt_tokens_computed,
+            "kv_sent_bytes": self.kv_sent_bytes,
+            **self.engine.prefix_stats(),
+        }
+
+    def shutdown(self) -> None:
+        for job in list(self.jobs.values()):
+            self.fail(job, f"prefill node {self.node_id} shut down")
+        for link in self.links.values():
+            link.close()
+        self.engine.runner.close()  # tensor-parallel worker ranks, if any
+
+
+def first_token_logprobs(req: Req) -> dict:
+    """The logprobs a request's first TokenStream carries: its token's, and its prompt's when
+    asked."""
+    out = {}
+    if req.params.logprobs is not None:
+        out = {"logprobs": list(req.output_logprobs),
+               "top_logprobs": [[list(p) for p in top] for top in req.output_top_logprobs]}
+    if req.params.prompt_logprobs is not None:
+        out["prompt_logprobs"] = prompt_logprobs_wire(req)
+    return out
+

@@ -1,0 +1,115 @@
+"""The decode node's intake of direct KV (the CUDA IPC tier), on the CPU: which peers are offered
+the cache, what KVAccept names, and that a direct request dropped after its KVAccept keeps its
+blocks until the prefill node answers (KVDone, KVReleased) or is gone, since the prefill node
+may be writing them. A real decode node and engine on the tiny model; its messages are driven
+through its intake's `dispatch` and the replies collected instead of sent (this machine has no GPU to export
+a cache from, so the offer is a stand-in the test never opens)."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import zmq
+
+from decode_node.node import DecodeNode
+from pd.engine.llm import LLM
+from pd.wire import messages as m
+from pd.wire.sampling_params import SamplingParams
+from shm_ipc.records import FirstTokenRecord, KVRecord
+
+RING_PEER, FRAME_PEER = b"ring-peer", b"frame-peer"
+PROMPT = list(range(3, 43))  # 40 tokens: 3 blocks of 16
+
+
+@pytest.fixture
+def node(tiny_model_dir):
+    engine = LLM(tiny_model_dir, num_blocks=32).engine
+    with ThreadPoolExecutor(1) as pool:  # off the main thread: no signal handlers taken
+        node = pool.submit(DecodeNode, "decode-direct", engine, host="127.0.0.1", port=0,
+                           kv_port=0, metrics_port=None).result()
+    sink = node.ctx.socket(zmq.PULL)  # the router's event socket
+    node.reply = f"tcp://127.0.0.1:{sink.bind_to_random_port('tcp://127.0.0.1')}"
+    node.sent = []
+    intake = node.intake
+    intake.receiver.send_control = lambda peer, msg: node.sent.append((peer, m.from_dict(msg)))
+    intake.receiver.tier = lambda peer: "shm" if peer == RING_PEER else "zmq"
+    intake.kv_ipc = {"cache": "stand-in"}  # what `cuda_ipc.export` gives on a GPU
+    yield node
+    intake.receiver.close()
+    sink.close(linger=0)
+
+
+def replies(node, peer, kind):
+    return [msg for p, msg in node.sent if p == peer and isinstance(msg, kind)]
+
+
+def hand_over(node, peer, req_id: str, direct: bool = True):
+    """Hello (once per peer), RequestMeta and FIRST_TOKEN: the request's blocks are reserved
+    (unless its RequestMeta was refused)."""
+    if peer not in node.intake.peers:
+        node.intake.dispatch(peer, m.to_dict(m.Hello("prefill-test", node.intake.geometry)))
+    params = SamplingParams(max_tokens=4, temperature=0.0).to_dict()
+    node.intake.dispatch(peer, m.to_dict(m.RequestMeta(req_id, PROMPT, params, node.reply,
+                                                num_blocks=3, direct=direct)))
+    if req_id in node.intake.incoming:  # not refused
+        node.intake.dispatch(peer, FirstTokenRecord(req_id, 7, 0.0, 0, []))
+
+
+def test_only_a_ring_peer_is_offered_the_cache(node):
+    for peer in (RING_PEER, FRAME_PEER):
+        node.intake.dispatch(peer, m.to_dict(m.Hello("prefill-test", node.intake.geometry)))
+    assert replies(node, RING_PEER, m.HelloOk)[0].kv_ipc == node.intake.kv_ipc
+    assert replies(node, FRAME_PEER, m.HelloOk)[0].kv_ipc is None
+    hand_over(node, FRAME_PEER, "r")  # asks to write directly without the offer
+    assert "not offered" in replies(node, FRAME_PEER, m.KVRefuse)[0].reason
+    assert "r" not in node.intake.incoming
+
+
+def test_kv_accept_names_the_blocks_and_kv_done_joins_without_records(node):
+    free = node.allocator.num_free
+    hand_over(node, RING_PEER, "r")
+    accept = replies(node, RING_PEER, m.KVAccept)[0]
+    req = node.intake.incoming["r"].req
+    assert accept.block_ids == req.block_ids[:3] and accept.num_cached_blocks == 0
+    with pytest.raises(m.MessageError, match="written directly"):
+        node.intake.dispatch(RING_PEER, KVRecord("r", 0, 1, 1, memoryview(b"")))
+    node.intake.dispatch(RING_PEER, m.to_dict(m.KVDone("r", 0)))
+    assert replies(node, RING_PEER, m.KVAck) and req in node.scheduler.running
+    assert node.allocator.num_free == free - len(req.block_ids)
+    hand_over(node, RING_PEER, "s", direct=False)  # the ring as before: no blocks named
+    assert replies(node, RING_PEER, m.KVAccept)[1].block_ids is None
+
+
+@pytest.mark.parametrize("answer", ["kv_done", "kv_released", "peer_gone"])
+def test_a_dropped_direct_request_keeps_its_blocks_until_the_peer_answers(node, answer):
+    free = node.allocator.num_free
+    hand_over(node, RING_PEER, "r")
+    node.abort("r")  # the router's abort, while the prefill node may be writing the blocks
+    assert "r" not in node.intake.incoming and node.allocator.num_free < free
+    hand_over(node, RING_PEER, "r")  # its id is not free for reuse either
+    assert "duplicate" in replies(node, RING_PEER, m.KVRefuse)[-1].reason
+    if answer == "peer_gone":
+        node.intake.on_peer_gone(RING_PEER, "ring closed")
+    else:
+        msg = m.KVDone("r", 0) if answer == "kv_done" else m.KVReleased("r")
+        with pytest.raises(m.MessageError):  # not from another peer
+            node.intake.dispatch(FRAME_PEER, m.to_dict(msg))
+        node.intake.dispatch(RING_PEER, m.to_dict(msg))
+        with pytest.raises(m.MessageError):  # and once
+            node.intake.dispatch(RING_PEER, m.to_dict(msg))
+    assert node.allocator.num_free == free and not node.intake.fenced
+    assert not replies(node, RING_PEER, m.KVAck)
+
+
+def test_a_timed_out_direct_request_is_fenced_and_a_ring_one_is_not(node):
+    free = node.allocator.num_free
+    hand_over(node, RING_PEER, "direct")
+    hand_over(node, RING_PEER, "ring", direct=False)
+    for inc in node.intake.incoming.values():
+        inc.deadline = 0.0
+    node.tick(1.0)
+    assert {r.req_id for r in replies(node, RING_PEER, m.KVRefuse)} == {"direct", "ring"}
+    assert set(node.intake.fenced) == {"direct"}
+    node.intake.dispatch(RING_PEER, m.to_dict(m.KVReleased("direct")))
+    assert node.allocator.num_free == free

@@ -1,0 +1,54 @@
+"""`kernels.argmax`: the wrapper's checks and `out=` on CPU (the twin), and the Triton kernels
+against the twin on a CUDA machine: fresh random rows with ties planted across chunk borders,
+rows of -inf, poisoned outputs (skipped without CUDA; `benchmarks/gpu/run_all.sh` runs them)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels.argmax import CHUNK, argmax
+
+CUDA = torch.cuda.is_available()
+
+
+def rows_with_ties(num_rows: int, vocab: int, dtype: torch.dtype, device: str, seed: int) -> torch.Tensor:
+    """Random rows; in every other row the max is planted at 2-3 columns, some on either side of
+    a chunk border, so the lowest of them must win."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(num_rows, vocab, generator=g)
+    for r in range(0, num_rows, 2):
+        top = x[r].max() + 1.0
+        cols = torch.randint(0, vocab, (3,), generator=g).tolist()
+        if vocab > CHUNK + 1:
+            cols[0] = CHUNK - 1 + (r % 3)  # at, before or after the first border
+        x[r, cols] = top
+    return x.to(device, dtype)
+
+
+def test_twin_writes_out_and_refuses_bad_shapes():
+    x = rows_with_ties(5, 300, torch.float32, "cpu", 0)
+    out = torch.full((5,), -7, dtype=torch.int64)
+    assert argmax(x, out=out) is out
+    assert torch.equal(out, x.argmax(dim=-1))
+    with pytest.raises(ValueError, match="rows, columns"):
+        argmax(x[0])
+    with pytest.raises(ValueError, match="does not fit"):
+        argmax(x, out=torch.empty(4, dtype=torch.int64))
+    with pytest.raises(ValueError, match="does not fit"):
+        argmax(x, out=torch.empty(5, dtype=torch.int32))
+
+
+@pytest.mark.skipif(not CUDA, reason="the Triton kernels need a CUDA device")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("num_rows,vocab", [(1, 128256), (3, 151936), (64, 32000), (300, 4097),
+                                            (7, 4096), (5, 1), (2, 100)])
+def test_kernel_equals_twin(dtype, num_rows, vocab):
+    x = rows_with_ties(num_rows, vocab, dtype, "cuda", num_rows * 7 + vocab)
+    if num_rows > 2:
+        x[1] = float("-inf")  # every column equal: column 0
+    out = torch.full((num_rows,), -1, dtype=torch.int64, device="cuda")
+    argmax(x, out=out, use_kernel=True)
+    assert torch.equal(out, x.argmax(dim=-1)), (out, x.argmax(dim=-1))
+    sliced = x[:, : max(1, vocab - 3)]  # a row stride wider than the row
+    assert torch.equal(argmax(sliced, use_kernel=True), sliced.argmax(dim=-1))

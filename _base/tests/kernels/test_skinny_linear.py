@@ -1,0 +1,96 @@
+"""`kernels.skinny_linear`: the twin (with and without `out`, with a bias) against float64 on
+CPU, where the kernel is never chosen; the kernel's logic (K split in slices, the last program
+adding them, the counters left at zero) in triton's interpreter on a machine without a GPU; the
+Triton kernel against float64 on fresh random inputs on a CUDA machine, row counts in every
+bucket up to `MAX_ROWS`, ragged shapes, a bias, one slice and several, and batch invariance (a
+row's result is the same in any batch of its row bucket)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels.skinny_linear import MAX_ROWS, row_bucket, skinny_linear, use_skinny
+from tests.kernels.interpreter import run_interpreted
+
+CUDA = torch.cuda.is_available()
+
+
+def inputs(m, n, k, dtype, device, seed, bias=False):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=g).to(device, dtype)
+    w = (torch.randn(n, k, generator=g) * k ** -0.5).to(device, dtype)
+    b = torch.randn(n, generator=g).to(device, dtype) if bias else None
+    return x, w, b
+
+
+def rel(y, x, w, b):
+    ref = x.double() @ w.double().t() + (0 if b is None else b.double())
+    return ((y.double() - ref).norm() / ref.norm()).item()
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_twin_on_cpu_with_and_without_out(bias):
+    x, w, b = inputs(5, 48, 80, torch.float32, "cpu", 1, bias)
+    assert not use_skinny(x, w)
+    y = skinny_linear(x, w, b)
+    assert rel(y, x, w, b) < 1e-6
+    out = torch.full((5, 48), float("nan"))
+    assert skinny_linear(x, w, b, out=out) is out
+    assert torch.equal(out, y)
+
+
+@pytest.mark.skipif(not CUDA, reason="the Triton kernel needs a CUDA device")
+@pytest.mark.parametrize("m", [1, 3, 16, 17, 40, MAX_ROWS])
+@pytest.mark.parametrize("n,k,bias,config", [
+    (2048, 2048, False, None), (3072, 2048, True, None), (2048, 8192, False, None),
+    (1000, 1500, True, (16, 128, 1, 3, 4)), (1000, 1500, True, (32, 128, 4, 3, 4)),
+    (128256, 2048, False, None), (40, 8192, False, (16, 256, 8, 3, 4))])
+def test_kernel_against_float64(m, n, k, bias, config):
+    x, w, b = inputs(m, n, k, torch.bfloat16, "cuda", m * 31 + n, bias)
+    if config is None and row_bucket(m) == 64:
+        config = (16, 256, 2, 3, 4)  # the table may keep cuBLAS for this bucket
+    out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
+    y = skinny_linear(x, w, b, out=out, use_kernel=True, config=config)
+    assert y is out and torch.isfinite(y).all()
+    assert rel(y, x, w, b) < 1e-2
+    # each row gives the same bits in a smaller batch of its bucket (alone, in the first one)
+    fewer = 1 if row_bucket(m) == 16 else row_bucket(m) // 2 + 1
+    for r in range(0, fewer, max(1, fewer // 3)):
+        part = skinny_linear(x[:fewer], w, b, use_kernel=True, config=config)
+        assert torch.equal(part[r], y[r])
+
+
+INTERPRETED = """
+import torch
+from kernels import skinny_linear as sk
+torch.manual_seed(0)
+for m, n, k, config, bias in [(1, 96, 200, (16, 64, 1, 2, 4), True), (5, 100, 300, (32, 64, 3, 2, 4), False),
+                              (20, 64, 512, (16, 32, 4, 1, 4), True), (40, 48, 130, (16, 32, 2, 1, 4), False)]:
+    x, w = torch.randn(m, k), torch.randn(n, k) / k ** 0.5
+    b = torch.randn(n) if bias else None
+    y = sk.skinny_linear(x, w, b, use_kernel=True, config=config)
+    ref = torch.nn.functional.linear(x.double(), w.double(), None if b is None else b.double())
+    assert (y.double() - ref).norm() / ref.norm() < 1e-5, (m, n, k, config)
+    if sk.row_bucket(m) == 16:
+        alone = sk.skinny_linear(x[m - 1:], w, b, use_kernel=True, config=config)
+        assert torch.equal(alone[0], y[m - 1]), (m, config)
+assert all(int(c.abs().sum()) == 0 for c in sk._COUNTS.values())
+print("ok")
+"""
+
+
+@pytest.mark.skipif(CUDA, reason="on a CUDA machine the compiled kernel's tests above run instead")
+def test_kernel_logic_in_the_triton_interpreter():
+    """On a machine with triton and no GPU (CI): the kernel run by triton's interpreter (float32,
+    CPU tensors) against float64, with K in one slice and in several (the last program adds
+    them), a row alone equal to it in a batch, and the slice counters left at zero."""
+    run_interpreted(INTERPRETED)
+
+
+@pytest.mark.skipif(not CUDA, reason="the Triton kernel needs a CUDA device")
+def test_kernel_refuses_too_many_rows():
+    x, w, _ = inputs(MAX_ROWS + 1, 64, 64, torch.bfloat16, "cuda", 0)
+    assert not use_skinny(x, w)
+    with pytest.raises(ValueError, match="at most"):
+        skinny_linear(x, w, use_kernel=True)

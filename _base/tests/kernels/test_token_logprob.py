@@ -1,0 +1,53 @@
+"""`kernels.token_logprob`: the twin against `pd.engine.logprobs.compute_logprobs` (what the MTP
+graphs packed before), the wrapper's checks on CPU, and the Triton kernel against the twin on a
+CUDA machine, with tied logits planted around the chosen token (skipped without CUDA;
+`benchmarks/gpu/run_all.sh` runs them)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels.token_logprob import CHUNK, token_logprob
+from pd.engine.logprobs import compute_logprobs
+from pd.spec.graphs import pack_logprobs
+
+CUDA = torch.cuda.is_available()
+
+
+def rows(num_rows: int, vocab: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random logits and ids; in every other row some columns tie with the chosen token's
+    logit (equal logprobs do not count against its rank), some across a chunk border."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(num_rows, vocab, generator=g) * 3
+    ids = torch.randint(0, vocab, (num_rows,), generator=g)
+    for r in range(0, num_rows, 2):
+        cols = torch.randint(0, vocab, (3,), generator=g)
+        if vocab > CHUNK + 1:
+            cols[0] = CHUNK + (r % 2)
+        x[r, cols] = x[r, ids[r]].item()
+    return x, ids
+
+
+def test_twin_equals_the_packed_logprobs_and_refuses_bad_shapes():
+    x, ids = rows(9, 700, 0)
+    assert torch.equal(token_logprob(x, ids), pack_logprobs(compute_logprobs(x, ids, 0)))
+    with pytest.raises(ValueError, match="one id per row"):
+        token_logprob(x[0], ids)
+    with pytest.raises(ValueError, match="one id per row"):
+        token_logprob(x, ids[:3])
+
+
+@pytest.mark.skipif(not CUDA, reason="the Triton kernel needs a CUDA device")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_rows,vocab", [(64, 512), (4, 128256), (13, 4097), (3, 151936), (2, 7)])
+def test_kernel_equals_twin(dtype, num_rows, vocab):
+    x, ids = rows(num_rows, vocab, num_rows + vocab)
+    x, ids = x.to("cuda", dtype), ids.cuda()
+    got, want = token_logprob(x, ids, use_kernel=True), token_logprob(x, ids, use_kernel=False)
+    assert torch.allclose(got[:, 0], want[:, 0], atol=2e-5, rtol=0), (got[:, 0] - want[:, 0]).abs().max()
+    assert torch.equal(got[:, 1], want[:, 1]), (got[:, 1], want[:, 1])
+    sliced = x[:, : max(1, vocab - 3)]  # a row stride wider than the row
+    ids = ids.clamp(max=sliced.shape[1] - 1)
+    assert torch.equal(token_logprob(sliced, ids, use_kernel=True)[:, 1],
+                       token_logprob(sliced, ids, use_kernel=False)[:, 1])
