@@ -2,6 +2,8 @@
 
 - parity (`--check`): the tiny test model in float32 and bfloat16, greedy, with CUDA graphs:
   two ranks (cuda:0, cuda:1) give one rank's tokens, plain and with MTP (k=2);
+Each configuration runs in a process of its own under `--timeout`, so one that does not end
+(a tensor-parallel group that hangs on close) loses no figure it printed.
 - the step: a Llama-3.1-8B-shaped model (random bf16 weights, `--layers` of its 32), the decode
   loop as a decode node runs it (overlap on, CUDA graphs), requests joined with `--prompt-len`
   tokens of KV, at each `--batch`: the step time with one rank and with N ranks, side by side,
@@ -14,7 +16,9 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
 import os
+import subprocess
 import sys
 import tempfile
 import time
@@ -33,6 +37,9 @@ from pd.wire.sampling_params import SamplingParams  # noqa: E402
 LLAMA_8B = dict(hidden_size=4096, intermediate_size=14336, num_heads=32, num_kv_heads=8,
                 head_dim=128, vocab_size=128256, max_position_embeddings=8192,
                 rope_theta=500000.0, tie_word_embeddings=False)
+# the harness's own smoke test (`--shape small --device cpu`): the same proportions, tiny
+SMALL = dict(LLAMA_8B, hidden_size=256, intermediate_size=896, num_heads=8, num_kv_heads=2,
+             head_dim=32, vocab_size=4096)
 
 
 def check(tp: int) -> bool:
@@ -62,7 +69,7 @@ def step_times(model: str, tp: int, batches: list[int], args) -> dict[int, tuple
     """{batch: (step seconds, device busy seconds)} of the decode loop at `tp` ranks."""
     max_ctx = args.prompt_len + args.steps + 16
     t = time.perf_counter()
-    engine = Engine(EngineConfig(model=model, device="cuda", dtype="bfloat16",
+    engine = Engine(EngineConfig(model=model, device=args.device, dtype="bfloat16",
                                  max_num_seqs=max(batches), max_model_len=4096,
                                  num_blocks=max(batches) * max_ctx // 16 + 64,
                                  tensor_parallel_size=tp))
@@ -79,8 +86,40 @@ def step_times(model: str, tp: int, batches: list[int], args) -> dict[int, tuple
         engine.close()
         del engine
         gc.collect()
-        torch.cuda.empty_cache()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
     return out
+
+
+def child(args) -> None:
+    """One configuration in a process of its own (`--child`): a hang at its end (a tensor
+    parallel group that does not close) costs its timeout, not the figures it printed."""
+    if args.child == "check":
+        sys.exit(0 if check(args.tp) else 1)
+    times = step_times(args.model_dir, int(args.child), args.batch, args)
+    print("RESULT " + json.dumps({str(b): t for b, t in times.items()}), flush=True)
+
+
+def run_child(what: str, args, timeout: float) -> tuple[dict | None, object]:
+    """Run configuration `what` ("check", or a rank count) in a child process; its figures
+    ({batch: (step s, busy s)}, or None) and its exit code ("timeout" past `timeout`)."""
+    cmd = [sys.executable, os.path.abspath(__file__), "--child", what, "--tp", str(args.tp),
+           "--batch", *map(str, args.batch), "--prompt-len", str(args.prompt_len),
+           "--steps", str(args.steps), "--repeat", str(args.repeat), "--device", args.device]
+    if args.model_dir:
+        cmd += ["--model-dir", args.model_dir]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+        out, code = proc.stdout, proc.returncode
+    except subprocess.TimeoutExpired as e:
+        out, code = e.stdout or "", "timeout"
+        out = out.decode() if isinstance(out, bytes) else out
+    for line in out.splitlines():
+        if not line.startswith("RESULT "):
+            print(f"  [{what}] {line}")
+    found = [json.loads(line[7:]) for line in out.splitlines() if line.startswith("RESULT ")]
+    print(f"  [{what}] exit {code}", flush=True)
+    return ({int(b): tuple(t) for b, t in found[0].items()} if found else None), code
 
 
 def main() -> None:
@@ -92,16 +131,34 @@ def main() -> None:
     p.add_argument("--prompt-len", type=int, default=512)
     p.add_argument("--steps", type=int, default=64)
     p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--timeout", type=float, default=240, help="seconds per configuration")
+    p.add_argument("--device", default="cuda", help="cuda, or cpu for a smoke test of this script")
+    p.add_argument("--shape", choices=["8b", "small"], default="8b",
+                   help="the model: Llama-3.1-8B's shape, or a small one of its proportions")
+    p.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--model-dir", default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
-    print(f"{torch.cuda.device_count()} x {torch.cuda.get_device_name()}")
-    ok = check(args.tp) if args.check else True
+    args.model_dir = args.model_dir or None
+    if args.child:
+        child(args)
+        return
+    if args.device == "cuda":
+        print(f"{torch.cuda.device_count()} x {torch.cuda.get_device_name()}", flush=True)
+    ok = True
+    if args.check:
+        ok = run_child("check", args, args.timeout)[1] == 0
     t = time.perf_counter()
-    model = str(write_tiny_checkpoint(tempfile.mkdtemp(prefix="pd-llama8b-"), "llama", mtp=False,
-                                      dtype="bfloat16", num_layers=args.layers, **LLAMA_8B))
-    print(f"8B-shaped checkpoint ({args.layers} layers) written in {time.perf_counter() - t:.0f} s",
+    args.model_dir = str(write_tiny_checkpoint(tempfile.mkdtemp(prefix="pd-llama8b-"), "llama",
+                                               mtp=False, dtype="bfloat16",
+                                               num_layers=args.layers,
+                                               **(LLAMA_8B if args.shape == "8b" else SMALL)))
+    print(f"{args.shape}-shaped checkpoint ({args.layers} layers) written in {time.perf_counter() - t:.0f} s",
           flush=True)
-    one = step_times(model, 1, args.batch, args)
-    many = step_times(model, args.tp, args.batch, args)
+    one, _ = run_child("1", args, args.timeout)
+    many, _ = run_child(str(args.tp), args, args.timeout)
+    if one is None or many is None:
+        print("no step table: a configuration gave no figures (see its lines above)")
+        sys.exit(1)
     print(f"\n{'batch':>5} | {'1 rank ms':>9} {'busy':>7} | {args.tp} ranks ms {'busy':>7} | ratio")
     for b in args.batch:
         print(f"{b:>5} | {one[b][0] * 1e3:>9.3f} {one[b][1] * 1e3:>7.3f} | "

@@ -9,13 +9,13 @@
 #   step gap), MTP on/off (graphed, overlap on/off, logprobs) and the MTP machinery on the 1B
 #   shape, structured output's cost (grammars on the GPU: the same tokens as transformers'
 #   masked logits). Logs go to $OUT (or ./out) and one table each to stdout.
-#     bash benchmarks/gpu/run_all.sh [1|2|3|4]  (1: checks, KV, attention, decode; 2: graphs,
+#     bash benchmarks/gpu/run_all.sh [1|2|3|4|5]  (1: checks, KV, attention, decode; 2: graphs,
 #                                                 profile, overlap, MTP; 3: two GPUs: KV between
-#                                                 them, the mixed load, tensor
-#                                                 parallelism's parity and step;
+#                                                 them, the mixed load;
 #                                                 4: the decode node's host work per request,
 #                                                 prefix caching and serving against the
-#                                                 engine through pd launch)
+#                                                 engine through pd launch; 5: two GPUs:
+#                                                 tensor parallelism's PD test, parity and step)
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-out}
@@ -81,8 +81,10 @@ fi
 if [[ $PART == 3 ]]; then  # needs two GPUs: P on cuda:0, D on cuda:1
 TAIL=12 step kv_two_gpus timeout 300 python3 benchmarks/gpu/bench_kv.py --devices cuda:0,cuda:1
 TAIL=10 step mixed python3 benchmarks/gpu/bench_mixed.py --stream-tokens 4096 --warmup 0.25
-TAIL=4 step tp_pd env PD_TEST_DEVICE=cuda python3 -m pytest -q -p no:cacheprovider \
+fi
+if [[ $PART == 5 ]]; then  # needs two GPUs: tensor parallelism (ranks on cuda:0 and cuda:1)
+TAIL=4 step tp_pd env PD_TEST_DEVICE=cuda timeout 150 python3 -m pytest -q -p no:cacheprovider \
     tests/e2e/test_tp_pd.py
-TAIL=12 step tp timeout 540 python3 benchmarks/gpu/bench_tp.py --check --batch 1 64
+TAIL=16 step tp python3 benchmarks/gpu/bench_tp.py --check --batch 1 64 --timeout 120
 fi
 exit $status
