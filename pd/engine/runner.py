@@ -127,7 +127,7 @@ class ModelRunner:
             self.kv_cache.bind(self.model.attention_layers())
             if self.tp is not None:
                 self.model.mirror = self.tp.setup(num_blocks, 1 if spare else 0,
-                                                  self.max_model_len)
+                                                  self.max_model_len + ROPE_MARGIN)
         except BaseException:  # the workers wait for a setup that will not come
             if self.tp is not None:
                 self.tp.close()

@@ -54,8 +54,10 @@ import torch
 import torch.distributed as dist
 
 from pd.config import EngineConfig
+from pd.engine.kv_cache import KVCache
 from pd.model import parallel
 from pd.model.context import ForwardContext, forward_context, get_context
+from pd.model.loader import load_model
 
 log = logging.getLogger(__name__)
 
@@ -287,12 +289,12 @@ class Workers:
         self.channel = _join(0, size, store, self.device)
         self.mirror: Mirror | None = None
 
-    def setup(self, num_blocks: int, spare_blocks: int, max_model_len: int) -> Mirror:
-        """Tell the workers the cache's size (each allocates its heads' share); returns rank
-        0's mirror, for its model."""
+    def setup(self, num_blocks: int, spare_blocks: int, rope_positions: int) -> Mirror:
+        """Tell the workers the cache's size (each allocates its heads' share) and how many
+        positions the rotary tables cover; returns rank 0's mirror, for its model."""
         self.channel.send({"op": "setup", "num_args": 0, "ctx": None,
                            "num_blocks": num_blocks, "spare_blocks": spare_blocks,
-                           "max_model_len": max_model_len}, [])
+                           "rope_positions": rope_positions}, [])
         global _ACTIVE
         self.mirror = _ACTIVE = Mirror(self.channel)
         return self.mirror
@@ -366,11 +368,6 @@ def _die_with_parent() -> None:
 def worker_main(rank: int, port: int, cfg: EngineConfig) -> None:
     """Rank `rank`: load this rank's slice, allocate its cache when rank 0 says how big, then
     run each call rank 0 sends until it says stop."""
-    # NOTE: imported here: the engine's runner imports this module
-    from pd.engine.kv_cache import KVCache
-    from pd.engine.runner import ROPE_MARGIN
-    from pd.model.loader import load_model
-
     _die_with_parent()
     device = rank_device(cfg.device, rank)
     if device.type == "cuda":
@@ -389,7 +386,7 @@ def worker_main(rank: int, port: int, cfg: EngineConfig) -> None:
                        spare_blocks=header["spare_blocks"],
                        kv_heads=model.attention_layers()[0].num_kv_heads)
     kv_cache.bind(model.attention_layers())
-    model.rotary.cache_positions(header["max_model_len"] + ROPE_MARGIN, device, cfg.torch_dtype)
+    model.rotary.cache_positions(header["rope_positions"], device, cfg.torch_dtype)
     log.info("tensor parallel rank %d ready on %s", rank, device)
     graphs: dict[int, torch.cuda.CUDAGraph] = {}  # twins of rank 0's graphs, by key
     capturing = None  # (key, graph, its capture context) between capture_begin and _end

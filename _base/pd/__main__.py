@@ -1,5 +1,0 @@
-import sys
-
-from pd.cli.main import main
-
-sys.exit(main())
