@@ -1,7 +1,7 @@
 """Tensor parallelism inside one engine (`pd.engine.tp`, 2 gloo ranks on the CPU): greedy and
 seeded sampled tokens equal one rank's, token for token, for the three architectures written by
 transformers (tied embeddings with a vocabulary that does not split evenly, q/k/v biases, q/k
-norms) and with MTP; the weight slices are the checkpoint's; a size that does not split the
+norms), with MTP, and with a grammar in the overlap loop; the weight slices are the checkpoint's; a size that does not split the
 model is refused before any rank starts."""
 
 from __future__ import annotations
@@ -59,6 +59,19 @@ def test_two_ranks_with_mtp_equal_plain_greedy():
         mtp = llm.generate(prompts, params)
         assert llm.engine.spec.stats.num_accepted_tokens > 10
     assert [o.token_ids for o in mtp] == [o.token_ids for o in plain]
+
+
+def test_two_ranks_with_a_grammar_and_overlap_equal_one():
+    # the overlap loop's thread and the deferred sampler's masks, with plain and MTP steps
+    prompts = ["def fib(n):", "import numpy as np\n", "class Foo:"]
+    params = SamplingParams(max_tokens=16, temperature=0.0,
+                            structured_output=("regex", "[a-z_]+\\(\\d+\\)"))
+    with LLM(num_blocks=64) as llm:
+        ref = [o.token_ids for o in llm.generate(prompts, params)]
+    for k in (0, 2):
+        with LLM(num_blocks=64, tensor_parallel_size=2, overlap=True,
+                 num_speculative_tokens=k) as llm:
+            assert [o.token_ids for o in llm.generate(prompts, params)] == ref
 
 
 def test_a_rank_holds_its_slice(monkeypatch):
