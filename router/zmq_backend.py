@@ -52,6 +52,9 @@ class Flight:
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     got_token: bool = False
     blocks: int = 0  # KV blocks counted against the decode node until it reports
+    # a token has arrived from the decode node (read off the socket, maybe not yet from
+    # `queue`): the request is the decode node's now
+    at_decode: bool = False
 
 
 class ZmqBackend(Backend):
@@ -200,6 +203,7 @@ class ZmqBackend(Backend):
             for msg in streams:
                 flight = self.flights.get(msg.req_id)
                 if flight is not None:  # else: a request already ended (aborted, failed over)
+                    flight.at_decode = flight.at_decode or bool(msg.token_ids)
                     flight.queue.put_nowait(msg)
             # NOTE: a message already waiting is returned without a pass of the event loop:
             # yield one, so this step's tokens are written before the next step's are read
@@ -207,8 +211,11 @@ class ZmqBackend(Backend):
             await asyncio.sleep(0)
 
     def _node_down(self, node: Node) -> None:
+        # NOTE: a request whose first token came is its decode node's, which says what ends it
+        # (its prefill node gone before the KV arrived included): a prefill node that drained
+        # and left (SIGTERM) after handing it off ends nothing of it
         for flight in list(self.flights.values()):
-            if node in (flight.prefill, flight.decode):
+            if node is flight.decode or (node is flight.prefill and not flight.at_decode):
                 flight.queue.put_nowait(m.TokenStream(
                     flight.node_req_id, [], error=f"{node.role.value} node {node.address} is down"))
 
