@@ -1,7 +1,7 @@
 """Tensor parallelism across the PD path with real processes: a prefill node and a decode node
 with different tensor parallel sizes (2 ranks, gloo on CPU) give the tokens of single-process
-generation through the ring and ZMQ (again with the decode node's prefix cache holding part of
-each prompt), and a node whose worker rank dies goes down and says why.
+generation through the ring and ZMQ (with MTP on both nodes too; again with the decode node's
+prefix cache holding part of each prompt), and a node whose worker rank dies goes down and says why.
 With PD_TEST_DEVICE=cuda on a host with two GPUs, the ranks are cuda:0 and cuda:1 (NCCL)."""
 
 from __future__ import annotations
@@ -42,14 +42,15 @@ def worker_pids(node) -> list[int]:
     raise AssertionError("the node never logged its worker ranks")
 
 
-@pytest.mark.parametrize("prefill_tp,decode_tp,transport", [(2, 1, "shm"), (1, 2, "shm"),
-                                                            (2, 2, "zmq")])
+@pytest.mark.parametrize("prefill_tp,decode_tp,transport,mtp", [
+    (2, 1, "shm", 0), (1, 2, "shm", 0), (2, 2, "zmq", 2)])
 def test_different_tp_sizes_equal_single_process(cluster, client, reference, prefill_tp,
-                                                 decode_tp, transport):
+                                                 decode_tp, transport, mtp):
+    spec = ["--num-speculative-tokens", str(mtp)]  # greedy MTP gives plain greedy's tokens
     decode, prefill = cluster.ready(
-        cluster.decode("--tensor-parallel-size", str(decode_tp), wait=False),
+        cluster.decode("--tensor-parallel-size", str(decode_tp), *spec, wait=False),
         cluster.prefill("--tensor-parallel-size", str(prefill_tp), "--transport", transport,
-                        wait=False))
+                        *spec, wait=False))
     prompts = mixed_prompts(12, seed=prefill_tp * 10 + decode_tp)
     params = [SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, logprobs=k)
               for k in (None, 2) * 6]
