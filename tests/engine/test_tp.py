@@ -1,17 +1,23 @@
 """Tensor parallelism inside one engine (`pd.engine.tp`, 2 gloo ranks on the CPU): greedy and
 seeded sampled tokens equal one rank's, token for token, for the three architectures written by
 transformers (tied embeddings with a vocabulary that does not split evenly, q/k/v biases, q/k
-norms), with MTP, and with a grammar in the overlap loop; the weight slices are the checkpoint's; a size that does not split the
+norms), with MTP, and with a grammar in the overlap loop; the forward context crosses to the
+workers whole; the weight slices are the checkpoint's; a size that does not split the
 model is refused before any rank starts."""
 
 from __future__ import annotations
 
+import dataclasses
+
+import msgpack
 import pytest
 import torch
 
 from pd.config import ModelConfig
 from pd.engine.llm import LLM
+from pd.engine.tp.channel import context_of, context_parts
 from pd.model import parallel
+from pd.model.context import host_context
 from pd.model.loader import shard
 from pd.testing.hf import write_hf_checkpoint
 from pd.wire.geometry import mismatch
@@ -86,6 +92,23 @@ def test_a_rank_holds_its_slice(monkeypatch):
     # 5 vocabulary rows over 2 ranks: 3 each, the last rank's padded with a zero row
     part = shard("model.embed_tokens.weight", embed)
     assert part.shape == (3, 3) and torch.equal(part[:2], embed[3:]) and not part[2].any()
+
+
+def test_the_forward_context_crosses_to_the_workers_whole():
+    # what a worker rebuilds from a call's header and tensors is the context rank 0 ran with,
+    # field by field (a prefill chunk after cached KV beside a decode row: every kind of field)
+    ctx = host_context([3, 1], [7, 5], [[4, 9], [2]], [147, 148, 149, 36], block=4)
+    ctx.mask()  # a tensor made on first use travels too
+    scalars, tensors = context_parts(ctx)
+    header = msgpack.unpackb(msgpack.packb(scalars))
+    back = context_of(header, [t.clone() for t in tensors])
+    for f in dataclasses.fields(ctx):
+        a, b = getattr(ctx, f.name), getattr(back, f.name)
+        if isinstance(a, torch.Tensor):
+            assert torch.equal(a, b) and a.dtype == b.dtype, f.name
+        else:
+            assert a == b and type(a) is type(b), f.name
+    assert context_parts(None) == (None, []) and context_of(None, []) is None
 
 
 def test_a_size_that_does_not_split_the_model_is_refused(tmp_path):
