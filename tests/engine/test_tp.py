@@ -2,8 +2,9 @@
 seeded sampled tokens equal one rank's, token for token, for the three architectures written by
 transformers (tied embeddings with a vocabulary that does not split evenly, q/k/v biases, q/k
 norms), with MTP, and with a grammar in the overlap loop; the forward context crosses to the
-workers whole; the weight slices are the checkpoint's; a size that does not split the
-model is refused before any rank starts."""
+workers whole; a graph with model calls has a twin on the workers, one without none; the weight
+slices are the checkpoint's; a size that does not split the model is refused before any rank
+starts."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import torch
 
 from pd.config import ModelConfig
 from pd.engine.llm import LLM
+from pd.engine.tp import Mirror
 from pd.engine.tp.channel import context_of, context_parts
 from pd.model import parallel
 from pd.model.context import host_context
@@ -109,6 +111,40 @@ def test_the_forward_context_crosses_to_the_workers_whole():
         else:
             assert a == b and type(a) is type(b), f.name
     assert context_parts(None) == (None, []) and context_of(None, []) is None
+
+
+class Recorder:
+    """The channel's two sends, recorded (a unit test of the mirror alone)."""
+
+    def __init__(self):
+        self.sent = []
+
+    def send(self, header, tensors):
+        self.sent.append(header["op"])
+
+    def send_replay(self, key):
+        self.sent.append(f"replay {key}")
+
+
+class FakeGraph:
+    def reset(self):
+        pass
+
+
+def test_a_graph_with_calls_has_a_twin_and_one_without_none():
+    mirror = Mirror(Recorder())
+    key = mirror.begin_capture()
+    with mirror.mirrored("forward", torch.zeros(2, dtype=torch.int64)):
+        pass
+    with mirror.mirrored("head_logits", torch.zeros(2, 4)):
+        pass
+    assert mirror.end_capture(key, FakeGraph()) == key
+    empty = mirror.begin_capture()
+    assert mirror.end_capture(empty, FakeGraph()) is None  # nothing told: no twin to replay
+    mirror.replay(key)
+    assert mirror.channel.sent == ["capture_begin", "forward", "head_logits", "capture_end",
+                                   f"replay {key}"]
+    assert mirror.lock.acquire(blocking=False)  # every capture gave the lock back
 
 
 def test_a_size_that_does_not_split_the_model_is_refused(tmp_path):

@@ -27,7 +27,7 @@ class Mirror:
         self.size = parallel.group().size
         self.lock = threading.RLock()
         self.graph_keys = itertools.count()
-        self.calls = 0  # calls sent (a capture with none has no twin)
+        self.capturing: tuple[int, bool] | None = None  # the graph being captured: key, begun
         # every graph captured here, whose collectives must be released before the group's
         # (`release_graphs`)
         self.graphs: weakref.WeakSet = weakref.WeakSet()
@@ -42,30 +42,33 @@ class Mirror:
             ctx = None
         scalars, ctx_tensors = context_parts(ctx)
         with self.lock:
+            if self.capturing is not None and not self.capturing[1]:
+                # the twin's capture starts with the graph's first call
+                self.channel.send({"op": "capture_begin", "key": self.capturing[0],
+                                   "num_args": 0, "ctx": None}, [])
+                self.capturing = (self.capturing[0], True)
             self.channel.send({"op": op, "num_args": len(tensors), "ctx": scalars},
                               [*tensors, *ctx_tensors])
-            self.calls += 1
             yield
 
     def begin_capture(self) -> int:
-        """The workers start capturing a graph's twin (`pd.engine.cuda_graph.Graph`): the
-        calls sent until `end_capture` are captured there. Holds the lock meanwhile: no other
+        """A graph (`pd.engine.cuda_graph.Graph`) is being captured here: the workers capture
+        its twin from its first call to `end_capture`. Holds the lock meanwhile: no other
         thread's call may land in the twin."""
         self.lock.acquire()
-        key = next(self.graph_keys)
-        self.channel.send({"op": "capture_begin", "key": key, "num_args": 0, "ctx": None}, [])
-        self.captured_from = self.calls
-        return key
+        self.capturing = (next(self.graph_keys), False)  # (key, twin begun)
+        return self.capturing[0]
 
     def end_capture(self, key: int, graph: torch.cuda.CUDAGraph) -> int | None:
-        """The twin is captured; returns its key, or None where it holds no call (nothing
-        for the workers to replay)."""
+        """The twin is captured; returns its key, or None where the graph held no call (no
+        twin, nothing for the workers to replay)."""
         self.graphs.add(graph)
         try:
-            keep = self.calls > self.captured_from
-            self.channel.send({"op": "capture_end", "key": key, "keep": keep, "num_args": 0,
-                               "ctx": None}, [])
-            return key if keep else None
+            begun, self.capturing = self.capturing[1], None
+            if begun:
+                self.channel.send({"op": "capture_end", "key": key, "num_args": 0, "ctx": None},
+                                  [])
+            return key if begun else None
         finally:
             self.lock.release()
 

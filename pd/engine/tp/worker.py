@@ -79,8 +79,7 @@ def worker_main(rank: int, port: int, cfg: EngineConfig) -> None:
                 key, graph, cm = capturing
                 cm.__exit__(None, None, None)
                 pool = pool if pool is not None else graph.pool()
-                if header["keep"]:
-                    graphs[key] = graph
+                graphs[key] = graph
                 capturing = None
                 continue
             args = tensors[:header["num_args"]]
