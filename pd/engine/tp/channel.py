@@ -8,6 +8,7 @@ CUDA); a graph replay is three int64 alone. Nothing is pickled.
 
 from __future__ import annotations
 
+import os
 from dataclasses import fields
 from datetime import timedelta
 
@@ -117,6 +118,9 @@ def join(rank: int, size: int, store, device: torch.device) -> Channel:
     """Join the node's process group as `rank`; the layers' group (`pd.model.parallel`) and
     the call channel."""
     backend = "nccl" if device.type == "cuda" else "gloo"
+    # NOTE: every rank is on this host: gloo over loopback, not over whatever interface the
+    # host name resolves to (none, in some containers)
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     dist.init_process_group(backend, store=store, rank=rank, world_size=size, timeout=INIT_TIMEOUT,
                             device_id=device if device.type == "cuda" else None)
     control = dist.new_group(backend="gloo") if backend == "nccl" else dist.group.WORLD
