@@ -98,7 +98,9 @@ def worker_main(rank: int, port: int, cfg: EngineConfig) -> None:
                     install_kv(kv_cache.kv, args[0], args[1], l0, l1)
                 else:
                     raise RuntimeError(f"tensor parallel rank {rank}: unknown call {op!r}")
-    # NOTE: graphs first, then the group, with rank 0 (see Workers.close)
+    # NOTE: graphs first (none still running), then the group, with rank 0 (`Workers.close`)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
     for graph in graphs.values():
         graph.reset()
     dist.destroy_process_group()

@@ -94,6 +94,8 @@ class Workers:
         # communicator that a live CUDA graph holds work of; then every rank destroys the group
         # at once (a destroy waits for the other ranks')
         if self.mirror is not None:
+            if self.device.type == "cuda" and self.failed is None:
+                torch.cuda.synchronize(self.device)  # no replay still running (its twins pair it)
             self.mirror.release_graphs()
         try:
             if self.failed is None:
