@@ -52,7 +52,10 @@ class Workers:
                       for r in range(1, size)]
         self.stopping = False
         self.failed: str | None = None  # why a worker's end took the node down
-        threading.Thread(target=self._watch, name="pd-tp-watch", daemon=True).start()
+        self.watch_lock = threading.Lock()  # the first worker to end is the one named
+        for rank, proc in enumerate(self.procs, start=1):  # one watcher each: any may end first
+            threading.Thread(target=self._watch, args=(rank, proc), name=f"pd-tp-watch-{rank}",
+                             daemon=True).start()
         log.info("tensor parallel: %d ranks (workers %s)", size,
                  ", ".join(str(p.pid) for p in self.procs))
         self.channel = join(0, size, store, self.device)
@@ -68,28 +71,28 @@ class Workers:
         set_active(self.mirror)
         return self.mirror
 
-    def _watch(self) -> None:
+    def _watch(self, rank: int, proc: subprocess.Popen) -> None:
         """A worker that ends while the node runs takes the node down: SIGINT to this process
         (a node stops as on Ctrl-C, ending what it runs with an error; a script gets
         KeyboardInterrupt), and its exit if that has not ended it within EXIT_GRACE_S."""
-        for rank, proc in enumerate(self.procs, start=1):
-            code = proc.wait()
-            if self.stopping:
+        code = proc.wait()
+        with self.watch_lock:
+            if self.stopping or self.failed is not None:
                 return
             self.failed = (f"tensor parallel rank {rank} (pid {proc.pid}) ended with exit code "
                            f"{code}: this node cannot compute without it and goes down")
-            log.error("%s", self.failed)
-            for p in self.procs:
-                if p.poll() is None:
-                    p.kill()
-            os.kill(os.getpid(), signal.SIGINT)
-            threading.Timer(EXIT_GRACE_S, os._exit, (70,)).start()
-            return
+        log.error("%s", self.failed)
+        for p in self.procs:
+            if p.poll() is None:
+                p.kill()
+        os.kill(os.getpid(), signal.SIGINT)
+        threading.Timer(EXIT_GRACE_S, os._exit, (70,)).start()
 
     def close(self) -> None:
-        if self.stopping:
-            return
-        self.stopping = True
+        with self.watch_lock:
+            if self.stopping:
+                return
+            self.stopping = True
         # NOTE: the graphs go first (on the workers too): NCCL's destroy waits forever on a
         # communicator that a live CUDA graph holds work of; then every rank destroys the group
         # at once (a destroy waits for the other ranks')
