@@ -46,7 +46,7 @@ from pd.wire.geometry import mismatch
 from pd.wire.sampling_params import SamplingParams
 from shm_ipc.cuda_ipc import export as export_kv
 from shm_ipc.header import Flag
-from shm_ipc.kv import block_bytes, install_kv, installed, payload_tensor
+from shm_ipc.kv import block_bytes, install_kv, installed, payload_tensor, record_block_ids
 from shm_ipc.kv import prepare as prepare_kv_copies
 from shm_ipc.receiver import KVReceiver, PeerGone
 from shm_ipc.records import AbortRecord, FirstTokenRecord, KVRecord, TokensRecord
@@ -307,13 +307,8 @@ class Intake:
         kv = self.engine.runner.kv_cache.kv
         heads = kv.shape[4] * self.tp.size
         whole = torch.empty((*kv.shape[:4], heads, kv.shape[5]), dtype=kv.dtype, device="meta")
-        src = payload_tensor(rec, whole)
-        ids = dst_block_ids[rec.block_start:rec.block_start + rec.num_blocks]
-        if len(ids) != rec.num_blocks:
-            raise ValueError(f"KV record for {rec.req_id} covers blocks {rec.block_start}.."
-                             f"{rec.block_start + rec.num_blocks} but only "
-                             f"{len(dst_block_ids)} are given")
-        self.tp.install_kv(kv, src, rec.layer_start, rec.layer_end, ids)
+        self.tp.install_kv(kv, payload_tensor(rec, whole), rec.layer_start, rec.layer_end,
+                           record_block_ids(rec, dst_block_ids))
 
     def on_kv_done(self, peer: bytes, msg: m.KVDone) -> None:
         inc = self.expect(peer, msg.req_id, IncomingState.RECEIVING)

@@ -325,6 +325,17 @@ def payload_tensor(rec: KVRecord, kv: torch.Tensor) -> torch.Tensor:
         return torch.frombuffer(rec.payload, dtype=kv.dtype).view(shape)
 
 
+def record_block_ids(rec: KVRecord, dst_block_ids) -> torch.Tensor:
+    """The receiver's blocks the record fills: dst_block_ids[b0:b0+nb] (int64); a ValueError
+    where fewer are given."""
+    ids = torch.as_tensor(dst_block_ids, dtype=torch.long)
+    idx = ids[rec.block_start:rec.block_start + rec.num_blocks]
+    if idx.numel() != rec.num_blocks:
+        raise ValueError(f"KV record for {rec.req_id} covers blocks {rec.block_start}.."
+                         f"{rec.block_start + rec.num_blocks} but only {ids.numel()} are given")
+    return idx
+
+
 def install_kv(rec: KVRecord, kv: torch.Tensor, dst_block_ids, wait: bool = True
                ) -> torch.cuda.Event | CopyDone | None:
     """Copy the record into kv[l0:l1, :, dst_block_ids[b0:b0+nb]] (the receiver's own blocks).
@@ -341,11 +352,7 @@ def install_kv(rec: KVRecord, kv: torch.Tensor, dst_block_ids, wait: bool = True
     returned); without, it runs on one thread of its own, the CPU's side stream, and a
     `CopyDone` stands for the event (the payload's tensor keeps a ZMQ frame alive meanwhile)."""
     src = payload_tensor(rec, kv)
-    ids = torch.as_tensor(dst_block_ids, dtype=torch.long)
-    idx = ids[rec.block_start:rec.block_start + rec.num_blocks]
-    if idx.numel() != rec.num_blocks:
-        raise ValueError(f"KV record for {rec.req_id} covers blocks {rec.block_start}.."
-                         f"{rec.block_start + rec.num_blocks} but only {ids.numel()} are given")
+    idx = record_block_ids(rec, dst_block_ids)
     dst = kv[rec.layer_start:rec.layer_end]
     if kv.device.type == "cpu":
         if not wait:

@@ -52,7 +52,7 @@ class Mirror:
             yield
 
     def begin_capture(self) -> int:
-        """A graph (`pd.engine.cuda_graph.Graph`) is being captured here: the workers capture
+        """A graph (`pd.engine.graph.Graph`) is being captured here: the workers capture
         its twin from its first call to `end_capture`. Holds the lock meanwhile: no other
         thread's call may land in the twin."""
         self.lock.acquire()
@@ -85,15 +85,15 @@ class Mirror:
     def gather_kv(self, kv: torch.Tensor, block_ids) -> torch.Tensor:
         """Blocks `block_ids` of every rank's cache joined by KV head: [L, 2, n, B, H, D] with
         all the model's KV heads, on rank 0 (what the transport sends)."""
-        ids = torch.as_tensor(list(block_ids), dtype=torch.int64)
+        ids = torch.as_tensor(block_ids, dtype=torch.int64)
         with self.mirrored("gather_kv", ids):
-            return gather_kv(kv, ids.to(kv.device), self.channel.data)
+            return gather_kv(kv, ids, self.channel.data)
 
     def install_kv(self, kv: torch.Tensor, chunk: torch.Tensor, l0: int, l1: int,
                    block_ids) -> None:
         """A received chunk with all KV heads [l1 - l0, 2, n, B, H, D] into blocks `block_ids`
         of layers l0..l1-1: each rank takes its heads (done when this returns)."""
-        ids = torch.as_tensor(list(block_ids), dtype=torch.int64)
+        ids = torch.as_tensor(block_ids, dtype=torch.int64)
         with self.mirrored("install_kv", chunk, ids, torch.tensor([l0, l1])):
             install_kv(kv, chunk, ids, l0, l1)
 
