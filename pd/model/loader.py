@@ -106,10 +106,12 @@ def shard(name: str, tensor: torch.Tensor) -> torch.Tensor:
         if part.shape[0] < rows:
             part = torch.cat([part, part.new_zeros(rows - part.shape[0], *part.shape[1:])])
         return part
+    # NOTE: a tensor whose rows (columns) do not split evenly gives a slice of another shape,
+    # which the caller's shape check names
     if any(p in name for p in _COLUMN_PARALLEL):
-        return tensor.chunk(tp.size, dim=0)[tp.rank] if tensor.shape[0] % tp.size == 0 else tensor
+        return tensor.chunk(tp.size, dim=0)[tp.rank]
     if name.endswith(_ROW_PARALLEL):
-        return tensor.chunk(tp.size, dim=1)[tp.rank] if tensor.shape[1] % tp.size == 0 else tensor
+        return tensor.chunk(tp.size, dim=1)[tp.rank]
     return tensor
 
 
