@@ -45,7 +45,8 @@ from kernels.advance_inputs import INPUTS as ADVANCED, advance_inputs
 from kernels.argmax import argmax
 from kernels.token_logprob import token_logprob
 from kernels.launch import use_kernels
-from pd.engine.cuda_graph import BATCH_SIZES, Graph, capture
+from pd.engine.cuda_graph import BATCH_SIZES
+from pd.engine.graph import Graph, capture
 from pd.engine.host_ring import HostRing
 from pd.engine.logprobs import Logprobs, compute_logprobs
 from pd.model.context import ForwardContext, forward_context

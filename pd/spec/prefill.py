@@ -38,7 +38,8 @@ from kernels.argmax import argmax
 from kernels.draft_preprocess import CHUNK, PREFILL
 from kernels.launch import use_kernels
 from kernels.token_logprob import token_logprob
-from pd.engine.cuda_graph import Graph, PrefillGraphs, capture
+from pd.engine.cuda_graph import PrefillGraphs
+from pd.engine.graph import Graph, capture
 from pd.engine.host_ring import HostRing
 from pd.engine.logprobs import compute_logprobs
 from pd.engine.request import Req

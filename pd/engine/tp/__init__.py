@@ -25,7 +25,7 @@ node missing a rank cannot compute, and its router routes around a node that is 
 worker whose rank 0 dies ends too (its next receive fails; on Linux the kernel also kills it
 with its parent).
 
-CUDA graphs: rank 0's graphs (`pd.engine.cuda_graph.Graph`) tell the workers when a capture
+CUDA graphs: rank 0's graphs (`pd.engine.graph.Graph`) tell the workers when a capture
 begins and ends; the calls between are captured there too, each opening with the broadcast of
 its packed inputs, so a replay on rank 0 (one REPLAY message to the workers) moves the step's
 inputs and meets the twins' collectives on the device, with no other host message.
