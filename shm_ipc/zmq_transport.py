@@ -8,8 +8,7 @@ A request's KV chunks are gathered as the ring tier gathers them (`kv.gather_pip
 GPU by DMA on the copy stream into page-locked memory, up to `kv.STAGING_SLOTS` chunks in
 flight; on CPU one at a time), each into a host buffer of its own (`FrameBuffers`), and handed
 to ZMQ as soon as its bytes are in: the next chunks' copies run while ZMQ sends the earlier
-ones. A buffer is taken
-again only once ZMQ has sent the frame that used it.
+ones. A buffer is taken again only once ZMQ has sent the frame that used it.
 """
 
 from __future__ import annotations
