@@ -2,14 +2,16 @@
 
 - parity (`--check`): the tiny test model in float32 and bfloat16, greedy, with CUDA graphs:
   two ranks (cuda:0, cuda:1) give one rank's tokens, plain and with MTP (k=2);
-Each configuration runs in a process of its own under `--timeout`, so one that does not end
-(a tensor-parallel group that hangs on close) loses no figure it printed.
 - the step: a Llama-3.1-8B-shaped model (random bf16 weights, `--layers` of its 32), the decode
   loop as a decode node runs it (overlap on, CUDA graphs), requests joined with `--prompt-len`
   tokens of KV, at each `--batch`: the step time with one rank and with N ranks, side by side,
-  and their ratio (the goal: N=2 at most 0.6x of one rank).
+  and their ratio (the goal: N=2 at most 0.6x of one rank); with `--profile`, rank 0's kernels
+  per step at N ranks.
 
-    python benchmarks/gpu/bench_tp.py [--check] [--tp 2] [--batch 1 64] [--layers 32]
+Each configuration runs in a process of its own under `--timeout`, so one that does not end
+(a tensor-parallel group that hangs on close) loses no figure it printed.
+
+    python benchmarks/gpu/bench_tp.py [--check] [--profile] [--tp 2] [--batch 1 64] [--layers 32]
 """
 
 from __future__ import annotations
@@ -82,6 +84,8 @@ def step_times(model: str, tp: int, batches: list[int], args) -> dict[int, tuple
                           key=lambda r: r[0])
             tps, _, _, _, busy = runs[len(runs) // 2]
             out[batch] = (batch / tps, busy)
+            if args.profile and tp > 1:
+                profile_kernels(engine, batch, args)
     finally:
         engine.close()
         del engine
@@ -89,6 +93,22 @@ def step_times(model: str, tp: int, batches: list[int], args) -> dict[int, tuple
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
     return out
+
+
+def profile_kernels(engine: Engine, batch: int, args, top: int = 12) -> None:
+    """Rank 0's device time per decode step by kernel (torch.profiler over one run, its
+    requests' set-up included: the copies of their KV show as pageable host-to-device copies)."""
+    from torch.profiler import ProfilerActivity, profile  # noqa: PLC0415
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        run_once(engine, True, batch, args, 2)
+    torch.cuda.synchronize()
+    steps = args.steps
+    rows = sorted(((e.device_time_total, e.count, e.key) for e in prof.key_averages()
+                   if e.device_time_total > 0), reverse=True)[:top]
+    print(f"rank 0's kernels at batch {batch}, per step (of {steps}):", flush=True)
+    for total, count, key in rows:
+        print(f"  {total / steps / 1e3:8.3f} ms {count / steps:6.1f}x  {key[:90]}", flush=True)
 
 
 def child(args) -> None:
@@ -106,6 +126,8 @@ def run_child(what: str, args, timeout: float) -> tuple[dict | None, object]:
     cmd = [sys.executable, os.path.abspath(__file__), "--child", what, "--tp", str(args.tp),
            "--batch", *map(str, args.batch), "--prompt-len", str(args.prompt_len),
            "--steps", str(args.steps), "--repeat", str(args.repeat), "--device", args.device]
+    if args.profile:
+        cmd.append("--profile")
     if args.model_dir:
         cmd += ["--model-dir", args.model_dir]
     try:
@@ -132,6 +154,8 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=64)
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--timeout", type=float, default=240, help="seconds per configuration")
+    p.add_argument("--profile", action="store_true",
+                   help="N ranks: rank 0's kernels per step, by device time")
     p.add_argument("--device", default="cuda", help="cuda, or cpu for a smoke test of this script")
     p.add_argument("--shape", choices=["8b", "small"], default="8b",
                    help="the model: Llama-3.1-8B's shape, or a small one of its proportions")

@@ -85,6 +85,6 @@ fi
 if [[ $PART == 5 ]]; then  # needs two GPUs: tensor parallelism (ranks on cuda:0 and cuda:1)
 TAIL=4 step tp_pd env PD_TEST_DEVICE=cuda timeout 150 python3 -m pytest -q -p no:cacheprovider \
     tests/e2e/test_tp_pd.py
-TAIL=16 step tp python3 benchmarks/gpu/bench_tp.py --check --batch 1 64 --timeout 120
+TAIL=48 step tp python3 benchmarks/gpu/bench_tp.py --check --profile --batch 1 64 --timeout 150
 fi
 exit $status
