@@ -11,7 +11,9 @@ step composes with the overlap loop's compute stream and never waits on the host
 
 Each decode graph also runs the LM head into one static logits buffer (`logits`, in the model's
 dtype, shared by every graph) and the greedy argmax of it into `tokens`: a batch of plain
-greedy rows needs nothing after the replay; any other sampling runs eagerly on `logits`.
+greedy rows needs nothing after the replay. Greedy rows that ask for logprobs replay one more
+graph, of the tokens' logprobs packed for one host copy (`logprobs`, per padded batch and top
+count); any other sampling runs eagerly on `logits`.
 
 Which steps run as graphs (pure decode, no invalid slot, a batch no larger than the largest
 size) is decided here (`can_run`); everything else, and everything with `--enforce-eager`, runs
@@ -30,11 +32,13 @@ import torch
 from kernels.argmax import argmax
 from pd.engine.graph import Graph, capture
 from pd.engine.host_ring import HostRing
+from pd.engine.logprobs import packed_logprobs
 from pd.model.context import ForwardContext, forward_context
 
 log = logging.getLogger(__name__)
 
 BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
+LOGPROB_GRAPH_ELEMENTS = 1 << 25  # logits larger than this compute their top columns eagerly
 
 
 def _round_up(n: int, sizes) -> int:
@@ -117,6 +121,8 @@ class DecodeGraphs:
                                       dtype=model.head_weight.dtype, device=device)
             self.tokens = torch.zeros(max_batch, **long)
         self.graphs: dict[tuple[int, int], tuple[Graph, torch.Tensor]] = {}
+        # (padded batch, top columns) -> the graph of `logprobs` and its packed output
+        self.logprob_graphs: dict[tuple[int, int], tuple[Graph, torch.Tensor]] = {}
         self.host = HostRing(pin=device.type == "cuda")
         self.pool = None
         self.device = device
@@ -192,6 +198,25 @@ class DecodeGraphs:
             self.tokens.copy_(saved)
         self.staging[:host.numel()].copy_(host, non_blocking=True)
         self.graphs[key][0].replay()
+
+
+    @torch.inference_mode()
+    def logprobs(self, batch: int, num_top: int) -> torch.Tensor:
+        """After a replay of padded batch `batch`: the logprobs of its greedy tokens with
+        `num_top` top columns, packed (`pack_logprobs`) [batch, 2 + 2 num_top], from a graph
+        per (batch, num_top) captured on first use (eager where the top columns' [batch, V]
+        temporaries would exceed `LOGPROB_GRAPH_ELEMENTS`). Valid until the next replay."""
+        def packed() -> torch.Tensor:
+            return packed_logprobs(self.logits[:batch], self.tokens[:batch], num_top)
+
+        if num_top and batch * self.logits.shape[1] > LOGPROB_GRAPH_ELEMENTS:
+            return packed()
+        key = (batch, num_top)
+        if key not in self.logprob_graphs:  # reads logits and tokens only: safe mid-step
+            self.logprob_graphs[key] = capture(packed, self, self.device)
+        graph, out = self.logprob_graphs[key]
+        graph.replay()
+        return out
 
 
 PREFILL_SIZES = (256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096, 6144, 8192, 12288, 16384)

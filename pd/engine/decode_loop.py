@@ -395,10 +395,10 @@ class DecodeLoop:
         return emitted
 
     def unpack(self, f: InFlight) -> list[SampledToken]:
-        out = f.out.logprobs_cpu
-        if out is None:
+        if f.out.logprobs_cpu is None:
             return [(t, None, None, None) for t in f.out.next_tokens_cpu.tolist()]
-        by_index = unpack_sampled(out, list(range(len(f.inp.rows))), f.inp.rows)
+        by_index = unpack_sampled(f.out.next_tokens_cpu, f.out.logprobs_cpu,
+                                  list(range(len(f.inp.rows))), f.inp.rows)
         return [by_index[row] for row in range(len(f.inp.rows))]
 
     # -- endings -------------------------------------------------------------------------------

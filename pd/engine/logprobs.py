@@ -10,8 +10,10 @@ Ties are resolved so that P and D (and a brute-force reference) agree exactly:
 - top-k lists tokens by descending logprob, the lowest token id first among equal logprobs
   (the order of `torch.argmax`).
 
-Which rows asked, and packing the result on the wire (the header word's top-k count), is left
-to the sampler and to the message code.
+On the device a step's logprobs travel packed, one float32 row per sampled token
+(`pack_logprobs`: token logprob, rank, K top ids, K top logprobs), so that one copy brings them
+to the host (`unpack_logprobs`). Which rows asked, and packing the result on the wire (the
+header word's top-k count), is left to the sampler and to the message code.
 """
 
 from __future__ import annotations
@@ -20,6 +22,9 @@ from typing import NamedTuple
 
 import torch
 
+from kernels.token_logprob import token_logprob
+
+MAX_PACKED_VOCAB = 1 << 24  # ids and ranks travel as float32 (`pack_logprobs`): exact below this
 
 class Logprobs(NamedTuple):
     token_logprobs: torch.Tensor  # [B] float32
@@ -76,6 +81,30 @@ def compute_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, num_top: int
     ranks = (lp > tok).sum(dim=-1) + 1
     top_lp, top_ids = topk_lowest_id(lp, num_top)
     return Logprobs(tok.view(-1), ranks, top_ids, top_lp)
+
+
+def pack_logprobs(lp: Logprobs) -> torch.Tensor:
+    """[B, 2 + 2K] float32: token logprob, rank, K top ids, K top logprobs, for one host copy.
+    Ids and ranks are exact below `MAX_PACKED_VOCAB` (the runner refuses larger vocabularies)."""
+    return torch.cat([lp.token_logprobs[:, None], lp.ranks[:, None].float(), lp.topk_ids.float(),
+                      lp.topk_logprobs], dim=1)
+
+
+def packed_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, num_top: int) -> torch.Tensor:
+    """`compute_logprobs` packed (`pack_logprobs`); with no top columns `kernels.token_logprob`,
+    one kernel and no [B, V] temporaries."""
+    if num_top == 0:
+        return token_logprob(logits, token_ids)
+    return pack_logprobs(compute_logprobs(logits, token_ids, num_top))
+
+
+def unpack_logprobs(packed: torch.Tensor) -> tuple[list[float], list[int], list[list[int]],
+                                                   list[list[float]]]:
+    """A host copy of `pack_logprobs` [B, 2 + 2K] -> lists by column: token logprobs, ranks,
+    top ids, top logprobs (one conversion per column for the whole step)."""
+    width = (packed.shape[1] - 2) // 2
+    return (packed[:, 0].tolist(), packed[:, 1].int().tolist(),
+            packed[:, 2:2 + width].int().tolist(), packed[:, 2 + width:].tolist())
 
 
 PROMPT_LOGITS_ROWS = 1024  # prompt positions whose logits are formed at once

@@ -31,7 +31,7 @@ from pd.model.context import ForwardContext, forward_context, host_context, run_
 from pd.engine.host_ring import HostRing, to_device
 from pd.engine.grammar import fill_masks
 from pd.engine.kv_cache import KVCache, num_blocks_for
-from pd.engine.logprobs import prompt_spans, record_prompt_logprobs
+from pd.engine.logprobs import MAX_PACKED_VOCAB, prompt_spans, record_prompt_logprobs, unpack_logprobs
 from pd.model.loader import load_model
 from pd.engine.request import Req
 from pd.engine.sampler import Sampler, SamplerOutput, SamplingRow
@@ -91,7 +91,7 @@ class ForwardOutput(NamedTuple):
 
     next_tokens_gpu: torch.Tensor  # [S] int64 on the device: what the next step's future ids read
     next_tokens_cpu: torch.Tensor  # [S] int64 on the host (pinned on CUDA); valid after copy_done
-    logprobs_cpu: SamplerOutput | None  # host copies of the logprob tensors, likewise
+    logprobs_cpu: torch.Tensor | None  # host copy of the packed logprobs (`pack_logprobs`), likewise
     copy_done: object  # the executor's completion: .wait() returns once the host copies landed
 
 
@@ -112,6 +112,9 @@ class ModelRunner:
         try:
             self.model = load_model(cfg.model, self.dtype, self.device)
             self.model_config = mc = self.model.config
+            if mc.vocab_size >= MAX_PACKED_VOCAB:
+                raise ValueError(f"a vocabulary of {mc.vocab_size} tokens: logprobs travel as "
+                                 f"float32 ids (`pack_logprobs`), exact below {MAX_PACKED_VOCAB}")
             self.max_model_len = min(cfg.max_model_len or mc.max_context_len,
                                      mc.max_context_len)
             # NOTE: the margin covers the MTP chain's positions past a sequence's last (k <= 4)
@@ -359,9 +362,12 @@ class ModelRunner:
             graphs.launch(inp.decode_graph[1], inp.decode_graph[0])
             n = len(inp.rows)
             # NOTE: a decode step samples every row, and its graph ran the LM head and the
-            # greedy argmax of them already
-            if all(r.is_plain_greedy for r in inp.rows):
-                return SamplerOutput(graphs.tokens[:n], None, None, None, None)
+            # greedy argmax of them already (and, where asked, a graph of their logprobs)
+            if all(r.takes_argmax for r in inp.rows):
+                if not inp.wants_logprobs:
+                    return SamplerOutput(graphs.tokens[:n])
+                packed = graphs.logprobs(inp.decode_graph[0][0], inp.num_top)
+                return SamplerOutput(graphs.tokens[:n], packed[:n])
             return graphs.logits[:n].float()
         if inp.prefill_graph is not None:
             hidden, last = self.prefill_graphs.launch(inp.prefill_graph[1], inp.prefill_graph[0])
@@ -395,20 +401,18 @@ class ModelRunner:
     def run(self, batch: ScheduledBatch) -> dict[int, SampledToken]:
         inp = self.prepare(batch)
         out = self.sample(inp)
-        return {} if out is None else unpack_sampled(out, inp.sample_reqs, inp.rows)
+        return {} if out is None else unpack_sampled(out.token_ids, out.packed, inp.sample_reqs,
+                                                     inp.rows)
 
     # -- the split step of the overlap loop ----------------------------------------------------
-    def alloc_output(self, inp: ForwardInput) -> tuple[torch.Tensor, torch.Tensor, SamplerOutput | None]:
+    def alloc_output(self, inp: ForwardInput) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """Buffers `execute` writes: next tokens on the device (with CUDA graphs, the graphs'
         `tokens`, where the next decode graph reads its future ids), and host copies (pinned on
-        CUDA, from a `HostRing`)."""
+        CUDA, from a `HostRing`): tokens, and the packed logprobs where asked."""
         num_rows, host = len(inp.rows), self.host_buffers.get
         tokens_cpu, logprobs = host((num_rows,), name="tokens"), None
         if inp.wants_logprobs:
-            logprobs = SamplerOutput(tokens_cpu, host((num_rows,), torch.float32, "logprobs"),
-                                     host((num_rows,), name="ranks"),
-                                     host((num_rows, inp.num_top), name="top_ids"),
-                                     host((num_rows, inp.num_top), torch.float32, "top_logprobs"))
+            logprobs = host((num_rows, 2 + 2 * inp.num_top), torch.float32, "logprobs")
         if self.graphs is not None:
             return self.graphs.tokens[:num_rows], tokens_cpu, logprobs
         return torch.empty(num_rows, dtype=torch.int64, device=self.device), tokens_cpu, logprobs
@@ -416,23 +420,22 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, inp: ForwardInput, prev_tokens: torch.Tensor | None,
                 next_tokens: torch.Tensor, tokens_cpu: torch.Tensor,
-                logprobs_cpu: SamplerOutput | None) -> None:
+                logprobs_cpu: torch.Tensor | None) -> None:
         """The device part of a step: forward, sample, write `next_tokens` (read by the next
         step in stream order) and start the copies to the host buffers. Never waits."""
         self.emit(self.sample(inp, prev_tokens), next_tokens, tokens_cpu, logprobs_cpu)
 
     @torch.inference_mode()
     def emit(self, out: SamplerOutput | None, next_tokens: torch.Tensor, tokens_cpu: torch.Tensor,
-             logprobs_cpu: SamplerOutput | None) -> None:
+             logprobs_cpu: torch.Tensor | None) -> None:
         """A step's sampled tokens into `next_tokens`, and the copies to the host buffers."""
         if out is None:
             return
         if out.token_ids.data_ptr() != next_tokens.data_ptr():  # else the graph wrote them
             next_tokens.copy_(out.token_ids)
         tokens_cpu.copy_(out.token_ids, non_blocking=True)
-        if logprobs_cpu is not None:  # its token_ids is tokens_cpu
-            for name in ("logprobs", "ranks", "topk_ids", "topk_logprobs"):
-                getattr(logprobs_cpu, name).copy_(getattr(out, name), non_blocking=True)
+        if logprobs_cpu is not None:
+            logprobs_cpu.copy_(out.packed, non_blocking=True)
 
 
 LONG_RUN = 64  # tokens of one request in a step past which its inputs are built with numpy
@@ -450,19 +453,19 @@ def _concat(parts: list) -> np.ndarray:
     return np.concatenate([np.asarray(p, dtype=np.int64) for p in parts])
 
 
-def unpack_sampled(out: SamplerOutput, sample_reqs: list[int],
+def unpack_sampled(token_ids: torch.Tensor, logprobs: torch.Tensor | None, sample_reqs: list[int],
                    rows: list[SamplingRow]) -> dict[int, SampledToken]:
-    """Sampler tensors -> {batch index: (token, logprob, rank, top)}, logprobs only where asked."""
-    token_ids = out.token_ids.tolist()
-    if out.logprobs is None:
-        return {i: (t, None, None, None) for i, t in zip(sample_reqs, token_ids)}
-    logprobs, ranks = out.logprobs.tolist(), out.ranks.tolist()
-    top_ids, top_lps = out.topk_ids.tolist(), out.topk_logprobs.tolist()
+    """A step's tokens [S] and packed logprobs ([S, 2 + 2K], `pack_logprobs`; None: none asked),
+    on the host -> {batch index: (token, logprob, rank, top)}, logprobs only where asked."""
+    ids = token_ids.tolist()
+    if logprobs is None:
+        return {i: (t, None, None, None) for i, t in zip(sample_reqs, ids)}
+    lps, ranks, top_ids, top_lps = unpack_logprobs(logprobs.cpu())
     result: dict[int, SampledToken] = {}
     for j, (i, row) in enumerate(zip(sample_reqs, rows)):
         k = row.params.logprobs
         if k is None:
-            result[i] = (token_ids[j], None, None, None)
+            result[i] = (ids[j], None, None, None)
         else:
-            result[i] = (token_ids[j], logprobs[j], ranks[j], list(zip(top_ids[j][:k], top_lps[j][:k])))
+            result[i] = (ids[j], lps[j], ranks[j], list(zip(top_ids[j][:k], top_lps[j][:k])))
     return result

@@ -40,7 +40,7 @@ import torch
 from kernels.argmax import argmax
 from kernels.token_mask import apply_token_mask
 from pd.engine.host_ring import to_device
-from pd.engine.logprobs import compute_logprobs
+from pd.engine.logprobs import packed_logprobs
 from pd.wire.sampling_params import SamplingParams
 
 GREEDY_EPS = 1e-5  # temperatures below this sample greedily (x / T would overflow)
@@ -65,12 +65,12 @@ class SamplingRow:
         return self.params.temperature < GREEDY_EPS
 
     @property
-    def is_plain_greedy(self) -> bool:
-        """Greedy on the raw logits: no penalty, bias or min_tokens ban, no logprobs (the
-        argmax a decode graph takes is this row's token)."""
+    def takes_argmax(self) -> bool:
+        """Greedy on the raw logits: no penalty, bias or min_tokens ban (the argmax a decode
+        graph takes is this row's token)."""
         p = self.params
-        return (self.is_greedy and not p.processes_logits and self.step >= p.min_tokens
-                and p.logprobs is None)
+        return self.is_greedy and not p.processes_logits and self.step >= p.min_tokens
+
 
     @property
     def banned_token_ids(self) -> tuple[int, ...]:
@@ -86,11 +86,31 @@ class SamplingRow:
 @dataclass(slots=True)
 class SamplerOutput:
     token_ids: torch.Tensor  # [B] int64
-    # The four below are None when no row asked for logprobs; rows that did not ask hold 0.
-    logprobs: torch.Tensor | None  # [B] float32, raw logprob of the sampled token
-    ranks: torch.Tensor | None  # [B] int64, 1 = argmax; tied tokens share a rank
-    topk_ids: torch.Tensor | None  # [B, K] int64, K = max asked in the batch (may be 0)
-    topk_logprobs: torch.Tensor | None  # [B, K] float32
+    # None when no row asked for logprobs; else [B, 2 + 2K] float32 packed
+    # (`pd.engine.logprobs.pack_logprobs`), K the most top columns any row asked; rows that did
+    # not ask hold 0. The properties below read its columns (None likewise).
+    packed: torch.Tensor | None = None
+
+    @property
+    def logprobs(self) -> torch.Tensor | None:  # [B] float32, raw logprob of the sampled token
+        return None if self.packed is None else self.packed[:, 0]
+
+    @property
+    def ranks(self) -> torch.Tensor | None:  # [B] int64, 1 = argmax; tied tokens share a rank
+        return None if self.packed is None else self.packed[:, 1].long()
+
+    @property
+    def topk_ids(self) -> torch.Tensor | None:  # [B, K] int64
+        k = self._width()
+        return None if k is None else self.packed[:, 2:2 + k].long()
+
+    @property
+    def topk_logprobs(self) -> torch.Tensor | None:  # [B, K] float32
+        k = self._width()
+        return None if k is None else self.packed[:, 2 + k:]
+
+    def _width(self) -> int | None:
+        return None if self.packed is None else (self.packed.shape[1] - 2) // 2
 
 
 def _splitmix64(z: int) -> int:
@@ -361,23 +381,12 @@ class Sampler:
     ) -> SamplerOutput:
         asked = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
         if not asked:
-            return SamplerOutput(token_ids, None, None, None, None)
+            return SamplerOutput(token_ids)
         num_top = min(max(rows[i].params.logprobs for i in asked), logits.shape[1])
         if len(asked) == len(rows):
-            lp = compute_logprobs(logits, token_ids, num_top)
-            return SamplerOutput(token_ids, *lp)
+            return SamplerOutput(token_ids, packed_logprobs(logits, token_ids, num_top))
         a = _index(asked, logits.device)
-        lp = compute_logprobs(logits[a], token_ids[a], num_top)
-        batch = len(rows)
-        out = SamplerOutput(
-            token_ids,
-            lp.token_logprobs.new_zeros(batch),
-            lp.ranks.new_zeros(batch),
-            lp.topk_ids.new_zeros((batch, num_top)),
-            lp.topk_logprobs.new_zeros((batch, num_top)),
-        )
-        out.logprobs[a] = lp.token_logprobs
-        out.ranks[a] = lp.ranks
-        out.topk_ids[a] = lp.topk_ids
-        out.topk_logprobs[a] = lp.topk_logprobs
-        return out
+        packed = packed_logprobs(logits[a], token_ids[a], num_top)
+        out = packed.new_zeros((len(rows), packed.shape[1]))
+        out[a] = packed
+        return SamplerOutput(token_ids, out)

@@ -45,25 +45,17 @@ from kernels.advance_inputs import INPUTS as ADVANCED, advance_inputs
 from kernels.argmax import argmax
 from kernels.token_logprob import token_logprob
 from kernels.launch import use_kernels
-from pd.engine.cuda_graph import BATCH_SIZES
+from pd.engine.cuda_graph import BATCH_SIZES, LOGPROB_GRAPH_ELEMENTS
 from pd.engine.graph import Graph, capture
 from pd.engine.host_ring import HostRing
-from pd.engine.logprobs import Logprobs, compute_logprobs
+from pd.engine.logprobs import packed_logprobs
 from pd.model.context import ForwardContext, forward_context
 
 log = logging.getLogger(__name__)
 
 STOP_WIDTH = 8  # stop ids a graphed slot may carry (EOS ids + stop_token_ids); more: eager
 MAX_ROWS = 1024  # S * (k + 1) rows at most per graph (the logits of every row are kept)
-LOGPROB_GRAPH_ELEMENTS = 1 << 25  # logits larger than this compute their logprobs eagerly
 MIN_WIDTH_TOKENS = 512  # the narrowest block table of a graph holds this many tokens
-
-
-def pack_logprobs(lp: Logprobs) -> torch.Tensor:
-    """[R, 2 + 2K] float32: token logprob, rank, K top ids, K top logprobs: one host copy. Ids
-    and ranks are exact in float32 below 2**24 (`SpecDecoder` refuses larger vocabularies)."""
-    return torch.cat([lp.token_logprobs[:, None], lp.ranks[:, None].float(), lp.topk_ids.float(),
-                      lp.topk_logprobs], dim=1)
 
 
 def unpack_lp0(columns: torch.Tensor) -> torch.Tensor:
@@ -221,9 +213,7 @@ class StepGraphs:
         (`LOGPROB_GRAPH_ELEMENTS`). With no top columns, `kernels.token_logprob`'s one kernel."""
         def packed() -> torch.Tensor:
             accepted = self.result[:, :self.owner.k + 1].clamp(min=0).reshape(-1)
-            if num_top == 0:  # one kernel, no [rows, V] temporaries
-                return token_logprob(self.verified.logits, accepted)
-            return pack_logprobs(compute_logprobs(self.verified.logits, accepted, num_top))
+            return packed_logprobs(self.verified.logits, accepted, num_top)
 
         if self.graphs is None or self.verified.logits.numel() > LOGPROB_GRAPH_ELEMENTS:
             return packed()

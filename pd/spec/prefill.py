@@ -37,16 +37,15 @@ from kernels import draft_preprocess
 from kernels.argmax import argmax
 from kernels.draft_preprocess import CHUNK, PREFILL
 from kernels.launch import use_kernels
-from kernels.token_logprob import token_logprob
 from pd.engine.cuda_graph import PrefillGraphs
 from pd.engine.graph import Graph, capture
 from pd.engine.host_ring import HostRing
-from pd.engine.logprobs import compute_logprobs
+from pd.engine.logprobs import packed_logprobs
 from pd.engine.request import Req
 from pd.engine.scheduler import ScheduledBatch
 from pd.model.context import forward_context
 from pd.spec.graphed import GraphedSteps, stop_ids_of
-from pd.spec.graphs import STOP_WIDTH, FlatLayout, SpecGraphs, pack_logprobs
+from pd.spec.graphs import STOP_WIDTH, FlatLayout, SpecGraphs
 
 log = logging.getLogger(__name__)
 
@@ -258,6 +257,5 @@ class SpecPrefill:
         result = torch.cat([accepted, counts, drafts], dim=1)
         if top is None:
             return result
-        lp = (token_logprob(logits, target) if top == 0
-              else pack_logprobs(compute_logprobs(logits, target, top)))
+        lp = packed_logprobs(logits, target, top)
         return torch.cat([result, lp.view(torch.int64)], dim=1)

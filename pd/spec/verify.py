@@ -33,13 +33,13 @@ from kernels import update_status, verify_accept
 from kernels.draft_preprocess import CHUNK, DECODE, PREFILL
 from kernels.update_status import LENGTH, STOP
 from pd.model.context import ForwardContext, build_context
-from pd.engine.logprobs import compute_logprobs, prompt_spans, record_prompt_logprobs
+from pd.engine.logprobs import packed_logprobs, prompt_spans, record_prompt_logprobs
 from pd.engine.request import FinishReason, Req
 from pd.engine.runner import ModelRunner, spec_layout_requested
 from pd.engine.sampler import SamplingRow, probs_after_processing, process_logits, step_seed
 from pd.engine.scheduler import ScheduledBatch
 from pd.spec.graphed import GraphedSteps, stop_ids_of
-from pd.spec.graphs import SpecGraphs, pack_logprobs
+from pd.spec.graphs import SpecGraphs
 from pd.spec.mtp import MTPDrafter
 from pd.spec.prefill import SpecPrefill
 
@@ -130,8 +130,6 @@ class SpecDecoder(GraphedSteps):
                  max_model_len: int, seed: int = 0) -> None:
         if not 1 <= num_speculative_tokens <= 4:
             raise ValueError(f"num_speculative_tokens={num_speculative_tokens} must be in 1..4")
-        if runner.model_config.vocab_size >= 1 << 24:  # logprob ids travel as float32
-            raise ValueError(f"MTP needs a vocabulary below 2**24 tokens, not {runner.model_config.vocab_size}")
         self.runner, self.k, self.drafter = runner, num_speculative_tokens, drafter
         self.max_model_len = max_model_len
         self.device = runner.device
@@ -287,7 +285,7 @@ class SpecDecoder(GraphedSteps):
                           step.stop_ids, stop_flags)
             lp = None
             if step.num_top or any(r.params.logprobs is not None for r in step.reqs):
-                lp = pack_logprobs(compute_logprobs(logits, accepted.clamp(min=0).view(-1), step.num_top))
+                lp = packed_logprobs(logits, accepted.clamp(min=0).view(-1), step.num_top)
         else:
             accepted = torch.zeros(0, k + 1, dtype=torch.int64, device=self.device)
             num_accepted = num_verified = stop_flags = torch.zeros(0, dtype=torch.int32, device=self.device)

@@ -118,6 +118,36 @@ def test_graphs_equal_eager_float32(tiny_model_dir):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
+def test_greedy_logprobs_through_the_graphs_equal_eager_float32(tiny_model_dir):
+    """Greedy rows asking for logprobs (none, 0, 1, 5 top columns, mixed in one batch) decode
+    through the graphs' logprobs graph (`DecodeGraphs.logprobs`) with the tokens, logprobs,
+    ranks and top columns of eager decoding; a row with a penalty beside them runs the eager
+    sampler over the graph's logits."""
+    rng = random.Random(2)
+    prompts = [[rng.randrange(3, 200) for _ in range(rng.choice([1, 7, 33]))] for _ in range(12)]
+    asks = [None, 0, 1, 5]
+    params = [SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True,
+                             logprobs=asks[i % 4], repetition_penalty=1.3 if i == 11 else 1.0)
+              for i in range(len(prompts))]
+    outs = {}
+    for eager in (True, False):
+        engine = Engine(EngineConfig(model=str(tiny_model_dir), device="cuda", dtype="float32",
+                                     num_blocks=512, enforce_eager=eager))
+        for split in (prompts[:11], prompts):  # greedy rows alone, then with the penalty
+            got = engine.generate(split, params[:len(split)])
+            outs[eager, len(split)] = [(r.output_token_ids, r.output_logprobs, r.output_ranks,
+                                        r.output_top_logprobs) for r in got]
+        if not eager:
+            assert engine.runner.graphs.logprob_graphs, "no logprobs graph ran"
+    for n in (11, 12):
+        for (ids_e, lps_e, ranks_e, tops_e), (ids_g, lps_g, ranks_g, tops_g) in zip(
+                outs[True, n], outs[False, n]):
+            assert ids_g == ids_e and ranks_g == ranks_e
+            assert lps_g == pytest.approx(lps_e, abs=1e-5)
+            assert [[t for t, _ in top] for top in tops_g] == [[t for t, _ in top] for top in tops_e]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
 def test_prefill_graphs_equal_eager_float32(tiny_model_dir):
     """Prompts prefilled alone (the prefill graphs: padded to a size, causal over their own
     keys), then decoded: the same tokens and logprobs as eager steps."""

@@ -9,8 +9,7 @@ import pytest
 import torch
 
 from kernels.token_logprob import CHUNK, token_logprob
-from pd.engine.logprobs import compute_logprobs
-from pd.spec.graphs import pack_logprobs
+from pd.engine.logprobs import compute_logprobs, pack_logprobs
 
 CUDA = torch.cuda.is_available()
 
