@@ -15,7 +15,7 @@ import torch
 from pd.engine.request import Req
 from pd.engine.sampler import GREEDY_EPS
 from pd.engine.scheduler import ScheduledBatch
-from pd.spec.graphs import STOP_WIDTH, unpack_lp0
+from pd.spec.graphs import STOP_WIDTH, lp0_pairs
 from pd.spec.mtp import MTPDrafter
 
 if TYPE_CHECKING:
@@ -181,18 +181,21 @@ class GraphedSteps:
             f.end.synchronize()
         live = [b for b, i in enumerate(f.rows) if i >= 0]
         rows = f.out.tolist()
-        lp = unpack_lp0(f.lp) if f.lp is not None and f.lp.dtype == torch.int64 else f.lp
+        lp, pairs = f.lp, None
+        if lp is not None and lp.dtype == torch.int64:  # top_logprobs 0, folded in the result
+            lp, pairs = None, lp0_pairs(lp)
         return self.packed_results([f.rows[b] for b in live], [f.batch.reqs[b] for b in live],
-                                   [rows[b] for b in live], lp, live)
+                                   [rows[b] for b in live], lp, live, pairs)
 
     def packed_results(self, batch_index: list[int], reqs: list[Req], rows: list[list[int]],
-                       lp, lp_slots: list[int] | None = None) -> dict[int, SpecResult]:
+                       lp, lp_slots: list[int] | None = None,
+                       lp_pairs: list[list[float]] | None = None) -> dict[int, SpecResult]:
         """`results` of host rows in the draft step's packed format (`SpecGraphs._draft`:
         accepted ids, kept, verified, stop flag, drafts), one per sampled slot."""
         k = self.k
         return self.results(batch_index, reqs, [r[:k + 1] for r in rows], [r[k + 1] for r in rows],
                             [r[k + 2] for r in rows], [r[k + 3] for r in rows],
-                            [r[k + 4:] for r in rows], lp, lp_slots)
+                            [r[k + 4:] for r in rows], lp, lp_slots, lp_pairs)
 
 
 class SpecFlight(NamedTuple):
@@ -203,7 +206,7 @@ class SpecFlight(NamedTuple):
     graphs: object  # pd.spec.graphs.StepGraphs
     out: torch.Tensor  # [S, 2k + 4] host copy of the result
     lp: torch.Tensor | None  # host copy of the verified rows' packed logprobs (`pack_logprobs`;
-    # int64 columns when folded into the draft graph's output: `unpack_lp0`)
+    # int64 columns when folded into the draft graph's output: `lp0_pairs`)
     start: object  # CUDA events (None on CPU)
     end: object
     rows: list[int]  # batch index of each slot; -1: invalid, its result dropped

@@ -58,10 +58,11 @@ MAX_ROWS = 1024  # S * (k + 1) rows at most per graph (the logits of every row a
 MIN_WIDTH_TOKENS = 512  # the narrowest block table of a graph holds this many tokens
 
 
-def unpack_lp0(columns: torch.Tensor) -> torch.Tensor:
-    """The host copy of `StepGraphs.draft(lp0=True)`'s last k + 1 columns -> [S * (k + 1), 2]
-    float32 (token logprob, rank), as `pack_logprobs` packs top_logprobs 0."""
-    return columns.contiguous().view(torch.float32).view(-1, 2)
+def lp0_pairs(columns: torch.Tensor) -> list[list[float]]:
+    """The host copy of `StepGraphs.draft(lp0=True)`'s last k + 1 columns -> per slot, its
+    k + 1 rows' (token logprob, rank) float32 pairs in one list [lp_0, rank_0, lp_1, ...]: one
+    conversion for the whole step, no copy (`SpecDecoder.results` slices each slot's)."""
+    return columns.view(torch.float32).tolist()
 
 
 def _round_up(n: int, sizes) -> int:
@@ -180,7 +181,7 @@ class StepGraphs:
         """The draft chain into `result`. With `lp0` (a step whose rows ask top_logprobs 0) it
         also returns the result followed by each verified row's token logprob and rank
         (`token_logprob`'s float32 pairs as k + 1 int64 columns) [S, 3k + 5], for one host copy
-        (`unpack_lp0`): a graph of its own, captured on first use, where the logits are small
+        (`lp0_pairs`): a graph of its own, captured on first use, where the logits are small
         enough to keep (`LOGPROB_GRAPH_ELEMENTS`)."""
         if lp0 and self.graphs is not None and self.verified.logits.numel() <= LOGPROB_GRAPH_ELEMENTS:
             if self.lp0_graph is None:

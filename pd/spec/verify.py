@@ -77,6 +77,9 @@ class SpecStep(NamedTuple):
     prefill_graph: tuple[int, torch.Tensor] | None = None
 
 
+_NO_TOP: tuple = ()  # a token's top pairs where none were asked (shared: never written)
+
+
 class SpecResult(NamedTuple):
     token_ids: list[int]  # the kept tokens
     # where asked, their logprobs, ranks and top pairs, one list each (`Req.extend_tokens`)
@@ -313,10 +316,12 @@ class SpecDecoder(GraphedSteps):
                             num_verified.tolist(), flags.tolist(), drafts.tolist(), lp)
 
     def results(self, batch_index: list[int], reqs: list[Req], accepted, num_kept, num_verified,
-                flags, drafts, lp, lp_slots: list[int] | None = None) -> dict[int, SpecResult]:
+                flags, drafts, lp, lp_slots: list[int] | None = None,
+                lp_pairs: list[list[float]] | None = None) -> dict[int, SpecResult]:
         """Host lists of a step's outputs (one entry per sampled slot) -> {batch index: result}.
         `lp` (`pack_logprobs`) holds k + 1 rows per slot; `lp_slots[b]` is entry b's slot there
-        (default b)."""
+        (default b). `lp_pairs` instead (a step whose rows ask top_logprobs 0 at most,
+        `lp0_pairs`): per slot, its rows' (logprob, rank) pairs in one list."""
         if lp is not None:  # NOTE: by column, each converted once for the whole step
             width = (lp.shape[1] - 2) // 2
             lps, ranks = lp[:, 0].tolist(), lp[:, 1].int().tolist()
@@ -327,17 +332,21 @@ class SpecDecoder(GraphedSteps):
             want, kept = req.params.logprobs, accepted[b][:num_kept[b]]
             logprobs = None
             if want is not None:
-                first = (b if lp_slots is None else lp_slots[b]) * k1
-                end = first + len(kept)
-                if want == 0:
-                    tops = [[] for _ in kept]
+                slot, n = (b if lp_slots is None else lp_slots[b]), len(kept)
+                if lp_pairs is not None:
+                    pairs = lp_pairs[slot]
+                    logprobs = (pairs[0:2 * n:2], list(map(int, pairs[1:2 * n:2])), [_NO_TOP] * n)
                 else:
-                    if top_ids is None:
-                        top_ids = lp[:, 2:2 + width].int().tolist()
-                        top_lps = lp[:, 2 + width:].tolist()
-                    tops = [list(zip(top_ids[r][:want], top_lps[r][:want]))
-                            for r in range(first, end)]
-                logprobs = (lps[first:end], ranks[first:end], tops)
+                    first = slot * k1
+                    if want == 0:
+                        tops = [_NO_TOP] * n
+                    else:
+                        if top_ids is None:
+                            top_ids = lp[:, 2:2 + width].int().tolist()
+                            top_lps = lp[:, 2 + width:].tolist()
+                        tops = [list(zip(top_ids[r][:want], top_lps[r][:want]))
+                                for r in range(first, first + n)]
+                    logprobs = (lps[first:first + n], ranks[first:first + n], tops)
             reason = _REASONS.get(flags[b])
             nd = len(req.spec_token_ids)
             self.stats.add(nd, num_verified[b] - 1)

@@ -66,9 +66,10 @@ def drive(k, overlap, prompts, params, arrivals, num_blocks=512, abort_at=None):
     return reqs, streamed, lp.loop
 
 
-def workload(n: int, seed: int, reference: LLM):
-    """Code prompts and random ones; greedy; logprobs off/0/1/5; some stop ids taken from the
-    free-running continuation (so stops fall inside accepted runs); arrivals over 60 steps."""
+def workload(n: int, seed: int, reference: LLM, logprobs=(None, None, 0, 1, 5)):
+    """Code prompts and random ones; greedy; logprobs off/0/1/5 (or `logprobs`' choices); some
+    stop ids taken from the free-running continuation (so stops fall inside accepted runs);
+    arrivals over 60 steps."""
     rng = random.Random(seed)
     tok = reference.tokenizer
     heads = ["def fibonacci(n):", "import os\nimport sys\n", "class Stack:\n    def __init__(self):",
@@ -81,7 +82,7 @@ def workload(n: int, seed: int, reference: LLM):
         stop = [o.token_ids[rng.randrange(2, 30)]] if rng.random() < 0.3 else []
         params.append(SamplingParams(max_tokens=rng.randrange(1, 40), temperature=0.0,
                                      ignore_eos=rng.random() < 0.6, stop_token_ids=stop,
-                                     logprobs=rng.choice([None, None, 0, 1, 5])))
+                                     logprobs=rng.choice(logprobs)))
     arrivals = sorted(rng.randrange(0, 60) for _ in range(n))
     return prompts, params, arrivals
 
@@ -97,6 +98,7 @@ def assert_equal(reqs, expected):
         assert r.finish_reason.value == ref.finish_reason
         if ref.logprobs is not None:
             assert r.output_logprobs == pytest.approx(ref.logprobs, abs=1e-4)
+            assert r.output_ranks == ref.ranks
             assert [[t for t, _ in top] for top in r.output_top_logprobs] == \
                 [[t for t, _ in top] for top in ref.top_logprobs]
 
@@ -112,6 +114,23 @@ def test_overlap_equals_no_overlap_equals_plain(reference, k, n):
     assert_equal(on, expected)
     assert on_stream == off_stream
     assert any(r.finish_reason is FinishReason.STOP and r.params.stop_token_ids for r in on)
+
+
+def test_top_logprobs_0_folded_in_the_chained_step(reference, monkeypatch):
+    """Requests asking top_logprobs 0 or no logprobs only: each chained step brings its
+    tokens' logprobs and ranks in the result's own copy (`lp0_pairs`), equal to plain decoding's."""
+    import pd.spec.graphed as graphed
+
+    calls = Counter()
+    real = graphed.lp0_pairs
+    monkeypatch.setattr(graphed, "lp0_pairs", lambda cols: calls.update(["pairs"]) or real(cols))
+    prompts, params, arrivals = workload(16, seed=5, reference=reference, logprobs=(None, 0, 0))
+    expected = reference.generate(prompts, params)
+    on, _, loop = drive(3, True, prompts, params, arrivals)
+    assert loop.num_ahead >= 5, "no step was chained on the device"
+    assert calls["pairs"] >= 5, "the logprobs did not come folded in the result"
+    assert_equal(on, expected)
+    assert sum(p.logprobs == 0 for p in params) >= 8
 
 
 def test_aborts_of_requests_held_by_the_launched_step(reference):
