@@ -12,7 +12,7 @@ Ties are resolved so that P and D (and a brute-force reference) agree exactly:
 
 On the device a step's logprobs travel packed, one float32 row per sampled token
 (`pack_logprobs`: token logprob, rank, K top ids, K top logprobs), so that one copy brings them
-to the host (`unpack_logprobs`). Which rows asked, and packing the result on the wire (the
+to the host. Which rows asked, and packing the result on the wire (the
 header word's top-k count), is left to the sampler and to the message code.
 """
 
@@ -96,15 +96,6 @@ def packed_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, num_top: int)
     if num_top == 0:
         return token_logprob(logits, token_ids)
     return pack_logprobs(compute_logprobs(logits, token_ids, num_top))
-
-
-def unpack_logprobs(packed: torch.Tensor) -> tuple[list[float], list[int], list[list[int]],
-                                                   list[list[float]]]:
-    """A host copy of `pack_logprobs` [B, 2 + 2K] -> lists by column: token logprobs, ranks,
-    top ids, top logprobs (one conversion per column for the whole step)."""
-    width = (packed.shape[1] - 2) // 2
-    return (packed[:, 0].tolist(), packed[:, 1].int().tolist(),
-            packed[:, 2:2 + width].int().tolist(), packed[:, 2 + width:].tolist())
 
 
 PROMPT_LOGITS_ROWS = 1024  # prompt positions whose logits are formed at once

@@ -31,7 +31,7 @@ from pd.model.context import ForwardContext, forward_context, host_context, run_
 from pd.engine.host_ring import HostRing, to_device
 from pd.engine.grammar import fill_masks
 from pd.engine.kv_cache import KVCache, num_blocks_for
-from pd.engine.logprobs import MAX_PACKED_VOCAB, prompt_spans, record_prompt_logprobs, unpack_logprobs
+from pd.engine.logprobs import MAX_PACKED_VOCAB, prompt_spans, record_prompt_logprobs
 from pd.model.loader import load_model
 from pd.engine.request import Req
 from pd.engine.sampler import Sampler, SamplerOutput, SamplingRow
@@ -460,12 +460,16 @@ def unpack_sampled(token_ids: torch.Tensor, logprobs: torch.Tensor | None, sampl
     ids = token_ids.tolist()
     if logprobs is None:
         return {i: (t, None, None, None) for i, t in zip(sample_reqs, ids)}
-    lps, ranks, top_ids, top_lps = unpack_logprobs(logprobs.cpu())
+    width = (logprobs.shape[1] - 2) // 2
+    packed = logprobs.tolist()  # NOTE: one conversion; a row's columns are sliced as lists
+    top_ids = logprobs[:, 2:2 + width].int().tolist() if width else None
     result: dict[int, SampledToken] = {}
     for j, (i, row) in enumerate(zip(sample_reqs, rows)):
         k = row.params.logprobs
         if k is None:
             result[i] = (ids[j], None, None, None)
         else:
-            result[i] = (ids[j], lps[j], ranks[j], list(zip(top_ids[j][:k], top_lps[j][:k])))
+            p = packed[j]
+            top = list(zip(top_ids[j][:k], p[2 + width:2 + width + k])) if k else []
+            result[i] = (ids[j], p[0], int(p[1]), top)
     return result
