@@ -146,7 +146,10 @@ class Intake:
         back the ring space of records whose copies have; `wait` (nothing decodes): for every
         copy first."""
         if wait and (self.landing or self.receiver.num_held):
-            installed(self.engine.runner.kv_cache.kv)
+            kv = self.engine.runner.kv_cache.kv
+            installed(kv)
+            if self.tp is not None and kv.is_cuda:  # its installs run on this thread's stream
+                torch.cuda.current_stream(kv.device).synchronize()
         while self.landing and (self.landing[0].state is not IncomingState.LANDING
                                 or self.landing[0].fence.query()):
             inc = self.landing.popleft()
@@ -286,8 +289,7 @@ class Intake:
                                  f"{inc.num_blocks - inc.num_cached} uncached blocks")
         try:
             if self.tp is not None:
-                self.install_tp(rec, inc.req.block_ids[inc.num_cached:])
-                fence = None
+                fence = self.install_tp(rec, inc.req.block_ids[inc.num_cached:])
             else:
                 fence = install_kv(rec, self.engine.runner.kv_cache.kv,
                                    inc.req.block_ids[inc.num_cached:], wait=False)
@@ -301,14 +303,14 @@ class Intake:
         self.num_kv_records += 1
         self.metrics.kv_received_bytes(self.receiver.tier(inc.peer)).inc(rec.payload.nbytes)
 
-    def install_tp(self, rec: KVRecord, dst_block_ids: list[int]) -> None:
+    def install_tp(self, rec: KVRecord, dst_block_ids: list[int]):
         """Install a record, which carries every KV head, across the tensor-parallel ranks:
-        each takes its heads (done on return)."""
+        each takes its heads. Its fence (`Mirror.install_kv`): None when done on return."""
         kv = self.engine.runner.kv_cache.kv
         heads = kv.shape[4] * self.tp.size
         whole = torch.empty((*kv.shape[:4], heads, kv.shape[5]), dtype=kv.dtype, device="meta")
-        self.tp.install_kv(kv, payload_tensor(rec, whole), rec.layer_start, rec.layer_end,
-                           record_block_ids(rec, dst_block_ids))
+        return self.tp.install_kv(kv, payload_tensor(rec, whole), rec.layer_start, rec.layer_end,
+                                  record_block_ids(rec, dst_block_ids))
 
     def on_kv_done(self, peer: bytes, msg: m.KVDone) -> None:
         inc = self.expect(peer, msg.req_id, IncomingState.RECEIVING)

@@ -90,12 +90,25 @@ class Mirror:
             return gather_kv(kv, ids, self.channel.data)
 
     def install_kv(self, kv: torch.Tensor, chunk: torch.Tensor, l0: int, l1: int,
-                   block_ids) -> None:
+                   block_ids) -> torch.cuda.Event | None:
         """A received chunk with all KV heads [l1 - l0, 2, n, B, H, D] into blocks `block_ids`
-        of layers l0..l1-1: each rank takes its heads (done when this returns)."""
+        of layers l0..l1-1: each rank takes its heads. On CUDA nothing waits: the chunk goes
+        to the device once (by DMA where its memory is page-locked), is broadcast from there
+        and installed, all in the current stream's order, and the event returned completes once
+        the chunk's host memory is read and rank 0's heads are written (the workers' installs
+        precede their next calls); the caller keeps the chunk until then, and a step launched
+        later on another stream must wait for this one. On the CPU done on return (None)."""
         ids = torch.as_tensor(block_ids, dtype=torch.int64)
+        cuda = kv.device.type == "cuda"
+        if cuda:
+            chunk = chunk.to(kv.device, non_blocking=True)
         with self.mirrored("install_kv", chunk, ids, torch.tensor([l0, l1])):
             install_kv(kv, chunk, ids, l0, l1)
+        if not cuda:
+            return None
+        done = torch.cuda.Event()
+        done.record()
+        return done
 
 
 def gather_kv(kv: torch.Tensor, ids: torch.Tensor, pg) -> torch.Tensor:
