@@ -1,12 +1,12 @@
 """On a CUDA machine: the skinny-GEMM kernel (`kernels.skinny_linear`) against cuBLAS
-(`F.linear`) for the linear layers of the Llama-3.2-1B shape at 1-64 rows, bf16: each
-configuration's time and achieved weight bandwidth, the best per shape and row count, and its
+(`F.linear`) for the linear layers of the Llama-3.2-1B shape (or `--model`'s) at 1-64 rows,
+bf16: each configuration's time and achieved weight bandwidth, the best per shape and row count, and its
 error against float64. Weights rotate through enough copies to overflow L2 (as a model's layers
 do), inside one CUDA graph, so the figures are HBM streams without launch gaps (and, with
 programmatic dependent launch, with each call's weight prefetch overlapping the call before).
 The closing table is what `SHAPES` takes.
 
-    python benchmarks/gpu/bench_skinny.py [--rows 1 16 32 64] [--quick]
+    python benchmarks/gpu/bench_skinny.py [--model 1b|8b|8b-tp2] [--rows 1 16 32 64] [--quick]
 """
 
 from __future__ import annotations
@@ -27,6 +27,16 @@ from kernels.skinny_linear import row_bucket, skinny_linear  # noqa: E402
 
 SHAPES = {"qkv": (3072, 2048), "o_proj": (2048, 2048), "gate_up": (16384, 2048),
           "down": (2048, 8192), "lm_head": (128256, 2048)}
+# Llama-3.1-8B's layers whole (one rank) and as each of two tensor-parallel ranks holds them
+# (`pd.model.parallel`: QKV and gate/up split by output rows, o/down by input columns, the LM
+# head by vocabulary rows)
+MODELS = {
+    "1b": SHAPES,
+    "8b": {"qkv": (6144, 4096), "o_proj": (4096, 4096), "gate_up": (28672, 4096),
+           "down": (4096, 14336), "lm_head": (128256, 4096)},
+    "8b-tp2": {"qkv": (3072, 4096), "o_proj": (4096, 2048), "gate_up": (14336, 4096),
+               "down": (4096, 7168), "lm_head": (64128, 4096)},
+}
 
 
 def per_call(fn, copies: int) -> float:
@@ -54,13 +64,15 @@ def grid(n: int, k: int, bm: int, quick: bool) -> list[tuple[int, int, int, int,
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--rows", type=int, nargs="+", default=[1, 16, 32, 64])
+    p.add_argument("--model", choices=list(MODELS), default="1b",
+                   help="whose layers: Llama-3.2-1B, Llama-3.1-8B, or one of two TP ranks of it")
     p.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     p.add_argument("--quick", action="store_true", help="fewer configurations")
     args = p.parse_args()
     print(f"{torch.cuda.get_device_name()}; configurations are (BN, BK, SPLITS, STAGES, warps)")
     start, table = time.perf_counter(), []
     for name in args.shapes:
-        n, k = SHAPES[name]
+        n, k = MODELS[args.model][name]
         nbytes = n * k * 2
         copies = max(2, -(-(256 << 20) // nbytes))
         ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
