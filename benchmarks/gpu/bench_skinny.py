@@ -1,7 +1,7 @@
-"""On a CUDA machine: the skinny-GEMM kernel (`kernels.skinny_linear`) against cuBLAS
-(`F.linear`) for the linear layers of the Llama-3.2-1B shape (or `--model`'s) at 1-64 rows,
-bf16: each configuration's time and achieved weight bandwidth, the best per shape and row
-count, and its error against float64. Weights rotate through enough copies to overflow L2 (as a model's layers
+"""On a CUDA machine: the skinny-GEMM kernel (`kernels.skinny_linear`) against cuBLAS (`F.linear`)
+for the linear layers of the Llama-3.2-1B shape (or `--model`'s) at 1-64 rows, bf16: each
+configuration's time and achieved weight bandwidth, the best per shape and row count, and its
+error against float64. Weights rotate through enough copies to overflow L2 (as a model's layers
 do), inside one CUDA graph, so the figures are HBM streams without launch gaps (and, with
 programmatic dependent launch, with each call's weight prefetch overlapping the call before).
 The closing table is what `SHAPES` takes.
