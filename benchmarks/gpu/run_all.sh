@@ -15,7 +15,8 @@
 #                                                 4: the decode node's host work per request,
 #                                                 prefix caching and serving against the
 #                                                 engine through pd launch; 5: two GPUs:
-#                                                 tensor parallelism's PD test, parity and step)
+#                                                 tensor parallelism's PD test, parity, step and
+#                                                 the skinny product on one rank's 8B layers)
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-out}
@@ -86,5 +87,6 @@ if [[ $PART == 5 ]]; then  # needs two GPUs: tensor parallelism (ranks on cuda:0
 TAIL=4 step tp_pd env PD_TEST_DEVICE=cuda timeout 150 python3 -m pytest -q -p no:cacheprovider \
     tests/e2e/test_tp_pd.py
 TAIL=48 step tp python3 benchmarks/gpu/bench_tp.py --check --profile --batch 1 64 --timeout 150
+TAIL=24 step skinny_8b_tp2 python3 benchmarks/gpu/bench_skinny.py --model 8b-tp2 --quick --rows 1 64
 fi
 exit $status
