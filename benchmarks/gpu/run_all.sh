@@ -9,14 +9,15 @@
 #   step gap), MTP on/off (graphed, overlap on/off, logprobs) and the MTP machinery on the 1B
 #   shape, structured output's cost (grammars on the GPU: the same tokens as transformers'
 #   masked logits). Logs go to $OUT (or ./out) and one table each to stdout.
-#     bash benchmarks/gpu/run_all.sh [1|2|3|4|5]  (1: checks, KV, attention, decode; 2: graphs,
+#     bash benchmarks/gpu/run_all.sh [1|2|3|4|5|6]  (1: checks, KV, attention, decode; 2: graphs,
 #                                                 profile, overlap, MTP; 3: two GPUs: KV between
 #                                                 them, the mixed load;
 #                                                 4: the decode node's host work per request,
 #                                                 prefix caching and serving against the
 #                                                 engine through pd launch; 5: two GPUs:
-#                                                 tensor parallelism's PD test, parity, step and
-#                                                 the skinny product on one rank's 8B layers)
+#                                                 tensor parallelism's PD test, parity and step;
+#                                                 6: the skinny product on 8B layers, whole
+#                                                 and as one of two ranks holds them)
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-out}
@@ -87,6 +88,9 @@ if [[ $PART == 5 ]]; then  # needs two GPUs: tensor parallelism (ranks on cuda:0
 TAIL=4 step tp_pd env PD_TEST_DEVICE=cuda timeout 150 python3 -m pytest -q -p no:cacheprovider \
     tests/e2e/test_tp_pd.py
 TAIL=48 step tp python3 benchmarks/gpu/bench_tp.py --check --profile --batch 1 64 --timeout 150
-TAIL=24 step skinny_8b_tp2 python3 benchmarks/gpu/bench_skinny.py --model 8b-tp2 --quick --rows 1 64
+fi
+if [[ $PART == 6 ]]; then  # one GPU: the skinny product on Llama-3.1-8B's layers (TP's shapes)
+TAIL=12 step skinny_8b python3 benchmarks/gpu/bench_skinny.py --model 8b --quick --rows 1 64
+TAIL=12 step skinny_8b_tp2 python3 benchmarks/gpu/bench_skinny.py --model 8b-tp2 --quick --rows 1 64
 fi
 exit $status
