@@ -199,7 +199,6 @@ class DecodeGraphs:
         self.staging[:host.numel()].copy_(host, non_blocking=True)
         self.graphs[key][0].replay()
 
-
     @torch.inference_mode()
     def logprobs(self, batch: int, num_top: int) -> torch.Tensor:
         """After a replay of padded batch `batch`: the logprobs of its greedy tokens with

@@ -11,9 +11,9 @@ Ties are resolved so that P and D (and a brute-force reference) agree exactly:
   (the order of `torch.argmax`).
 
 On the device a step's logprobs travel packed, one float32 row per sampled token
-(`pack_logprobs`: token logprob, rank, K top ids, K top logprobs), so that one copy brings them
-to the host. Which rows asked, and packing the result on the wire (the
-header word's top-k count), is left to the sampler and to the message code.
+(`pack_logprobs`: token logprob, rank, K top ids, K top logprobs), so that one copy brings
+them to the host. Which rows asked, and packing the result on the wire (the header word's
+top-k count), is left to the sampler and to the message code.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ import torch
 from kernels.token_logprob import token_logprob
 
 MAX_PACKED_VOCAB = 1 << 24  # ids and ranks travel as float32 (`pack_logprobs`): exact below this
+
 
 class Logprobs(NamedTuple):
     token_logprobs: torch.Tensor  # [B] float32

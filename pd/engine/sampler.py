@@ -71,7 +71,6 @@ class SamplingRow:
         p = self.params
         return self.is_greedy and not p.processes_logits and self.step >= p.min_tokens
 
-
     @property
     def banned_token_ids(self) -> tuple[int, ...]:
         """Ids masked at this position because fewer than min_tokens were generated."""
