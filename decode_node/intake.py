@@ -117,7 +117,7 @@ class Intake:
         self.geometry = engine.geometry(mtp_enabled=engine.spec is not None)
         self.peers: dict[bytes, str] = {}  # paired prefill nodes: identity -> node id
         # tensor parallelism: each record is handed out to the ranks by heads (`install_tp`)
-        self.tp = engine.runner.model.mirror
+        self.tp = engine.runner.mirror
         # the cache for peers on this host (not with tensor parallelism: it holds rank 0's heads)
         self.kv_ipc = export_kv(engine.runner.kv_cache.kv) if self.tp is None else None
         self.ipc_peers: set[bytes] = set()  # peers offered it

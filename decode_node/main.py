@@ -50,6 +50,6 @@ def main(args: argparse.Namespace) -> int:
              node.port, node.kv_addr)
     freeze_heap()  # the node's own process: its start-up heap stays out of collections
     node.run()
-    if engine.runner.tp is not None and engine.runner.tp.failed:
+    if engine.runner.rank_failed:
         return 70  # a tensor-parallel rank died (logged)
     return 0

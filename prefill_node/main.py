@@ -52,6 +52,6 @@ def main(args: argparse.Namespace) -> int:
     log.info("prefill node %s serving on %s:%d", node.node_id, args.host, node.port)
     freeze_heap()  # the node's own process: its start-up heap stays out of collections
     node.run()
-    if engine.runner.tp is not None and engine.runner.tp.failed:
+    if engine.runner.rank_failed:
         return 70  # a tensor-parallel rank died (logged)
     return 0

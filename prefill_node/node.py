@@ -180,7 +180,7 @@ class PrefillNode(NodeService):
             link = DecodeLink(self, job.msg.decode_addr, kv=self.engine.runner.kv_cache.kv,
                               block_size=self.engine.config.block_size,
                               handoff_timeout=self.handoff_timeout, transport=self.transport,
-                              tp=self.engine.runner.model.mirror)
+                              tp=self.engine.runner.mirror)
             self.links[job.msg.decode_addr] = link
         job.link = link
         link.submit(job)

@@ -164,6 +164,17 @@ class ModelRunner:
             self.tp.close()
 
     @property
+    def mirror(self):
+        """With tensor parallelism, rank 0's `pd.engine.tp.mirror.Mirror` (what a node's KV
+        moves go through); None on one rank."""
+        return self.model.mirror
+
+    @property
+    def rank_failed(self) -> bool:
+        """Whether a tensor-parallel worker rank ended and took this node down."""
+        return self.tp is not None and self.tp.failed is not None
+
+    @property
     def block_size(self) -> int:
         return self.kv_cache.block_size
 
