@@ -37,7 +37,8 @@ class Group:
     def split(self, total: int, what: str) -> int:
         """This rank's share of `total` heads or columns; `what` names them in the error."""
         if total % self.size:
-            raise ValueError(f"tensor parallel size {self.size} does not divide {what} ({total})")
+            raise ValueError(f"tensor parallel size {self.size} does not divide {what} ({total}): "
+                             f"each rank must hold a whole share")
         return total // self.size
 
 
@@ -50,9 +51,7 @@ def check_layout(cfg, size: int) -> None:
     for what, total in (("num_attention_heads", cfg.num_heads),
                         ("num_key_value_heads", cfg.num_kv_heads),
                         ("intermediate_size", cfg.intermediate_size)):
-        if total % size:
-            raise ValueError(f"tensor parallel size {size} does not divide the model's {what} "
-                             f"({total}): each rank must hold a whole share")
+        Group(0, size).split(total, f"the model's {what}")
 
 
 def init(rank: int, size: int, pg) -> None:

@@ -98,7 +98,7 @@ class Channel:
         tensors, offset = [], 0
         for shape, dtype in header["tensors"]:
             dt = _DTYPES[dtype]
-            nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dt).element_size()
+            nbytes = torch.Size(shape).numel() * dt.itemsize
             tensors.append(payload[offset:offset + nbytes].view(dt).view(shape))
             offset += -(-nbytes // _ALIGN) * _ALIGN
         return header, tensors
