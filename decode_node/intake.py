@@ -2,9 +2,12 @@
 they join the running batch (or fail), on the KV ingest socket.
 
 Per request, from one prefill node, in order:
-  RequestMeta -> FIRST_TOKEN (forwarded to the router; blocks reserved, or queued until free)
-  -> KVAccept sent -> KV records (installed) -> KVDone -> KVAck sent, the request joins the batch
-  (once its records' copies have completed: see below).
+  RequestMeta (blocks reserved, or queued until free; KVAccept sent once reserved) ->
+  FIRST_TOKEN (forwarded to the router) -> KV records (installed) -> KVDone -> KVAck sent, the
+  request joins the batch (once its records' copies have completed: see below).
+A prefill node sends RequestMeta as the request's prefill starts, so the blocks are reserved and
+KVAccept is on its way while it runs: KVAccept may precede FIRST_TOKEN, and the KV follows the
+first token at once.
 With prefix caching, the blocks reserved start with the prompt's longest prefix this node holds
 in its cache (a previous turn of the same conversation, a shared system prompt); KVAccept says
 how many, and the prefill node sends only the rest. A prefill node on this host with its cache
@@ -55,16 +58,14 @@ log = logging.getLogger(__name__)
 
 
 class IncomingState(enum.Enum):
-    META = "meta"  # RequestMeta arrived, waiting for FIRST_TOKEN
-    WAITING_BLOCKS = "waiting_blocks"  # first token forwarded, waiting for free blocks
-    RECEIVING = "receiving"  # KVAccept sent, KV records arriving
+    WAITING_BLOCKS = "waiting_blocks"  # RequestMeta arrived, waiting for free blocks
+    RECEIVING = "receiving"  # KVAccept sent, the first token and KV records arriving
     LANDING = "landing"  # KVDone arrived, the copies of its last records still running
     JOINED = "joined"  # KVDone: in the running batch
     DROPPED = "dropped"  # failed, aborted or timed out; blocks freed
 
 
 INCOMING_STATES = Transitions({
-    IncomingState.META: (IncomingState.WAITING_BLOCKS, IncomingState.DROPPED),
     IncomingState.WAITING_BLOCKS: (IncomingState.RECEIVING, IncomingState.DROPPED),
     IncomingState.RECEIVING: (IncomingState.LANDING, IncomingState.JOINED, IncomingState.DROPPED),
     IncomingState.LANDING: (IncomingState.JOINED, IncomingState.DROPPED),
@@ -80,12 +81,12 @@ class Incoming:
     reply_to: str
     num_blocks: int  # blocks of prompt KV the request has (the prefill node sends the uncached)
     deadline: float
-    state: IncomingState = IncomingState.META
+    state: IncomingState = IncomingState.WAITING_BLOCKS
     num_records: int = 0
     num_cached: int = 0  # leading prompt blocks found in this node's prefix cache, not sent
     kv_bytes: int = 0  # KV bytes received for it
-    accepted_at: float = 0.0  # perf_counter time of its KVAccept (the transfer's start)
-    first_token_at: float = 0.0  # monotonic time of the first token's arrival
+    accepted_at: float = 0.0  # perf_counter time of its KVAccept
+    first_token_at: float = 0.0  # perf_counter time of the first token's arrival (0: not yet)
     direct: bool = False  # the prefill node writes its KV into our blocks (CUDA IPC)
     fence: object = None  # its last record's copy (a CUDA event: done when it completes)
 
@@ -178,7 +179,10 @@ class Intake:
         elif isinstance(item, AbortRecord):
             self.owner.abort(item.req_id, peer=peer)
         elif isinstance(item, FirstTokenRecord):
-            self.on_first_token(self.expect(peer, item.req_id, IncomingState.META), item)
+            inc = self.expect(peer, item.req_id, IncomingState.WAITING_BLOCKS, IncomingState.RECEIVING)
+            if inc.first_token_at:
+                raise m.MessageError(f"a second FIRST_TOKEN for request {item.req_id!r}")
+            self.on_first_token(inc, item)
         elif isinstance(item, TokensRecord) and item.flag == Flag.DRAFT_TOKENS:
             self.on_drafts(item)
         elif isinstance(item, KVRecord):
@@ -186,11 +190,12 @@ class Intake:
         else:
             raise m.MessageError(f"unexpected record {type(item).__name__}")
 
-    def expect(self, peer: bytes, req_id: str, state: IncomingState) -> Incoming:
+    def expect(self, peer: bytes, req_id: str, *states: IncomingState) -> Incoming:
         inc = self.incoming.get(req_id)
-        if inc is None or inc.peer != peer or inc.state is not state:
+        if inc is None or inc.peer != peer or inc.state not in states:
             raise m.MessageError(
-                f"record for request {req_id!r}, which is not {state.value!r} from this peer "
+                f"record for request {req_id!r}, which is not "
+                f"{' or '.join(repr(s.value) for s in states)} from this peer "
                 f"({'unknown' if inc is None else inc.state.value})")
         return inc
 
@@ -233,22 +238,21 @@ class Intake:
         if params.prompt_logprobs is not None:
             req.prompt_logprobs = msg.prompt_logprobs or []  # sent on with the first token
         deadline = time.monotonic() + min(msg.deadline_s, self.kv_timeout)
-        self.incoming[msg.req_id] = Incoming(req, peer, msg.reply_to, msg.num_blocks, deadline,
-                                             direct=msg.direct)
+        inc = self.incoming[msg.req_id] = Incoming(req, peer, msg.reply_to, msg.num_blocks,
+                                                   deadline, direct=msg.direct)
+        self.waiting_blocks.append(inc)
+        self.may_reserve()
 
     def on_first_token(self, inc: Incoming, rec: FirstTokenRecord) -> None:
         req = inc.req
         req.append_token(rec.token_id, rec.logprob, rec.rank, [tuple(p) for p in rec.top])
-        inc.first_token_at = time.monotonic()
+        inc.first_token_at = time.perf_counter()
         # NOTE: the first token goes to the router now; TTFT does not wait for the KV.
         self.owner.stream(inc.reply_to, req, 1, None)
-        INCOMING_STATES.move(inc, IncomingState.WAITING_BLOCKS)
-        self.waiting_blocks.append(inc)
-        self.may_reserve()
 
     def on_drafts(self, rec: TokensRecord) -> None:
         inc = self.incoming.get(rec.req_id)
-        if self.engine.spec is None or inc is None or inc.state not in (
+        if self.engine.spec is None or inc is None or not inc.first_token_at or inc.state not in (
                 IncomingState.WAITING_BLOCKS, IncomingState.RECEIVING):
             raise m.MessageError(f"DRAFT_TOKENS for request {rec.req_id!r}, which expects none")
         vocab, req = self.engine.model_config.vocab_size, inc.req
@@ -266,7 +270,8 @@ class Intake:
             inc = self.waiting_blocks[0]
             req = inc.req
             hit = prefix.match(req, min(inc.num_blocks, req.num_prompt_tokens // bs)) if prefix else []
-            need = self.scheduler.blocks_needed(req, req.num_tokens) - len(hit)
+            # the prompt and the first token (come or to come)
+            need = self.scheduler.blocks_needed(req, req.num_prompt_tokens + 1) - len(hit)
             if need + self.allocator.share_cost(hit) > self.allocator.num_free - len(self.scheduler.running):
                 return
             self.waiting_blocks.popleft()
@@ -314,6 +319,8 @@ class Intake:
 
     def on_kv_done(self, peer: bytes, msg: m.KVDone) -> None:
         inc = self.expect(peer, msg.req_id, IncomingState.RECEIVING)
+        if not inc.first_token_at:
+            raise m.MessageError(f"KVDone for request {msg.req_id!r} before its FIRST_TOKEN")
         if inc.num_records != msg.num_records:
             self.fail(inc, f"KV incomplete: {inc.num_records} of {msg.num_records} records arrived")
             return
@@ -331,7 +338,9 @@ class Intake:
             kv = self.engine.runner.kv_cache.kv
             inc.kv_bytes = (inc.num_blocks - inc.num_cached) * block_bytes(kv)
             self.metrics.kv_received_bytes(tier).inc(inc.kv_bytes)
-        self.metrics.kv_transfer_seconds(tier).observe(time.perf_counter() - inc.accepted_at)
+        # the transfer starts once the blocks are reserved and the prefill is done
+        now = time.perf_counter()
+        self.metrics.kv_transfer_seconds(tier).observe(now - max(inc.accepted_at, inc.first_token_at))
         self.metrics.kv_transfer_bytes(tier).observe(inc.kv_bytes)
         del self.incoming[inc.req.req_id]
         INCOMING_STATES.move(inc, IncomingState.JOINED)
@@ -340,7 +349,7 @@ class Intake:
         req.num_registered_blocks = inc.num_cached
         self.scheduler.register(req)  # the received blocks join the prefix cache
         self.owner.join(req, inc.reply_to)
-        self.metrics.join_seconds.observe(time.monotonic() - inc.first_token_at)
+        self.metrics.join_seconds.observe(now - inc.first_token_at)
 
     def on_peer_gone(self, peer: bytes, reason: str) -> None:
         self.peers.pop(peer, None)
@@ -402,11 +411,11 @@ class Intake:
         """Fail the requests past their deadline, then reserve blocks for those waiting."""
         self.on_socket()  # NOTE: the receiver checks its ring producers' lives when read
         for inc in [i for i in self.incoming.values() if now > i.deadline]:
-            self.fail(inc, m.TIMEOUT_PREFIX + " " + {
-                IncomingState.META: "waiting for the first token",
-                IncomingState.WAITING_BLOCKS: "waiting for free KV blocks at the decode node",
-                IncomingState.RECEIVING: "waiting for the KV",
-                IncomingState.LANDING: "waiting for the KV"}[inc.state])
+            self.fail(inc, m.TIMEOUT_PREFIX + " " + (
+                "waiting for the first token" if not inc.first_token_at else {
+                    IncomingState.WAITING_BLOCKS: "waiting for free KV blocks at the decode node",
+                    IncomingState.RECEIVING: "waiting for the KV",
+                    IncomingState.LANDING: "waiting for the KV"}[inc.state]))
         self.may_reserve()
 
     def close(self, error: str) -> None:

@@ -4,11 +4,13 @@ On creation it connects the KV transport (shm ring on this host, ZMQ frames acro
 sends `Hello` with this node's geometry. A decode node on this host whose cache is on a GPU
 offers it by CUDA IPC in `HelloOk`; a prefill node on a GPU opens it (transport "auto" or "ipc")
 and then writes each request's KV straight into the blocks `KVAccept` names (`shm_ipc.cuda_ipc`),
-the ring carrying only the records and control messages. Requests submitted before `HelloOk`
-wait in `pending`; `HelloRefused` (or no answer within the handshake timeout) fails them with
-the reason. Once paired, a request goes out as RequestMeta + FIRST_TOKEN record (+ a
-DRAFT_TOKENS record with MTP); its KV follows on `KVAccept` (all but the prompt blocks the decode
-node says it already holds), closed by `KVDone`. Replies are dispatched back to the node.
+the ring carrying only the records and control messages. Requests announced or submitted before
+`HelloOk` wait in `pending`; `HelloRefused` (or no answer within the handshake timeout) fails
+them with the reason. Once paired, a request goes out as RequestMeta (`announce`, when its
+prefill starts, or with its first token) then a FIRST_TOKEN record (+ a DRAFT_TOKENS record with
+MTP) once the prefill is done (`submit`); its KV follows on `KVAccept` (all but the prompt
+blocks the decode node says it already holds), closed by `KVDone`. Replies are dispatched back
+to the node.
 Transport errors (ring full past its timeout, peer gone) fail the request and mark the link
 failed, so the next request reconnects.
 A decode node that disconnects (killed, restarted) has lost every request handed to it: they all
@@ -64,6 +66,7 @@ class Handoff(Protocol):
     msg: m.PrefillRequest
     req: Req
     arrival: float
+    deadline: float  # monotonic: the end of its prefill's wait, then of its hand-off
 
 
 class LinkOwner(Protocol):
@@ -94,7 +97,9 @@ class DecodeLink:
         self.handoff_timeout = handoff_timeout
         self.state = LinkState.HELLO_SENT
         self.reason = ""
-        self.pending: list[Handoff] = []
+        # announced or submitted before HelloOk: request id -> [job, submitted]
+        self.pending: dict[str, list] = {}
+        self.announced: set[str] = set()  # RequestMeta sent, FIRST_TOKEN not yet
         self.hello_deadline = time.monotonic() + handoff_timeout
         # NOTE: the link's identity on D's KV port is random and named nowhere (not in a
         # segment name, not in a log): D's KV socket takes no identity handover, and a request's
@@ -124,30 +129,53 @@ class DecodeLink:
     def control(self, msg) -> None:
         self.transport.send_control(m.to_dict(msg))
 
+    def announce(self, job: Handoff) -> None:
+        """RequestMeta while the job's prefill runs, so the decode node reserves its blocks
+        meanwhile. A failure to send marks the link failed and leaves the job to `submit`,
+        which fails it (the caller's step is under way)."""
+        if self.state is LinkState.READY:
+            try:
+                self._send_meta(job, early=True)
+                self.announced.add(job.req.req_id)
+            except TransportError as e:
+                self._broken(f"sending to decode node {self.addr} failed: {e}")
+        elif self.state is LinkState.HELLO_SENT:
+            self.pending[job.req.req_id] = [job, False]
+
     def submit(self, job: Handoff) -> None:
+        """The job's prefill is done: its RequestMeta unless announced, then FIRST_TOKEN."""
         if self.state is LinkState.READY:
             self._send_request(job)
         elif self.state is LinkState.HELLO_SENT:
-            self.pending.append(job)
+            self.pending[job.req.req_id] = [job, True]
         else:
             self.owner.on_link_broken(self, f"decode node {self.addr} unusable: {self.reason}",
                                       [job])
 
     def withdraw(self, job: Handoff) -> None:
-        """Forget a job still waiting for the handshake (it ended at the owner)."""
-        if job in self.pending:
-            self.pending.remove(job)
+        """Forget a job (it ended at the owner)."""
+        self.pending.pop(job.req.req_id, None)
+        self.announced.discard(job.req.req_id)
+
+    def _send_meta(self, job: Handoff, early: bool) -> None:
+        req = job.req
+        # sent early, the decode node holds the blocks for the rest of the prefill too
+        wait = max(0.0, job.deadline - time.monotonic()) if early else 0.0
+        self.control(m.RequestMeta(req.req_id, req.prompt_token_ids, job.msg.params,
+                                   job.msg.reply_to, num_blocks=self.num_prompt_blocks(job),
+                                   deadline_s=self.handoff_timeout + wait,
+                                   direct=self.peer_cache is not None,
+                                   prompt_logprobs=prompt_logprobs_wire(req)))
 
     def _send_request(self, job: Handoff) -> None:
         req = job.req
         first = req.output_token_ids[0]
         asked = req.params.logprobs is not None
         try:
-            self.control(m.RequestMeta(req.req_id, req.prompt_token_ids, job.msg.params,
-                                       job.msg.reply_to, num_blocks=self.num_prompt_blocks(job),
-                                       deadline_s=self.handoff_timeout,
-                                       direct=self.peer_cache is not None,
-                                       prompt_logprobs=prompt_logprobs_wire(req)))
+            if req.req_id in self.announced:
+                self.announced.discard(req.req_id)
+            else:
+                self._send_meta(job, early=False)
             self.transport.send_record(FirstTokenRecord(
                 req.req_id, first,
                 req.output_logprobs[0] if asked else 0.0,
@@ -225,7 +253,8 @@ class DecodeLink:
         LINK_STATES.move(self, LinkState.FAILED)
         self.reason = reason
         log.error("%s", reason)
-        jobs = [job, *self.pending] if job is not None else list(self.pending)
+        waiting = [j for j, _ in self.pending.values()]
+        jobs = [job, *waiting] if job is not None else waiting
         self.pending.clear()
         self.owner.on_link_broken(self, reason, None if everything else jobs)
 
@@ -263,9 +292,14 @@ class DecodeLink:
             LINK_STATES.move(self, LinkState.READY)
             log.info("paired with decode node %s (%s), KV over %s", msg.node_id, self.addr,
                      self.tier)
-            pending, self.pending = self.pending, []
-            for job in pending:
-                self._send_request(job)
+            pending, self.pending = self.pending, {}
+            for job, submitted in pending.values():
+                if self.failed:  # a send failed: the rest fail with it
+                    self.owner.on_link_broken(self, self.reason, [job])
+                elif submitted:
+                    self._send_request(job)
+                else:
+                    self.announce(job)
         elif isinstance(msg, m.HelloRefused):
             self._broken(f"decode node {self.addr} refused to pair: {msg.reason}")
         elif isinstance(msg, m.KVAccept):

@@ -1,7 +1,11 @@
 """The prefill node: takes `PrefillRequest`s from routers, prefills prompts in batches (chunked,
 under a token budget), samples each request's first token, and hands the request to the decode
-node it names: RequestMeta + FIRST_TOKEN at once, the KV once the decode node has reserved
-blocks (KVAccept), and frees its own blocks when the decode node acknowledges (KVAck).
+node it names: RequestMeta when its prefill starts (so the decode node reserves blocks while it
+runs), FIRST_TOKEN when it ends, the KV once the decode node has reserved blocks (KVAccept: at
+once when that came during the prefill), and frees its own blocks when the decode node
+acknowledges (KVAck). A request asking for prompt logprobs, or for one token only, is announced
+with its first token instead (its RequestMeta carries the prompt logprobs; it may never reach the
+decode node).
 
 With MTP (`--num-speculative-tokens k`), the prefill step also runs the MTP layer over the
 prompt (its KV is the last cache layer and travels with the target's) and proposes the first k
@@ -40,19 +44,22 @@ log = logging.getLogger(__name__)
 
 
 class JobState(enum.Enum):
-    QUEUED = "queued"  # waiting for or in its prefill
-    HANDED_OFF = "handed_off"  # RequestMeta + first token sent, waiting for KVAccept
+    QUEUED = "queued"  # waiting for or in its prefill; the decode node does not know of it
+    ANNOUNCED = "announced"  # in its prefill, RequestMeta sent (the decode node reserves blocks)
+    HANDED_OFF = "handed_off"  # first token sent, waiting for KVAccept
     KV_SENT = "kv_sent"  # KV in flight, waiting for KVAck
     DONE = "done"
 
 
 JOB_STATES = Transitions({
-    JobState.QUEUED: (JobState.HANDED_OFF, JobState.DONE),
+    JobState.QUEUED: (JobState.ANNOUNCED, JobState.HANDED_OFF, JobState.DONE),
+    JobState.ANNOUNCED: (JobState.HANDED_OFF, JobState.DONE),
     JobState.HANDED_OFF: (JobState.KV_SENT, JobState.DONE),
     JobState.KV_SENT: (JobState.DONE,),
     JobState.DONE: (),
 })
-AT_DECODE = (JobState.HANDED_OFF, JobState.KV_SENT)  # the decode node knows of the request
+PREFILLING = (JobState.QUEUED, JobState.ANNOUNCED)  # in this node's scheduler
+AT_DECODE = (JobState.ANNOUNCED, JobState.HANDED_OFF, JobState.KV_SENT)  # the decode node knows of it
 
 
 @dataclass(eq=False)
@@ -65,6 +72,7 @@ class Job:
     arrival: float = field(default_factory=time.monotonic)
     kv_started: float = 0.0
     kv_bytes: int = 0  # KV bytes sent for it
+    accept: m.KVAccept | None = None  # the decode node's, come while it was ANNOUNCED
 
 
 class PrefillNode(NodeService):
@@ -137,6 +145,7 @@ class PrefillNode(NodeService):
         batch = self.scheduler.schedule()
         if batch is None:
             return
+        self.announce(batch)
         start = time.perf_counter()
         spec = self.engine.spec
         sampled = spec.run(batch) if spec is not None else self.engine.runner.run(batch)
@@ -161,8 +170,21 @@ class PrefillNode(NodeService):
                 self.hand_off(job)
         self.may_check_integrity()
 
+    def announce(self, batch) -> None:
+        """RequestMeta for the batch's requests whose decode node does not know of them yet: it
+        reserves their blocks while this step runs."""
+        for req in batch.reqs:
+            job = self.jobs.get(req.req_id)
+            if (job is not None and job.state is JobState.QUEUED
+                    and req.params.prompt_logprobs is None and req.params.max_tokens > 1):
+                JOB_STATES.move(job, JobState.ANNOUNCED)
+                job.link = self.link_for(job)
+                job.link.announce(job)
+
     def finish_here(self, job: Job) -> None:
         req = job.req
+        if job.state is JobState.ANNOUNCED:  # the decode node drops it and frees its blocks
+            job.link.send_abort(req.req_id, "ended at the prefill node")
         self.events.send(job.msg.reply_to, m.TokenStream(
             req.req_id, req.output_token_ids, **first_token_logprobs(req),
             finish_reason=req.finish_reason.value,
@@ -171,8 +193,19 @@ class PrefillNode(NodeService):
         self.release(job)
 
     def hand_off(self, job: Job) -> None:
+        """The prefill is done: FIRST_TOKEN (after RequestMeta, unless announced), and the KV at
+        once when the decode node accepted it meanwhile."""
+        if job.state is JobState.QUEUED:
+            job.link = self.link_for(job)
         JOB_STATES.move(job, JobState.HANDED_OFF)
         job.deadline = time.monotonic() + self.handoff_timeout
+        job.link.submit(job)
+        accept, job.accept = job.accept, None
+        if accept is not None and job.state is JobState.HANDED_OFF:
+            self.on_kv_accept(job.link, accept)
+
+    def link_for(self, job: Job) -> DecodeLink:
+        """The link to the job's decode node (a new one after a failed one)."""
         link = self.links.get(job.msg.decode_addr)
         if link is None or link.failed:
             if link is not None:
@@ -182,8 +215,7 @@ class PrefillNode(NodeService):
                               handoff_timeout=self.handoff_timeout, transport=self.transport,
                               tp=self.engine.runner.mirror)
             self.links[job.msg.decode_addr] = link
-        job.link = link
-        link.submit(job)
+        return link
 
     # -- hand-off events (raised by DecodeLink, see prefill_node.link.LinkOwner) ---------------
     def on_first_token_sent(self, job: Job) -> None:
@@ -198,6 +230,10 @@ class PrefillNode(NodeService):
 
     def on_kv_accept(self, link: DecodeLink, msg: m.KVAccept) -> None:
         job = self.jobs.get(msg.req_id)
+        if job is not None and job.state is JobState.ANNOUNCED and job.link is link \
+                and job.accept is None:
+            job.accept = msg  # used once its prefill is done (`hand_off`)
+            return
         if job is None or job.state is not JobState.HANDED_OFF or job.link is not link:
             log.warning("KVAccept for %s, which is not waiting for one here", msg.req_id)
             if msg.block_ids is not None:
@@ -237,9 +273,13 @@ class PrefillNode(NodeService):
 
     # -- endings ---------------------------------------------------------------------------------
     def release(self, job: Job) -> None:
+        """Forget the job and free its blocks (an ANNOUNCED one's decode node has been sent an
+        ABORT; blocks it named for a direct write are released after it)."""
         self.jobs.pop(job.req.req_id, None)
-        if job.state is JobState.QUEUED:
+        if job.state in PREFILLING:
             self.scheduler.abort(job.req)
+        if job.accept is not None and job.accept.block_ids is not None:
+            job.link.release(job.req.req_id)
         if job.link is not None:
             job.link.withdraw(job)
         self.scheduler.free_blocks(job.req)
@@ -256,6 +296,7 @@ class PrefillNode(NodeService):
     def tick(self, now: float) -> None:
         for job in [j for j in self.jobs.values() if now > j.deadline]:
             where = {JobState.QUEUED: "queued at the prefill node",
+                     JobState.ANNOUNCED: "queued at the prefill node",
                      JobState.HANDED_OFF: f"waiting for decode node {job.msg.decode_addr} to accept",
                      JobState.KV_SENT: f"KV in flight to decode node {job.msg.decode_addr}"}[job.state]
             self.fail(job, f"{m.TIMEOUT_PREFIX} {where}")
@@ -280,7 +321,7 @@ class PrefillNode(NodeService):
         mt.waiting.set(len(self.scheduler.waiting))
         mt.running.set(len(self.scheduler.running))
         mt.kv_usage.set(self.engine.allocator.usage)
-        mt.transfers_waiting.set(sum(j.state is not JobState.QUEUED for j in self.jobs.values()))
+        mt.transfers_waiting.set(sum(j.state not in PREFILLING for j in self.jobs.values()))
         mt.count_preemptions(self.scheduler.num_preemptions)
         node_metrics.export_prefix_cache(mt, self.engine)
 
@@ -293,10 +334,10 @@ class PrefillNode(NodeService):
         return {
             "queue_len": len(self.scheduler.waiting),
             "running": len(self.scheduler.running),
-            "handing_off": sum(j.state is not JobState.QUEUED for j in self.jobs.values()),
+            "handing_off": sum(j.state not in PREFILLING for j in self.jobs.values()),
             "outstanding_prefill_tokens": sum(
                 j.req.num_tokens - j.req.num_computed_tokens for j in self.jobs.values()
-                if j.state is JobState.QUEUED),
+                if j.state in PREFILLING),
             "free_blocks": alloc.num_free,
             "total_blocks": alloc.num_blocks,
             "block_size": self.engine.config.block_size,

@@ -16,7 +16,7 @@ from decode_node.node import DecodeNode
 from pd.engine.llm import LLM
 from pd.wire import messages as m
 from pd.wire.sampling_params import SamplingParams
-from shm_ipc.records import FirstTokenRecord, KVRecord
+from shm_ipc.records import AbortRecord, FirstTokenRecord, KVRecord
 
 RING_PEER, FRAME_PEER = b"ring-peer", b"frame-peer"
 PROMPT = list(range(3, 43))  # 40 tokens: 3 blocks of 16
@@ -113,3 +113,53 @@ def test_a_timed_out_direct_request_is_fenced_and_a_ring_one_is_not(node):
     assert set(node.intake.fenced) == {"direct"}
     node.intake.dispatch(RING_PEER, m.to_dict(m.KVReleased("direct")))
     assert node.allocator.num_free == free
+
+
+def announce(node, peer, req_id: str, direct: bool = True):
+    """Hello (once per peer) and RequestMeta alone: the prefill node announces a request whose
+    prefill has just started."""
+    if peer not in node.intake.peers:
+        node.intake.dispatch(peer, m.to_dict(m.Hello("prefill-test", node.intake.geometry)))
+    params = SamplingParams(max_tokens=4, temperature=0.0).to_dict()
+    node.intake.dispatch(peer, m.to_dict(m.RequestMeta(req_id, PROMPT, params, node.reply,
+                                                       num_blocks=3, direct=direct)))
+
+
+def test_request_meta_alone_reserves_the_blocks_and_the_kv_waits_for_the_first_token(node):
+    free = node.allocator.num_free
+    announce(node, RING_PEER, "r")
+    accept, = replies(node, RING_PEER, m.KVAccept)  # while its prefill runs
+    req = node.intake.incoming["r"].req
+    # the prompt's 40 tokens and the first token to come: 3 blocks of 16
+    assert accept.block_ids == req.block_ids == req.block_ids[:3] and len(req.block_ids) == 3
+    assert node.allocator.num_free == free - 3
+    with pytest.raises(m.MessageError, match="before its FIRST_TOKEN"):
+        node.intake.dispatch(RING_PEER, m.to_dict(m.KVDone("r", 0)))
+    node.intake.dispatch(RING_PEER, FirstTokenRecord("r", 7, 0.0, 0, []))
+    with pytest.raises(m.MessageError, match="second FIRST_TOKEN"):
+        node.intake.dispatch(RING_PEER, FirstTokenRecord("r", 7, 0.0, 0, []))
+    node.intake.dispatch(RING_PEER, m.to_dict(m.KVDone("r", 0)))
+    assert req in node.scheduler.running and req.token_ids[-1] == 7
+
+
+@pytest.mark.parametrize("direct", [True, False])
+def test_an_announced_request_ended_at_the_prefill_node_frees_its_blocks(node, direct):
+    """The prefill node's ABORT before the first token (the request ended there, or failed):
+    a ring request's blocks are free at once, a direct one's once KVReleased says they will not
+    be written."""
+    free = node.allocator.num_free
+    announce(node, RING_PEER, "r", direct=direct)
+    assert replies(node, RING_PEER, m.KVAccept)
+    node.intake.dispatch(RING_PEER, AbortRecord("r", "ended at the prefill node"))
+    assert "r" not in node.intake.incoming
+    if direct:
+        assert "r" in node.intake.fenced and node.allocator.num_free == free - 3
+        node.intake.dispatch(RING_PEER, m.to_dict(m.KVReleased("r")))
+    assert node.allocator.num_free == free and not node.intake.fenced
+
+
+def test_an_announced_request_times_out_waiting_for_its_first_token(node):
+    announce(node, RING_PEER, "r", direct=False)
+    node.intake.incoming["r"].deadline = 0.0
+    node.tick(1.0)
+    assert "waiting for the first token" in replies(node, RING_PEER, m.KVRefuse)[0].reason

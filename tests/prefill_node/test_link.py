@@ -119,6 +119,31 @@ def test_jobs_wait_for_the_handshake_then_go_out_in_order(decode_side):
     assert not owner.sockets
 
 
+def test_an_announced_job_sends_its_request_meta_once(decode_side):
+    """RequestMeta as the prefill starts (before the handshake: once paired), with a deadline
+    covering the rest of the prefill's wait; the first token later comes alone."""
+    sock, addr = decode_side
+    owner = Owner()
+    link = link_to(owner, addr)
+    peer, _ = recv_control(sock)
+    early, late = make_job("early"), make_job("late")
+    link.announce(early)  # before the handshake: waits for it
+    sock.send_multipart([peer, control.encode(m.to_dict(m.HelloOk("decode-test")))])
+    pump(owner, lambda: link.state is LinkState.READY)
+    meta = recv_control(sock)[1]
+    assert (meta["type"], meta["req_id"]) == (m.RequestMeta.TYPE, "early")
+    assert 59 < meta["deadline_s"] <= 60  # 30 s of prefill wait left, then the hand-off's 30
+    link.announce(late)
+    assert recv_control(sock)[1]["req_id"] == "late"
+    for job in (early, late):
+        job.deadline = time.monotonic() + 30  # the hand-off's
+        link.submit(job)
+    assert [e for e in owner.events if e[0] == "first_token_sent"] == [
+        ("first_token_sent", "early"), ("first_token_sent", "late")]
+    assert no_control(sock) and not link.announced  # no second RequestMeta
+    link.close()
+
+
 def test_a_refused_handshake_ends_the_pending_jobs_through_the_owner(decode_side):
     sock, addr = decode_side
     owner = Owner()
@@ -152,7 +177,7 @@ def test_job_states_move_only_along_the_table():
     job = make_job("a")
     with pytest.raises(IllegalTransition, match="QUEUED to KV_SENT"):
         JOB_STATES.move(job, JobState.KV_SENT)
-    for state in (JobState.HANDED_OFF, JobState.KV_SENT, JobState.DONE):
+    for state in (JobState.ANNOUNCED, JobState.HANDED_OFF, JobState.KV_SENT, JobState.DONE):
         JOB_STATES.move(job, state)
     with pytest.raises(IllegalTransition):
         JOB_STATES.move(job, JobState.QUEUED)
