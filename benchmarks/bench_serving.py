@@ -247,14 +247,18 @@ def spy(seconds: float, pids: dict[str, int], delay: float = 3.0) -> list[Spy]:
 
 
 def summarize_spy(path: str, possible: float, top: int = 18) -> str:
-    """Busy share per thread and the frames with the most samples of their own (py-spy raw)."""
-    own, threads, compiling, total = Counter(), Counter(), Counter(), 0
+    """Busy share per thread, the frames with the most samples of their own, and the project's
+    functions with the most samples inside them (callees included) (py-spy raw)."""
+    own, inside, threads, compiling, total = Counter(), Counter(), Counter(), Counter(), 0
     for line in open(path):
         stack, n = line.rsplit(" ", 1)
         frames = stack.split(";")
         threads[frames[0]] += int(n)
         own[frames[-1]] += int(n)
         total += int(n)
+        for f in {f.rsplit(":", 1)[0] + ")" for f in frames[1:]
+                  if "(pd/" in f or "(kernels/" in f or "_node/" in f or "(router/" in f}:
+            inside[f] += int(n)
         if any("triton/compiler" in f or "triton/backends" in f for f in frames):
             ours = [f for f in frames if "(pd/" in f or "(kernels/" in f or "_node/" in f]
             compiling[ours[-1] if ours else "?"] += int(n)
@@ -262,6 +266,7 @@ def summarize_spy(path: str, possible: float, top: int = 18) -> str:
     lines = [f"{total} samples of {possible:.0f} per thread"]
     lines += [f"  {n / possible:6.1%}  {name}" for name, n in threads.most_common(6)]
     lines += [f"  {n / possible:6.1%}  own: {frame[:140]}" for frame, n in own.most_common(top)]
+    lines += [f"  {n / possible:6.1%}  inside: {frame[:140]}" for frame, n in inside.most_common(top)]
     lines += [f"  {n / possible:6.1%}  compiling Triton from: {frame[:140]}"
               for frame, n in compiling.most_common(6)]
     return "\n".join(lines)

@@ -191,11 +191,15 @@ class DecodeLink:
     def num_prompt_blocks(self, job: Handoff) -> int:
         return -(-job.req.num_prompt_tokens // self.block_size)
 
-    def send_kv(self, job: Handoff, num_cached_blocks: int = 0, dst_block_ids=None) -> int:
+    def send_kv(self, job: Handoff, num_cached_blocks: int = 0, dst_block_ids=None,
+                early: bool = False) -> int:
         """Send the prompt's KV blocks but the first `num_cached_blocks` (the decode node holds
         them) then KVDone; returns the bytes sent. A direct request's blocks are written into the
         decode node's `dst_block_ids` (CUDA IPC) instead of being sent as records, and its
-        KVDone goes once the copy is done (`finish_writes`, called by the owner's loop)."""
+        KVDone goes once the copy is done (`finish_writes`, called by the owner's loop).
+        `early`: a direct write queued on the current stream by the prefill step that computes
+        the KV, before the host waits for its first token (so done when that is), its KVDone
+        after the first token."""
         kv = self.kv
         num_blocks = self.num_prompt_blocks(job)
         if not 0 <= num_cached_blocks <= num_blocks:
@@ -207,8 +211,10 @@ class DecodeLink:
             if self.tp is not None and blocks:
                 kv, blocks = self.tp.gather_kv(kv, blocks), list(range(len(blocks)))
             if self.peer_cache is not None and dst_block_ids is not None:
-                self.writes.append((job.req.req_id, self.peer_cache.write(kv, blocks, dst_block_ids)))
-                self.finish_writes()
+                self.writes.append((job.req.req_id,
+                                    self.peer_cache.write(kv, blocks, dst_block_ids, side=not early)))
+                if not early:
+                    self.finish_writes()
             else:
                 num_records = self.transport.send_kv(job.req.req_id, kv, blocks)
                 self.control(m.KVDone(job.req.req_id, num_records))
@@ -221,8 +227,8 @@ class DecodeLink:
         """KVDone for each direct write whose copy has completed, in order (also for a request
         that ended here meanwhile: the decode node holds its blocks until told; this node may
         have reused the source blocks before the copy read them, which only fills blocks the
-        decode node has dropped)."""
-        while self.writes and self.writes[0][1].query():
+        decode node has dropped). Not before the request's first token (an early write)."""
+        while self.writes and self.writes[0][0] not in self.announced and self.writes[0][1].query():
             req_id, _ = self.writes.popleft()
             try:
                 self.control(m.KVDone(req_id, 0))

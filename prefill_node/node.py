@@ -148,7 +148,8 @@ class PrefillNode(NodeService):
         self.announce(batch)
         start = time.perf_counter()
         spec = self.engine.spec
-        sampled = spec.run(batch) if spec is not None else self.engine.runner.run(batch)
+        sampled = (spec.run(batch) if spec is not None
+                   else self.engine.runner.run(batch, lambda: self.write_early(batch)))
         self.metrics.prompt_tokens.inc(batch.num_tokens)
         self.prompt_tokens_computed += batch.num_tokens
         self.metrics.step_seconds.observe(time.perf_counter() - start)
@@ -181,6 +182,18 @@ class PrefillNode(NodeService):
                 job.link = self.link_for(job)
                 job.link.announce(job)
 
+    def write_early(self, batch) -> None:
+        """Called inside the step, before the host waits for its tokens: the KV of the requests
+        whose prefill it ends, whose decode node named its blocks meanwhile (CUDA IPC), is
+        queued behind the step on its stream: written once the first token is known, so
+        KVDone follows FIRST_TOKEN at once."""
+        for i, req in enumerate(batch.reqs):
+            job = self.jobs.get(req.req_id)
+            if (batch.samples(i) and job is not None and job.state is JobState.ANNOUNCED
+                    and job.accept is not None and job.accept.block_ids is not None):
+                accept, job.accept = job.accept, None
+                self.start_kv(job, accept, early=True)
+
     def finish_here(self, job: Job) -> None:
         req = job.req
         if job.state is JobState.ANNOUNCED:  # the decode node drops it and frees its blocks
@@ -201,7 +214,12 @@ class PrefillNode(NodeService):
         job.deadline = time.monotonic() + self.handoff_timeout
         job.link.submit(job)
         accept, job.accept = job.accept, None
-        if accept is not None and job.state is JobState.HANDED_OFF:
+        if job.state is not JobState.HANDED_OFF:  # the link failed
+            return
+        if job.kv_started:  # written by its step (`write_early`): KVDone now
+            JOB_STATES.move(job, JobState.KV_SENT)
+            job.link.finish_writes()
+        elif accept is not None:
             self.on_kv_accept(job.link, accept)
 
     def link_for(self, job: Job) -> DecodeLink:
@@ -240,10 +258,13 @@ class PrefillNode(NodeService):
                 link.release(msg.req_id)  # the decode node holds those blocks until told
             return
         JOB_STATES.move(job, JobState.KV_SENT)
+        self.start_kv(job, msg)
+
+    def start_kv(self, job: Job, accept: m.KVAccept, early: bool = False) -> None:
         job.kv_started = time.perf_counter()
-        nbytes = link.send_kv(job, msg.num_cached_blocks, msg.block_ids)
+        nbytes = job.link.send_kv(job, accept.num_cached_blocks, accept.block_ids, early=early)
         job.kv_bytes = nbytes
-        self.metrics.kv_sent_bytes(link.tier).inc(nbytes)
+        self.metrics.kv_sent_bytes(job.link.tier).inc(nbytes)
         self.kv_sent_bytes += nbytes
 
     def on_kv_ack(self, link: DecodeLink, req_id: str) -> None:

@@ -109,11 +109,13 @@ class PeerCache:
             raise TransportError(f"cannot open the peer's KV cache by CUDA IPC: {e}") from None
         return cls(base, dict(desc, offset=offset, shape=shape, gpu=gpu), kv.device)
 
-    def write(self, kv: torch.Tensor, src_block_ids, dst_block_ids) -> torch.cuda.Event:
+    def write(self, kv: torch.Tensor, src_block_ids, dst_block_ids,
+              side: bool = True) -> torch.cuda.Event:
         """Queue the copy of kv[:, :, src_block_ids[j]] into the peer's [:, :, dst_block_ids[j]]
-        for every j on the side stream, after the work queued so far on the current stream (the
-        KV's writes); returns the event that marks it done: the peer may read the blocks once
-        it has completed. Ids are checked against both caches."""
+        for every j on the side stream (`side` False: on the current stream), after the work
+        queued so far on the current stream (the KV's writes); returns the event that marks it
+        done: the peer may read the blocks once it has completed. Ids are checked against both
+        caches."""
         src, dst = np.asarray(src_block_ids, dtype=np.int64), np.asarray(dst_block_ids, dtype=np.int64)
         n = src.size
         if dst.size != n:
@@ -122,8 +124,10 @@ class PeerCache:
                   or dst.max() >= self.num_blocks):
             raise ValueError("block ids outside the caches")
         unit = kv[0, 0, 0].numel() * kv.element_size()
-        stream = copy_stream(kv.device)
-        stream.wait_stream(torch.cuda.current_stream(kv.device))
+        stream = torch.cuda.current_stream(kv.device)
+        if side:
+            stream = copy_stream(kv.device)
+            stream.wait_stream(torch.cuda.current_stream(kv.device))
         with torch.cuda.stream(stream):
             if n:
                 ids = ids_on_device(torch.from_numpy(np.concatenate([src, dst])), kv.device)

@@ -409,9 +409,14 @@ class ModelRunner:
         return self.sampler(forwarded, rows) if isinstance(forwarded, torch.Tensor) else forwarded
 
     @torch.inference_mode()
-    def run(self, batch: ScheduledBatch) -> dict[int, SampledToken]:
+    def run(self, batch: ScheduledBatch, before_wait=None) -> dict[int, SampledToken]:
+        """One step, run to its end: {batch index: its sampled token}. `before_wait()` is
+        called once the step is queued, before the host waits for its tokens (work queued there
+        on the current stream has completed when this returns)."""
         inp = self.prepare(batch)
         out = self.sample(inp)
+        if before_wait is not None:
+            before_wait()
         return {} if out is None else unpack_sampled(out.token_ids, out.packed, inp.sample_reqs,
                                                      inp.rows)
 

@@ -121,3 +121,46 @@ def test_a_request_asking_for_one_token_is_not_announced(pair):
     assert not controls(decode) and node.jobs["one"].state is JobState.QUEUED
     node.step()  # ends with its first token, answered here
     assert "one" not in node.jobs and not controls(decode)
+
+
+class DoneCopy:
+    """A direct copy's completion event; queued on the step's stream, it is done once the
+    step's tokens are on the host."""
+
+    def query(self) -> bool:
+        return True
+
+
+class StreamPeerCache:
+    """Stands in for a decode node's cache opened by CUDA IPC (this machine has no GPU): it
+    records each write and the stream it was queued on."""
+
+    def __init__(self, node) -> None:
+        self.node, self.writes = node, []
+
+    def write(self, kv, src, dst, side: bool = True):
+        # whether the step's tokens were already waited for (`ModelRunner.run` unpacks them)
+        self.writes.append((list(src), list(dst), side, self.node.jobs["r"].state))
+        return DoneCopy()
+
+    def close(self) -> None:
+        pass
+
+
+def test_a_direct_accept_during_the_prefill_is_written_by_the_last_step(pair):
+    node, decode, addr, reply = pair
+    peer = pair_up(node, decode, addr, reply)
+    link = node.links[addr]
+    link.peer_cache = cache = StreamPeerCache(node)
+    admit(node, "r", addr, reply)
+    node.step()
+    assert controls(decode)[0][1]["direct"] is True
+    decode.send_multipart([peer, control.encode(m.to_dict(m.KVAccept("r", 0, [5, 6, 7])))])
+    poll(node)
+    node.step()  # queues the copy behind its forward, then the first token, then KVDone
+    (src, dst, side, state), = cache.writes
+    assert dst == [5, 6, 7] and src == node.jobs["r"].req.block_ids[:3]
+    assert side is False and state is JobState.ANNOUNCED  # inside the step, on its stream
+    (_, done), = controls(decode)
+    assert done == m.to_dict(m.KVDone("r", 0)) and node.jobs["r"].state is JobState.KV_SENT
+    link.peer_cache = None

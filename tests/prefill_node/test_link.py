@@ -229,7 +229,7 @@ class FakePeerCache:
         self.writes: list = []
         self.closed = False
 
-    def write(self, kv, src, dst) -> FakeCopy:
+    def write(self, kv, src, dst, side: bool = True) -> FakeCopy:
         copy = FakeCopy()
         self.writes.append((list(src), list(dst), copy))
         return copy
@@ -275,3 +275,27 @@ def test_direct_kv_is_done_only_once_its_copy_has_completed(decode_side):
     assert recv_control(sock)[1] == m.to_dict(m.KVReleased("gone"))
     link.close()
     assert cache.closed
+
+
+def test_an_early_write_is_done_only_after_the_first_token(decode_side):
+    """A direct write queued by the prefill step (`early`) holds its KVDone until the request's
+    FIRST_TOKEN has gone, even when its copy completed first."""
+    sock, addr = decode_side
+    owner = Owner()
+    link = link_to(owner, addr, transport="shm")
+    peer, _ = recv_control(sock)
+    sock.send_multipart([peer, control.encode(m.to_dict(m.HelloOk("decode-test")))])
+    pump(owner, lambda: link.state is LinkState.READY)
+    cache = link.peer_cache = FakePeerCache()
+    job = make_job("a")
+    job.req.block_ids = [3]
+    link.announce(job)
+    assert recv_control(sock)[1]["type"] == m.RequestMeta.TYPE
+    link.send_kv(job, 0, [7], early=True)
+    cache.writes[0][2].finished = True
+    link.finish_writes()
+    assert no_control(sock)  # its first token has not gone
+    link.submit(job)
+    link.finish_writes()
+    assert recv_control(sock)[1] == m.to_dict(m.KVDone("a", 0))
+    link.close()
