@@ -166,6 +166,12 @@ def main() -> None:
         def over(role: str, name: str, bound: str) -> float:  # share of a histogram's samples
             return 1 - delta(role, f'{name}_le="{bound}"') / max(delta(role, name + "_count"), 1.0)
 
+        # the means above hold the first wave's long waits: shares within bounds besides
+        within = {f"{name} within {float(b) * 1e3:g} ms": 1 - over(role, metric, b)
+                  for name, role, metric, bounds in (
+                      ("first token sent", "prefill", "pd_first_token_send_seconds", ("0.005", "0.01")),
+                      ("joined", "decode", "pd_request_join_seconds", ("0.001", "0.0025")))
+                  for b in bounds}
         # where the slowest first tokens and gaps arise: the client's against the router's own
         # (arrival to the first token written; its gaps between tokens written) and the
         # prefill node's (arrival to the first token sent)
@@ -188,6 +194,8 @@ def main() -> None:
     print(f"TTFT p50 / p99 {r['median_ttft_ms']:.1f} / {r['p99_ttft_ms']:.1f} ms; " + gaps(r["itls"]),
           flush=True)
     print("a request's way in, means (ms): " + ", ".join(f"{k} {v:.2f}" for k, v in life.items()),
+          flush=True)
+    print("a request's way in, shares: " + ", ".join(f"{k} {v:.0%}" for k, v in within.items()),
           flush=True)
     print(f"decode node per step (ms): step gap {gap:.3f} on the device; host " + ", ".join(
         f"{k} {v:.3f}" for k, v in host.items()), flush=True)
@@ -320,7 +328,7 @@ def snapshot(lau) -> dict[tuple[str, str], float]:
 
 
 TAIL_BUCKETS = ("pd_time_to_first_token_seconds_bucket", "pd_inter_token_latency_seconds_bucket",
-                "pd_first_token_send_seconds_bucket")
+                "pd_first_token_send_seconds_bucket", "pd_request_join_seconds_bucket")
 
 
 def node_sums(address: str) -> dict[str, float]:
