@@ -145,8 +145,10 @@ NODE_FLAGS = (
              "the KV (default: %(default)s)", ("prefill",), float),
     NodeFlag("kv_port", 7201, "port where prefill nodes send requests and KV (default: "
              "%(default)s; 0 = any)", ("decode",), int, in_launch=False),
-    NodeFlag("kv_timeout", 30.0, "seconds a handed-over request may wait for free blocks and "
-             "its KV before it fails (default: %(default)s)", ("decode",), float),
+    NodeFlag("kv_timeout", 30.0, "seconds a handed-over request may wait for free blocks, its "
+             "first token and its KV before it fails (announced as its prefill starts, a "
+             "request waits here for the rest of that prefill too) (default: %(default)s)",
+             ("decode",), float),
     NodeFlag("no_overlap", False, "run the plain decode loop (wait for each step before "
              "scheduling the next) instead of the overlap scheduler; PD_DISABLE_OVERLAP=1 does "
              "the same", ("decode",), action="store_true"),

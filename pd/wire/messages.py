@@ -224,7 +224,9 @@ class HelloRefused:
 
 @message
 class RequestMeta:
-    """P -> D, just before the request's FIRST_TOKEN record."""
+    """P -> D, as the request's prefill starts (D reserves its blocks meanwhile), or just before
+    its FIRST_TOKEN record (a request asking for prompt logprobs, which this carries, or for one
+    token)."""
 
     TYPE: ClassVar[str] = "request_meta"
     VERSION: ClassVar[int] = 1
@@ -233,7 +235,7 @@ class RequestMeta:
     params: dict
     reply_to: str
     num_blocks: int  # KV blocks P will send (the prompt's)
-    deadline_s: float = 60.0
+    deadline_s: float = 60.0  # how long D may hold it (the rest of its prefill, then the hand-off)
     direct: bool = False  # P writes the KV into D's blocks itself (CUDA IPC): KVAccept names them
     prompt_logprobs: list | None = None  # as TokenStream's, for D to send with the first token
 

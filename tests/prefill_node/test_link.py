@@ -250,14 +250,21 @@ def no_control(sock, wait_ms: int = 200) -> bool:
     return True
 
 
-def test_direct_kv_is_done_only_once_its_copy_has_completed(decode_side):
+def direct_link(decode_side) -> tuple[DecodeLink, FakePeerCache]:
+    """A paired link writing KV into a stand-in of the decode node's cache."""
     sock, addr = decode_side
     owner = Owner()
     link = link_to(owner, addr, transport="shm")
     peer, _ = recv_control(sock)
     sock.send_multipart([peer, control.encode(m.to_dict(m.HelloOk("decode-test")))])
     pump(owner, lambda: link.state is LinkState.READY)
-    cache = link.peer_cache = FakePeerCache()
+    link.peer_cache = FakePeerCache()
+    return link, link.peer_cache
+
+
+def test_direct_kv_is_done_only_once_its_copy_has_completed(decode_side):
+    sock, _ = decode_side
+    link, cache = direct_link(decode_side)
     assert link.tier == "ipc"
     job = make_job("a")
     job.req.block_ids = [3]
@@ -280,13 +287,8 @@ def test_direct_kv_is_done_only_once_its_copy_has_completed(decode_side):
 def test_an_early_write_is_done_only_after_the_first_token(decode_side):
     """A direct write queued by the prefill step (`early`) holds its KVDone until the request's
     FIRST_TOKEN has gone, even when its copy completed first."""
-    sock, addr = decode_side
-    owner = Owner()
-    link = link_to(owner, addr, transport="shm")
-    peer, _ = recv_control(sock)
-    sock.send_multipart([peer, control.encode(m.to_dict(m.HelloOk("decode-test")))])
-    pump(owner, lambda: link.state is LinkState.READY)
-    cache = link.peer_cache = FakePeerCache()
+    sock, _ = decode_side
+    link, cache = direct_link(decode_side)
     job = make_job("a")
     job.req.block_ids = [3]
     link.announce(job)
