@@ -77,6 +77,12 @@ def main() -> None:
                    help="profile the router and print its N hottest functions")
     p.add_argument("--spy", type=float, default=0, metavar="S",
                    help="sample the router and the nodes with py-spy for S seconds")
+    p.add_argument("--spy-focus", default="", metavar="NAME",
+                   help="with --spy: also the frames with the most samples of their own under a "
+                        "frame whose text holds NAME (e.g. 'DecodeLoop.launch')")
+    p.add_argument("--spy-args", default="", metavar="ARGS",
+                   help="more py-spy record flags, one string (e.g. '--idle --native': waits "
+                        "and native frames too)")
     p.add_argument("--client-processes", type=int, default=1, metavar="N",
                    help="pd bench --client-processes: the measured run's client split among N "
                         "processes (its CPU use, summed, is the client's)")
@@ -114,7 +120,8 @@ def main() -> None:
         before, wall = {k: cpu_seconds(pid) for k, pid in pids.items()}, time.perf_counter()
         own = time.process_time() + children_cpu()
         spies = spy(args.spy, {k: pids[k] for k in (
-            "router" if not lau.router_pids else "router-0", "prefill-0", "decode-0")}) if args.spy else []
+            "router" if not lau.router_pids else "router-0", "prefill-0", "decode-0")},
+            extra=args.spy_args.split(), focus=args.spy_focus) if args.spy else []
         r = run_bench(lau, args, "--num-prompts", str(args.num_prompts),
                       "--random-input-len", str(args.input_len),
                       "--random-output-len", str(args.output_len),
@@ -228,42 +235,51 @@ class Spy(threading.Thread):
     """`delay` s from its start, records `seconds` of py-spy samples of one process; `summary`
     holds what it found once joined."""
 
-    def __init__(self, exe: str, name: str, pid: int, seconds: float, delay: float) -> None:
+    def __init__(self, exe: str, name: str, pid: int, seconds: float, delay: float,
+                 extra: list[str], focus: str) -> None:
         super().__init__(daemon=True)
         self.exe, self.name, self.pid, self.seconds, self.delay = exe, name, pid, seconds, delay
+        self.extra, self.focus = extra, focus
         self.summary = ""
 
     def run(self) -> None:
         time.sleep(self.delay)
         out = tempfile.mktemp(suffix=".txt")
         run = subprocess.run([self.exe, "record", "-p", str(self.pid), "-d", str(max(1, round(self.seconds))),
-                              "-r", "250", "-f", "raw", "-o", out, "--threads", "--nonblocking"],
+                              "-r", "250", "-f", "raw", "-o", out, "--threads", "--nonblocking",
+                              *self.extra],
                              capture_output=True, text=True)
-        found = summarize_spy(out, max(1, round(self.seconds)) * 250) if os.path.exists(out) else run.stderr[-500:]
+        found = (summarize_spy(out, max(1, round(self.seconds)) * 250, focus=self.focus)
+                 if os.path.exists(out) else run.stderr[-500:])
         self.summary = f"py-spy {self.name}: {found}"
 
 
-def spy(seconds: float, pids: dict[str, int], delay: float = 3.0) -> list[Spy]:
+def spy(seconds: float, pids: dict[str, int], delay: float = 3.0, extra: list[str] = (),
+        focus: str = "") -> list[Spy]:
     exe = shutil.which("py-spy")
     if exe is None:
         print("--spy: py-spy is not on PATH; no samples", flush=True)
         return []
-    spies = [Spy(exe, name, pid, seconds, delay) for name, pid in pids.items()]
+    spies = [Spy(exe, name, pid, seconds, delay, list(extra), focus) for name, pid in pids.items()]
     for t in spies:
         t.start()
     return spies
 
 
-def summarize_spy(path: str, possible: float, top: int = 18) -> str:
+def summarize_spy(path: str, possible: float, top: int = 18, focus: str = "") -> str:
     """Busy share per thread, the frames with the most samples of their own, and the project's
-    functions with the most samples inside them (callees included) (py-spy raw)."""
+    functions with the most samples inside them (callees included) (py-spy raw); with `focus`,
+    also the frames with the most samples of their own under a frame naming it."""
     own, inside, threads, compiling, total = Counter(), Counter(), Counter(), Counter(), 0
+    focused = Counter()
     for line in open(path):
         stack, n = line.rsplit(" ", 1)
         frames = stack.split(";")
         threads[frames[0]] += int(n)
         own[frames[-1]] += int(n)
         total += int(n)
+        if focus and any(focus in f for f in frames[:-1]):
+            focused[frames[-1]] += int(n)
         for f in {f.rsplit(":", 1)[0] + ")" for f in frames[1:]
                   if "(pd/" in f or "(kernels/" in f or "_node/" in f or "(router/" in f}:
             inside[f] += int(n)
@@ -275,6 +291,8 @@ def summarize_spy(path: str, possible: float, top: int = 18) -> str:
     lines += [f"  {n / possible:6.1%}  {name}" for name, n in threads.most_common(6)]
     lines += [f"  {n / possible:6.1%}  own: {frame[:140]}" for frame, n in own.most_common(top)]
     lines += [f"  {n / possible:6.1%}  inside: {frame[:140]}" for frame, n in inside.most_common(top)]
+    lines += [f"  {n / possible:6.1%}  own under {focus}: {frame[:140]}"
+              for frame, n in focused.most_common(top)]
     lines += [f"  {n / possible:6.1%}  compiling Triton from: {frame[:140]}"
               for frame, n in compiling.most_common(6)]
     return "\n".join(lines)

@@ -70,9 +70,13 @@ def fill_decode_inputs(flat: np.ndarray, layout: DecodeLayout, reqs, block_size:
                        dummy_block: int) -> None:
     """A decode step's inputs in `layout` (`flat` int64): each request's one new token at
     position num_computed_tokens, rows past the batch padded (token 0 at position 0 in the
-    spare block). A negative id -(j + 1) (the overlap loop's placeholder) becomes future row j."""
-    n = len(reqs)
-    ids, pos, slots, lens, future, tables = layout.views(flat)
+    spare block). A negative id -(j + 1) (the overlap loop's placeholder) becomes future row j.
+    NOTE: in as few numpy calls as it takes (a decode step's host time is mostly their number:
+    ~2 us each on the H100 host)."""
+    n, b = len(reqs), layout.batch
+    cols = flat[:5 * b].reshape(5, b)  # ids, positions, slots, context lengths, future rows
+    tables = flat[5 * b:layout.size].reshape(b, layout.width)
+    cols[:, n:] = np.array(((0,), (0,), (dummy_block * block_size,), (1,), (-1,)), np.int64)
     start = np.fromiter((r.num_computed_tokens for r in reqs), np.int64, n)
     new = np.fromiter((r.token_ids[r.num_computed_tokens] for r in reqs), np.int64, n)
     tables.fill(dummy_block)
@@ -81,16 +85,12 @@ def fill_decode_inputs(flat: np.ndarray, layout: DecodeLayout, reqs, block_size:
     widths = np.fromiter(map(len, block_ids), np.int64, n)
     tables[:n][np.arange(layout.width) < widths[:, None]] = np.fromiter(
         itertools.chain.from_iterable(block_ids), np.int64, int(widths.sum()))
-    ids[:n] = np.maximum(new, 0)
-    ids[n:] = 0
-    future[:n] = np.where(new < 0, -new - 1, -1)
-    future[n:] = -1
-    pos[:n] = start
-    pos[n:] = 0
-    lens[:n] = start + 1
-    lens[n:] = 1
-    slots[:n] = tables[np.arange(n), start // block_size] * block_size + start % block_size
-    slots[n:] = dummy_block * block_size
+    block, offset = np.divmod(start, block_size)
+    cols[0, :n] = np.maximum(new, 0)
+    cols[1, :n] = start
+    cols[2, :n] = tables[np.arange(n), block] * block_size + offset
+    cols[3, :n] = start + 1
+    cols[4, :n] = np.where(new < 0, ~new, -1)  # ~x == -x - 1
 
 
 class DecodeGraphs:

@@ -331,15 +331,24 @@ class DecodeLoop:
                 if row < 0 and req.status is ReqStatus.RUNNING:
                     prefix.register(req)
         if f.inp.rows:
+            plain = f.out.logprobs_cpu is None  # no request asked for logprobs
             sampled = self.unpack(f)
-            self.walk_grammars(f, sampled, nxt, masks)
+            self.walk_grammars(f, sampled if plain else [s[0] for s in sampled], nxt, masks)
+            # NOTE: prefix.register only once a block fills (its own check, made here: a
+            # call per request per step is most of its cost)
+            bs = prefix.block_size if prefix is not None else 1 << 62
             for row, i in enumerate(f.rows):
                 if i < 0:
                     continue  # invalid slot: the request ended after this step was launched
                 req = f.batch.reqs[i]
-                req.append_token(*sampled[row])
+                if not plain:
+                    req.append_token(*sampled[row])
+                elif req.grammar is None:
+                    req.token_ids.append(sampled[row])  # `append_token` without its branches
+                else:
+                    req.append_token(sampled[row])
                 emitted.append(req)
-                if prefix is not None:
+                if req.num_computed_tokens >= (req.num_registered_blocks + 1) * bs:
                     prefix.register(req)
                 reason = req.check_stop(self.max_model_len)
                 if reason is not None:
@@ -351,7 +360,7 @@ class DecodeLoop:
         return emitted
 
     @staticmethod
-    def walk_grammars(f: InFlight, sampled: list[SampledToken], nxt: InFlight | None,
+    def walk_grammars(f: InFlight, token_ids: list[int], nxt: InFlight | None,
                       masks) -> None:
         """The grammar work of step f's tokens, at once on several threads (`step_masks`):
         each request's grammar walks its new token (which appending it then takes), then, with
@@ -359,7 +368,7 @@ class DecodeLoop:
         tokens = {}
         for row, i in enumerate(f.rows):
             if i >= 0 and f.batch.reqs[i].grammar is not None:
-                tokens[f.batch.reqs[i]] = sampled[row][0]
+                tokens[f.batch.reqs[i]] = token_ids[row]
         jobs = []
         if masks is not None:
             for j, i in enumerate(nxt.inp.sample_reqs):
@@ -394,9 +403,10 @@ class DecodeLoop:
         self.times.add("process", t)
         return emitted
 
-    def unpack(self, f: InFlight) -> list[SampledToken]:
+    def unpack(self, f: InFlight) -> list[SampledToken] | list[int]:
+        """Step f's sampled tokens by row: their ids alone when no row asked for logprobs."""
         if f.out.logprobs_cpu is None:
-            return [(t, None, None, None) for t in f.out.next_tokens_cpu.tolist()]
+            return f.out.next_tokens_cpu.tolist()
         by_index = unpack_sampled(f.out.next_tokens_cpu, f.out.logprobs_cpu,
                                   list(range(len(f.inp.rows))), f.inp.rows)
         return [by_index[row] for row in range(len(f.inp.rows))]

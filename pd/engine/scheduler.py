@@ -95,24 +95,28 @@ class Scheduler:
         counts: list[int] = []
         preempted = False
         i = 0
+        # NOTE: a decode step's loop runs per request: locals, no property or method calls
+        # where a request needs no block (most steps of most requests)
+        bs, lookahead = self.block_size, self.num_lookahead_slots
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             if req in skip:
                 i += 1
                 continue
-            n = min(req.num_tokens + len(req.spec_token_ids) - req.num_computed_tokens, budget)
-            if req.spec_token_ids:  # drafts that do not fit the budget are dropped
-                del req.spec_token_ids[max(0, n - (req.num_tokens - req.num_computed_tokens)):]
-            need = self.blocks_needed(req, req.num_computed_tokens + n + self.num_lookahead_slots)
-            while need > self.allocator.num_free:
-                victim = self.running[-1]
-                self._preempt(victim)
-                preempted = True
-                if victim is req:
-                    break
-            if req.status is not ReqStatus.RUNNING:
-                break  # it preempted itself: nothing after it is left either
+            computed, drafts = req.num_computed_tokens, req.spec_token_ids
+            n = min(len(req.token_ids) + len(drafts) - computed, budget)
+            if drafts:  # drafts that do not fit the budget are dropped
+                del drafts[max(0, n - (len(req.token_ids) - computed)):]
+            need = -(-(computed + n + lookahead) // bs) - len(req.block_ids)  # `blocks_needed`
             if need > 0:
+                while need > self.allocator.num_free:
+                    victim = self.running[-1]
+                    self._preempt(victim)
+                    preempted = True
+                    if victim is req:
+                        break
+                if req.status is not ReqStatus.RUNNING:
+                    break  # it preempted itself: nothing after it is left either
                 req.block_ids += self.allocator.allocate(need)
             reqs.append(req)
             counts.append(n)

@@ -107,6 +107,17 @@ class SamplingParams:
         object.__setattr__(self, "logit_bias", bias)
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
         object.__setattr__(self, "extra_eos_token_ids", tuple(self.extra_eos_token_ids))
+        # NOTE: derived once, not properties: a decode step reads them per request
+        penalties = (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                     or self.repetition_penalty != 1.0)
+        grammar = self.structured_output is not None
+        object.__setattr__(self, "has_penalties", penalties)
+        # whether anything but temperature and truncation changes the logits (penalties,
+        # logit_bias, a grammar's mask) at every position
+        object.__setattr__(self, "processes_logits", penalties or bool(bias) or grammar)
+        # whether a position's logits processing needs the tokens before it on the host
+        # (penalties count them, a grammar's matcher walks them)
+        object.__setattr__(self, "needs_host_tokens", penalties or grammar)
 
     @property
     def greedy(self) -> bool:
@@ -116,26 +127,6 @@ class SamplingParams:
     def num_top_logprobs(self) -> int:
         """Logprob columns per token on the wire (the header word's top-k count)."""
         return self.logprobs or 0
-
-    @property
-    def has_penalties(self) -> bool:
-        return (
-            self.presence_penalty != 0.0
-            or self.frequency_penalty != 0.0
-            or self.repetition_penalty != 1.0
-        )
-
-    @property
-    def processes_logits(self) -> bool:
-        """Whether anything but temperature and truncation changes the logits (penalties,
-        logit_bias, a grammar's mask) at every position."""
-        return self.has_penalties or bool(self.logit_bias) or self.structured_output is not None
-
-    @property
-    def needs_host_tokens(self) -> bool:
-        """Whether a position's logits processing needs the tokens before it on the host
-        (penalties count them, a grammar's matcher walks them)."""
-        return self.has_penalties or self.structured_output is not None
 
     def to_dict(self) -> dict:
         d = asdict(self)
