@@ -205,7 +205,8 @@ def main() -> None:
     print("a request's way in, shares: " + ", ".join(f"{k} {v:.0%}" for k, v in within.items()),
           flush=True)
     print(f"decode node per step (ms): step gap {gap:.3f} on the device; host " + ", ".join(
-        f"{k} {v:.3f}" for k, v in host.items()), flush=True)
+        f"{k} {v:.3f}" for k, v in host.items()) + f"; {steps:.0f} steps, the run's "
+        f"{1000 * r['duration'] / max(steps, 1.0):.3f} ms per step", flush=True)
     print("the tail: " + ", ".join(
         f"over {float(b) * 1e3:g} ms {node:.2%} of the decode node's steps, {client:.2%} of the "
         f"client's gaps" for b, (node, client) in tail.items()), flush=True)
