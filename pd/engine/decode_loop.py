@@ -261,11 +261,16 @@ class DecodeLoop:
         blocks are there without preempting), and whether its sampler needs them there first
         (a request's penalties or grammar): then only its forward can go ahead."""
         need, host_tokens = 0, False
+        # NOTE: per request every step: locals, no property or method calls (`blocks_needed`)
+        members, rows, bs = last.members, last.rows, self.scheduler.block_size
         for req in self.scheduler.running:
-            row = last.members.get(req, -1)
-            pending = row >= 0 and last.rows[row] >= 0
-            host_tokens = host_tokens or (pending and req.params.needs_host_tokens)
-            need += max(0, self.scheduler.blocks_needed(req, req.num_tokens + pending))
+            row = members.get(req, -1)
+            pending = row >= 0 and rows[row] >= 0
+            if pending and req.params.needs_host_tokens:
+                host_tokens = True
+            more = -(-(len(req.token_ids) + pending) // bs) - len(req.block_ids)
+            if more > 0:
+                need += more
         return need <= self.scheduler.allocator.num_free, host_tokens
 
     def launch(self, last: InFlight | None, defer: bool = False) -> InFlight | None:
