@@ -12,7 +12,8 @@
 #     bash benchmarks/gpu/run_all.sh [1|2|3|4|5|6]  (1: checks, KV, attention, decode; 2: graphs,
 #                                                 profile, overlap, MTP; 3: two GPUs: KV between
 #                                                 them, the mixed load;
-#                                                 4: the decode node's host work per request,
+#                                                 4: the decode node's host work per request
+#                                                 and per call inside the loop,
 #                                                 prefix caching and serving against the
 #                                                 engine through pd launch; 5: two GPUs:
 #                                                 tensor parallelism's PD test, parity and step;
@@ -70,6 +71,7 @@ TAIL=7 step structured python3 benchmarks/bench_structured.py --device cuda --sy
 fi
 if [[ $PART == all || $PART == 4 ]]; then  # prefix caching through pd launch
 TAIL=5 step host_step python3 benchmarks/bench_host_step.py
+TAIL=40 step host_calls python3 benchmarks/gpu/profile_launch.py --batch 1 64
 TAIL=24 step prefix_cache python3 benchmarks/bench_prefix_cache.py --device cuda --synthetic-1b \
     --prefix-len 2048 --input-len 128 --output-len 16 --num-prompts 64 --concurrency 8 \
     --first-turn-len 1024 --routing-prompts 320
