@@ -81,8 +81,9 @@ def main() -> None:
                    help="with --spy: also the frames with the most samples of their own under a "
                         "frame whose text holds NAME (e.g. 'DecodeLoop.launch')")
     p.add_argument("--spy-args", default="", metavar="ARGS",
-                   help="more py-spy record flags, one string (e.g. '--idle --native': waits "
-                        "and native frames too)")
+                   help="more py-spy record flags, one string (e.g. '--idle': samples of "
+                        "waiting threads too; '--native': native frames, pausing the process at "
+                        "each sample)")
     p.add_argument("--client-processes", type=int, default=1, metavar="N",
                    help="pd bench --client-processes: the measured run's client split among N "
                         "processes (its CPU use, summed, is the client's)")
@@ -247,7 +248,9 @@ class Spy(threading.Thread):
         time.sleep(self.delay)
         out = tempfile.mktemp(suffix=".txt")
         run = subprocess.run([self.exe, "record", "-p", str(self.pid), "-d", str(max(1, round(self.seconds))),
-                              "-r", "250", "-f", "raw", "-o", out, "--threads", "--nonblocking",
+                              "-r", "250", "-f", "raw", "-o", out, "--threads",
+                              # NOTE: py-spy reads native stacks only from a paused process
+                              *([] if "--native" in self.extra else ["--nonblocking"]),
                               *self.extra],
                              capture_output=True, text=True)
         found = (summarize_spy(out, max(1, round(self.seconds)) * 250, focus=self.focus)
