@@ -27,6 +27,7 @@ import argparse
 import json
 import os
 import pstats
+import re
 import resource
 import shlex
 import shutil
@@ -270,6 +271,9 @@ def spy(seconds: float, pids: dict[str, int], delay: float = 3.0, extra: list[st
     return spies
 
 
+_OURS = re.compile(r"\((pd|kernels|router|prefill_node|decode_node)/")  # the project's frames
+
+
 def summarize_spy(path: str, possible: float, top: int = 18, focus: str = "") -> str:
     """Busy share per thread, the frames with the most samples of their own, and the project's
     functions with the most samples inside them (callees included) (py-spy raw); with `focus`,
@@ -284,11 +288,10 @@ def summarize_spy(path: str, possible: float, top: int = 18, focus: str = "") ->
         total += int(n)
         if focus and any(focus in f for f in frames[:-1]):
             focused[frames[-1]] += int(n)
-        for f in {f.rsplit(":", 1)[0] + ")" for f in frames[1:]
-                  if "(pd/" in f or "(kernels/" in f or "_node/" in f or "(router/" in f}:
+        ours = [f for f in frames[1:] if _OURS.search(f)]
+        for f in {f.rsplit(":", 1)[0] + ")" for f in ours}:
             inside[f] += int(n)
         if any("triton/compiler" in f or "triton/backends" in f for f in frames):
-            ours = [f for f in frames if "(pd/" in f or "(kernels/" in f or "_node/" in f]
             compiling[ours[-1] if ours else "?"] += int(n)
     os.unlink(path)
     lines = [f"{total} samples of {possible:.0f} per thread"]

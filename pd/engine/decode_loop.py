@@ -339,9 +339,6 @@ class DecodeLoop:
             plain = f.out.logprobs_cpu is None  # no request asked for logprobs
             sampled = self.unpack(f)
             self.walk_grammars(f, sampled if plain else [s[0] for s in sampled], nxt, masks)
-            # NOTE: prefix.register only once a block fills (its own check, made here: a
-            # call per request per step is most of its cost)
-            bs = prefix.block_size if prefix is not None else 1 << 62
             for row, i in enumerate(f.rows):
                 if i < 0:
                     continue  # invalid slot: the request ended after this step was launched
@@ -353,7 +350,10 @@ class DecodeLoop:
                 else:
                     req.append_token(sampled[row])
                 emitted.append(req)
-                if req.num_computed_tokens >= (req.num_registered_blocks + 1) * bs:
+                # NOTE: prefix.register's own check, made here: a call per request per step is
+                # most of its cost, and it registers only once a block fills
+                if prefix is not None and req.num_computed_tokens >= (
+                        req.num_registered_blocks + 1) * prefix.block_size:
                     prefix.register(req)
                 reason = req.check_stop(self.max_model_len)
                 if reason is not None:
