@@ -15,7 +15,7 @@ import torch
 from pd.engine.request import Req
 from pd.engine.sampler import GREEDY_EPS
 from pd.engine.scheduler import ScheduledBatch
-from pd.spec.graphs import STOP_WIDTH, lp0_pairs
+from pd.spec.graphs import STOP_WIDTH, lp0_columns
 from pd.spec.mtp import MTPDrafter
 
 if TYPE_CHECKING:
@@ -105,9 +105,10 @@ class GraphedSteps:
             g.verified.target[:num_slots].copy_(target)
             g.p_draft[:num_slots].copy_(p_draft)
             g.uniforms[:num_slots].copy_(self._uniforms(reqs))
-        packed = g.draft(lp0=self._top_asked(reqs) == 0)
+        top = self._top_asked(reqs)
+        packed = g.draft(lp0=top == 0)
         return self._finish_launch(batch, key, g, start_event, list(range(num_slots)), all(plain),
-                                   packed)
+                                   top, packed)
 
     @torch.inference_mode()
     def launch_chained(self, prev: "SpecFlight") -> "SpecFlight":
@@ -125,7 +126,7 @@ class GraphedSteps:
             host, _ = self._host_inputs(reqs, prev.key, prev.rows)
             g.inputs[tail:].copy_(host[tail:], non_blocking=True)
             g.known = known
-        top = self._top_asked(reqs)
+        top = prev.top  # the same requests
         if top is None or top == 0:
             packed = g.chain(lp0=top == 0)
         else:
@@ -135,7 +136,7 @@ class GraphedSteps:
         batch = ScheduledBatch(list(reqs), [0] * len(reqs))  # counts: set from the drafts on update
         return self._finish_launch(batch, prev.key, g, start_event,
                                    [b if i >= 0 else -1 for b, i in enumerate(prev.rows)], True,
-                                   packed)
+                                   top, packed)
 
     def _event(self):
         if self.device.type != "cuda":
@@ -152,7 +153,7 @@ class GraphedSteps:
         return min(max(asked), self.runner.model_config.vocab_size) if asked else None
 
     def _finish_launch(self, batch, key, g, start_event, rows: list[int], chainable: bool,
-                       packed_lp0: torch.Tensor | None = None) -> "SpecFlight":
+                       top: int | None, packed_lp0: torch.Tensor | None = None) -> "SpecFlight":
         """Queue the result's copy to the host (and the logprobs of the accepted tokens; with
         top_logprobs 0 they came packed after the result, `packed_lp0`: one copy)."""
         k, reqs = self.k, batch.reqs
@@ -165,14 +166,13 @@ class GraphedSteps:
         else:
             out = g.host_buffer(g.result)[:num_slots]
             out.copy_(g.result[:num_slots], non_blocking=True)
-            top = self._top_asked(reqs)
             if top is not None:
                 packed = g.logprobs(top)
                 lp = g.host_buffer(packed)[:num_slots * (k + 1)]
                 lp.copy_(packed[:num_slots * (k + 1)], non_blocking=True)
         end_event = self._event()
         return SpecFlight(batch, key, g, out, lp, start_event, end_event, rows,
-                          {r: b for b, r in enumerate(reqs)}, [], chainable)
+                          {r: b for b, r in enumerate(reqs)}, [], chainable, top)
 
     def collect(self, f: "SpecFlight") -> dict[int, SpecResult]:
         """Wait for a launched step and read its results; slots made invalid since (`rows`
@@ -181,21 +181,21 @@ class GraphedSteps:
             f.end.synchronize()
         live = [b for b, i in enumerate(f.rows) if i >= 0]
         rows = f.out.tolist()
-        lp, pairs = f.lp, None
+        lp, cols = f.lp, None
         if lp is not None and lp.dtype == torch.int64:  # top_logprobs 0, folded in the result
-            lp, pairs = None, lp0_pairs(lp)
+            lp, cols = None, lp0_columns(lp)
         return self.packed_results([f.rows[b] for b in live], [f.batch.reqs[b] for b in live],
-                                   [rows[b] for b in live], lp, live, pairs)
+                                   [rows[b] for b in live], lp, live, cols)
 
     def packed_results(self, batch_index: list[int], reqs: list[Req], rows: list[list[int]],
                        lp, lp_slots: list[int] | None = None,
-                       lp_pairs: list[list[float]] | None = None) -> dict[int, SpecResult]:
+                       lp_cols: tuple[list, list] | None = None) -> dict[int, SpecResult]:
         """`results` of host rows in the draft step's packed format (`SpecGraphs._draft`:
         accepted ids, kept, verified, stop flag, drafts), one per sampled slot."""
         k = self.k
         return self.results(batch_index, reqs, [r[:k + 1] for r in rows], [r[k + 1] for r in rows],
                             [r[k + 2] for r in rows], [r[k + 3] for r in rows],
-                            [r[k + 4:] for r in rows], lp, lp_slots, lp_pairs)
+                            [r[k + 4:] for r in rows], lp, lp_slots, lp_cols)
 
 
 class SpecFlight(NamedTuple):
@@ -206,10 +206,11 @@ class SpecFlight(NamedTuple):
     graphs: object  # pd.spec.graphs.StepGraphs
     out: torch.Tensor  # [S, 2k + 4] host copy of the result
     lp: torch.Tensor | None  # host copy of the verified rows' packed logprobs (`pack_logprobs`;
-    # int64 columns when folded into the draft graph's output: `lp0_pairs`)
+    # int64 columns when folded into the draft graph's output: `lp0_columns`)
     start: object  # CUDA events (None on CPU)
     end: object
     rows: list[int]  # batch index of each slot; -1: invalid, its result dropped
     members: dict  # request -> slot
     free_after: list[Req]  # finished while in flight: blocks freed once this step is done
     chainable: bool  # the next step may be computed from this one on the device
+    top: int | None  # the widest top_logprobs its requests ask (`SpecDecoder._top_asked`)

@@ -317,11 +317,11 @@ class SpecDecoder(GraphedSteps):
 
     def results(self, batch_index: list[int], reqs: list[Req], accepted, num_kept, num_verified,
                 flags, drafts, lp, lp_slots: list[int] | None = None,
-                lp_pairs: list[list[float]] | None = None) -> dict[int, SpecResult]:
+                lp_cols: tuple[list, list] | None = None) -> dict[int, SpecResult]:
         """Host lists of a step's outputs (one entry per sampled slot) -> {batch index: result}.
         `lp` (`pack_logprobs`) holds k + 1 rows per slot; `lp_slots[b]` is entry b's slot there
-        (default b). `lp_pairs` instead (a step whose rows ask top_logprobs 0 at most,
-        `lp0_pairs`): per slot, its rows' (logprob, rank) pairs in one list."""
+        (default b). `lp_cols` instead (a step whose rows ask top_logprobs 0 at most,
+        `lp0_columns`): per slot its rows' logprobs, and per slot their ranks."""
         if lp is not None:  # NOTE: by column, each converted once for the whole step
             width = (lp.shape[1] - 2) // 2
             lps, ranks = lp[:, 0].tolist(), lp[:, 1].int().tolist()
@@ -333,9 +333,8 @@ class SpecDecoder(GraphedSteps):
             logprobs = None
             if want is not None:
                 slot, n = (b if lp_slots is None else lp_slots[b]), len(kept)
-                if lp_pairs is not None:
-                    pairs = lp_pairs[slot]
-                    logprobs = (pairs[0:2 * n:2], list(map(int, pairs[1:2 * n:2])), [_NO_TOP] * n)
+                if lp_cols is not None:
+                    logprobs = (lp_cols[0][slot][:n], lp_cols[1][slot][:n], [_NO_TOP] * n)
                 else:
                     first = slot * k1
                     if want == 0:

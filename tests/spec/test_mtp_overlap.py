@@ -118,12 +118,12 @@ def test_overlap_equals_no_overlap_equals_plain(reference, k, n):
 
 def test_top_logprobs_0_folded_in_the_chained_step(reference, monkeypatch):
     """Requests asking top_logprobs 0 or no logprobs only: each chained step brings its
-    tokens' logprobs and ranks in the result's own copy (`lp0_pairs`), equal to plain decoding's."""
+    tokens' logprobs and ranks in the result's own copy (`lp0_columns`), equal to plain decoding's."""
     import pd.spec.graphed as graphed
 
     calls = Counter()
-    real = graphed.lp0_pairs
-    monkeypatch.setattr(graphed, "lp0_pairs", lambda cols: calls.update(["pairs"]) or real(cols))
+    real = graphed.lp0_columns
+    monkeypatch.setattr(graphed, "lp0_columns", lambda cols: calls.update(["pairs"]) or real(cols))
     prompts, params, arrivals = workload(16, seed=5, reference=reference, logprobs=(None, 0, 0))
     expected = reference.generate(prompts, params)
     on, _, loop = drive(3, True, prompts, params, arrivals)
