@@ -67,6 +67,9 @@ class Handoff(Protocol):
     req: Req
     arrival: float
     deadline: float  # monotonic: the end of its prefill's wait, then of its hand-off
+    kv_sent: int  # prompt blocks (past those the decode node holds) sent so far (`send_kv`)
+    kv_records: int  # KV records sent so far
+    kv_chunk: object  # the copy event of its last direct part sent during its prefill, or None
 
 
 class LinkOwner(Protocol):
@@ -192,35 +195,49 @@ class DecodeLink:
         return -(-job.req.num_prompt_tokens // self.block_size)
 
     def send_kv(self, job: Handoff, num_cached_blocks: int = 0, dst_block_ids=None,
-                early: bool = False) -> int:
+                early: bool = False, upto: int | None = None) -> int:
         """Send the prompt's KV blocks but the first `num_cached_blocks` (the decode node holds
-        them) then KVDone; returns the bytes sent. A direct request's blocks are written into the
-        decode node's `dst_block_ids` (CUDA IPC) instead of being sent as records, and its
-        KVDone goes once the copy is done (`finish_writes`, called by the owner's loop).
+        them) and those sent before, then KVDone; returns the bytes sent. A direct request's
+        blocks are written into the decode node's `dst_block_ids` (CUDA IPC) instead of being
+        sent as records, and its KVDone goes once the copy is done (`finish_writes`, called by
+        the owner's loop).
         `early`: a direct write queued on the current stream by the prefill step that computes
         the KV, before the host waits for its first token (so done when that is), its KVDone
-        after the first token."""
+        after the first token.
+        `upto`: a part of the KV of a prefill still under way (a chunk of a long prompt): the
+        prompt blocks before block `upto` not sent yet, without KVDone; a direct one is copied on
+        the side stream, behind the step that computed it. The job's `kv_sent` (blocks) and
+        `kv_records` count what has gone; `kv_chunk` is the event of its last direct part."""
         kv = self.kv
         num_blocks = self.num_prompt_blocks(job)
         if not 0 <= num_cached_blocks <= num_blocks:
             self._broken(f"decode node {self.addr} claims {num_cached_blocks} cached blocks of "
                          f"request {job.req.req_id}'s {num_blocks}", job)
             return 0
-        blocks = job.req.block_ids[num_cached_blocks:num_blocks]
+        sent = job.kv_sent
+        blocks = job.req.block_ids[num_cached_blocks + sent:num_blocks if upto is None else upto]
         try:
             if self.tp is not None and blocks:
                 kv, blocks = self.tp.gather_kv(kv, blocks), list(range(len(blocks)))
             if self.peer_cache is not None and dst_block_ids is not None:
-                self.writes.append((job.req.req_id,
-                                    self.peer_cache.write(kv, blocks, dst_block_ids, side=not early)))
-                if not early:
-                    self.finish_writes()
+                dst = dst_block_ids[sent:sent + len(blocks)]
+                if upto is not None:
+                    if blocks:
+                        job.kv_chunk = self.peer_cache.write(kv, blocks, dst, side=True)
+                else:  # KVDone once this copy and its parts' are done
+                    after = job.kv_chunk if early else None  # else on the parts' stream
+                    self.writes.append((job.req.req_id, self.peer_cache.write(
+                        kv, blocks, dst, side=not early, after=after)))
+                    if not early:
+                        self.finish_writes()
             else:
-                num_records = self.transport.send_kv(job.req.req_id, kv, blocks)
-                self.control(m.KVDone(job.req.req_id, num_records))
+                job.kv_records += self.transport.send_kv(job.req.req_id, kv, blocks, first_block=sent)
+                if upto is None:
+                    self.control(m.KVDone(job.req.req_id, job.kv_records))
         except (TransportError, ValueError, TypeError) as e:  # TypeError: block ids not ints
             self._broken(f"KV transfer to decode node {self.addr} failed: {e}", job)
             return 0
+        job.kv_sent += len(blocks)
         return block_bytes(kv) * len(blocks)
 
     def finish_writes(self) -> None:

@@ -73,6 +73,9 @@ class Job:
     kv_started: float = 0.0
     kv_bytes: int = 0  # KV bytes sent for it
     accept: m.KVAccept | None = None  # the decode node's, come while it was ANNOUNCED
+    kv_sent: int = 0  # prompt blocks sent (`DecodeLink.send_kv`; parts go during the prefill)
+    kv_records: int = 0
+    kv_chunk: object = None  # copy event of its last direct part
 
 
 class PrefillNode(NodeService):
@@ -97,6 +100,7 @@ class PrefillNode(NodeService):
         self.geometry = engine.geometry(mtp_enabled=engine.spec is not None)
         self.metrics = node_metrics.for_node(self.role, node_id)
         self.kv_sent_bytes = 0
+        self.kv_parts_sent = 0  # KV parts sent while their prefill ran (`send_parts`)
         self.prompt_tokens_computed = 0
 
     # -- intake --------------------------------------------------------------------------------
@@ -146,6 +150,7 @@ class PrefillNode(NodeService):
         if batch is None:
             return
         self.announce(batch)
+        self.send_parts()
         start = time.perf_counter()
         spec = self.engine.spec
         sampled = (spec.run(batch) if spec is not None
@@ -193,6 +198,24 @@ class PrefillNode(NodeService):
                     and job.accept is not None and job.accept.block_ids is not None):
                 accept, job.accept = job.accept, None
                 self.start_kv(job, accept, early=True)
+
+    def send_parts(self) -> None:
+        """Before a step: the KV blocks that earlier chunks of a prefill still under way have
+        filled go to its decode node once it has accepted the request (by CUDA IPC on the side
+        stream, while the step runs; records at once on the other tiers)."""
+        size = self.engine.config.block_size
+        for job in list(self.jobs.values()):
+            accept = job.accept
+            link = job.link
+            if job.state is not JobState.ANNOUNCED or accept is None or link.failed:
+                continue
+            upto = min(job.req.num_computed_tokens // size, link.num_prompt_blocks(job))
+            if upto > accept.num_cached_blocks + job.kv_sent:
+                nbytes = link.send_kv(job, accept.num_cached_blocks, accept.block_ids, upto=upto)
+                self.count_kv_bytes(job, nbytes)
+                if nbytes:
+                    self.kv_parts_sent += 1
+                    self.metrics.kv_parts_sent(link.tier).inc()
 
     def finish_here(self, job: Job) -> None:
         req = job.req
@@ -261,9 +284,13 @@ class PrefillNode(NodeService):
         self.start_kv(job, msg)
 
     def start_kv(self, job: Job, accept: m.KVAccept, early: bool = False) -> None:
+        """The rest of the job's KV (all of it unless parts went during its prefill)."""
         job.kv_started = time.perf_counter()
-        nbytes = job.link.send_kv(job, accept.num_cached_blocks, accept.block_ids, early=early)
-        job.kv_bytes = nbytes
+        self.count_kv_bytes(job, job.link.send_kv(job, accept.num_cached_blocks, accept.block_ids,
+                                                  early=early))
+
+    def count_kv_bytes(self, job: Job, nbytes: int) -> None:
+        job.kv_bytes += nbytes
         self.metrics.kv_sent_bytes(job.link.tier).inc(nbytes)
         self.kv_sent_bytes += nbytes
 
@@ -300,7 +327,11 @@ class PrefillNode(NodeService):
         if job.state in PREFILLING:
             self.scheduler.abort(job.req)
         if job.accept is not None and job.accept.block_ids is not None:
-            job.link.release(job.req.req_id)
+            if job.kv_chunk is not None:  # parts written: KVDone once their copies are done
+                if not job.link.failed:
+                    job.link.writes.append((job.req.req_id, job.kv_chunk))
+            else:
+                job.link.release(job.req.req_id)
         if job.link is not None:
             job.link.withdraw(job)
         self.scheduler.free_blocks(job.req)
@@ -364,6 +395,7 @@ class PrefillNode(NodeService):
             "block_size": self.engine.config.block_size,
             "prompt_tokens_computed": self.prompt_tokens_computed,
             "kv_sent_bytes": self.kv_sent_bytes,
+            "kv_parts_sent": self.kv_parts_sent,
             **self.engine.prefix_stats(),
         }
 

@@ -110,12 +110,12 @@ class PeerCache:
         return cls(base, dict(desc, offset=offset, shape=shape, gpu=gpu), kv.device)
 
     def write(self, kv: torch.Tensor, src_block_ids, dst_block_ids,
-              side: bool = True) -> torch.cuda.Event:
+              side: bool = True, after: torch.cuda.Event | None = None) -> torch.cuda.Event:
         """Queue the copy of kv[:, :, src_block_ids[j]] into the peer's [:, :, dst_block_ids[j]]
         for every j on the side stream (`side` False: on the current stream), after the work
-        queued so far on the current stream (the KV's writes); returns the event that marks it
-        done: the peer may read the blocks once it has completed. Ids are checked against both
-        caches."""
+        queued so far on the current stream (the KV's writes) and `after`; returns the event
+        that marks it done (and what the stream did before): the peer may read the blocks once
+        it has completed. Ids are checked against both caches."""
         src, dst = np.asarray(src_block_ids, dtype=np.int64), np.asarray(dst_block_ids, dtype=np.int64)
         n = src.size
         if dst.size != n:
@@ -128,6 +128,8 @@ class PeerCache:
         if side:
             stream = copy_stream(kv.device)
             stream.wait_stream(torch.cuda.current_stream(kv.device))
+        if after is not None:
+            stream.wait_event(after)
         with torch.cuda.stream(stream):
             if n:
                 ids = ids_on_device(torch.from_numpy(np.concatenate([src, dst])), kv.device)

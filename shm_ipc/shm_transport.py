@@ -79,7 +79,7 @@ class ShmTransport(Transport):
         self._ring_bell(self.ring.publish(word, body, timeout=self.timeout))
 
     def _send_kv_chunks(self, req_id: str, dtype: str, kv: torch.Tensor, ids: torch.Tensor,
-                        chunks) -> None:
+                        chunks, first_block: int) -> None:
         """Each chunk gathered straight into its ring record, two in flight on a GPU
         (`gather_pipelined`), each record published (and the bell rung) once its bytes are in."""
         self._check()
@@ -93,7 +93,7 @@ class ShmTransport(Transport):
         def reserve(chunk) -> memoryview:
             l0, l1, b0, b1 = chunk
             view = self.ring.reserve(_KV_WORD, size(chunk), self.timeout)
-            view[:KV_DATA_OFFSET] = records.kv_meta(req_id, l0, l1, b0, b1 - b0, dtype)
+            view[:KV_DATA_OFFSET] = records.kv_meta(req_id, l0, l1, first_block + b0, b1 - b0, dtype)
             return view[KV_DATA_OFFSET:]
 
         gather_pipelined(kv, ids, chunks, reserve, lambda: self._ring_bell(self.ring.commit()),

@@ -74,12 +74,14 @@ class Transport(abc.ABC):
         word, body = records.encode(rec)
         self._send_small(word, body)
 
-    def send_kv(self, req_id: str, kv: torch.Tensor, block_ids) -> int:
-        """Send kv[:, :, block_ids] (all layers, MTP included) as records; returns their number."""
+    def send_kv(self, req_id: str, kv: torch.Tensor, block_ids, first_block: int = 0) -> int:
+        """Send kv[:, :, block_ids] (all layers, MTP included) as records; returns their number.
+        `first_block`: the request's block that block_ids[0] is (a part of its KV sent while its
+        prefill goes on), which the records name."""
         ids = torch.as_tensor(block_ids, dtype=torch.long)
         dtype = dtype_name(kv.dtype)
         chunks = plan_chunks(kv.shape[0], ids.numel(), unit_bytes(kv), self.max_record_bytes)
-        self._send_kv_chunks(req_id, dtype, kv, ids, chunks)
+        self._send_kv_chunks(req_id, dtype, kv, ids, chunks, first_block)
         return len(chunks)
 
 
@@ -88,8 +90,9 @@ class Transport(abc.ABC):
 
     @abc.abstractmethod
     def _send_kv_chunks(self, req_id: str, dtype: str, kv: torch.Tensor, ids: torch.Tensor,
-                        chunks) -> None:
-        """Send kv[l0:l1, :, ids[b0:b1]] of each (l0, l1, b0, b1) chunk as one KV record."""
+                        chunks, first_block: int) -> None:
+        """Send kv[l0:l1, :, ids[b0:b1]] of each (l0, l1, b0, b1) chunk as one KV record, which
+        names its blocks first_block + b0 on."""
 
     # ---- control ------------------------------------------------------------------------------
     @abc.abstractmethod

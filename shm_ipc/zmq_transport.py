@@ -60,7 +60,7 @@ class ZmqTransport(Transport):
         self._send([header.to_bytes(word), body])
 
     def _send_kv_chunks(self, req_id: str, dtype: str, kv: torch.Tensor, ids: torch.Tensor,
-                        chunks) -> None:
+                        chunks, first_block: int) -> None:
         if self.frames is None:
             self.frames = FrameBuffers(pin=kv.is_cuda)
         pending: deque = deque()  # (meta, buffer, bytes) reserved, not yet sent
@@ -69,7 +69,7 @@ class ZmqTransport(Transport):
             l0, l1, b0, b1 = chunk
             nbytes = (l1 - l0) * (b1 - b0) * unit_bytes(kv)
             buf = self.frames.take(nbytes)
-            pending.append((records.kv_meta(req_id, l0, l1, b0, b1 - b0, dtype), buf, nbytes))
+            pending.append((records.kv_meta(req_id, l0, l1, first_block + b0, b1 - b0, dtype), buf, nbytes))
             return memoryview(buf.numpy())[:nbytes]
 
         def publish() -> None:

@@ -32,6 +32,7 @@ import random
 import sys
 import tempfile
 import time
+import urllib.request
 
 import numpy as np
 
@@ -124,6 +125,14 @@ def exposed(decode) -> tuple[float, float]:
     return got.get("pd_kv_exposed_seconds_sum", 0.0), got.get("pd_kv_exposed_seconds_count", 0.0)
 
 
+def parts_sent(prefill) -> float:
+    """The prefill node's KV parts sent while their prompts' prefill still ran."""
+    url = f"http://127.0.0.1:{prefill.info['metrics_port']}/metrics"
+    text = urllib.request.urlopen(url, timeout=10).read().decode()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("pd_kv_parts_sent_total{"))
+
+
 def row(name: str, alone: np.ndarray, mixed: np.ndarray, sent: int) -> str:
     p = lambda a, q: float(np.percentile(a, q))  # noqa: E731
     return (f"{name:>10} | {p(alone, 50):7.2f} {p(alone, 99):7.2f} {alone.max():7.2f} | "
@@ -179,19 +188,20 @@ def main() -> None:
                                        "--kv-port", "0", "--metrics-port", "0"], timeout=600,
                             die_with_parent=True)
         prefill = start_node("prefill", [*common, "--device", args.prefill_device, "--port", "0",
-                                         "--transport", transport], timeout=600, die_with_parent=True)
+                                         "--metrics-port", "0", "--transport", transport],
+                             timeout=600, die_with_parent=True)
         decode.addr, decode.kv_addr = f"tcp://127.0.0.1:{decode.info['port']}", decode.info["kv_addr"]
         prefill.addr = f"tcp://127.0.0.1:{prefill.info['port']}"
         client = NodeClient()
         try:
             run_pd(client, prefill, decode, Load(args, vocab, mixed=True, seed=99))  # warm-up
             alone, _, _ = run_pd(client, prefill, decode, Load(args, vocab, mixed=False, seed=1))
-            before = exposed(decode)
+            before, parts = exposed(decode), parts_sent(prefill)
             mixed, sent, joins[transport] = run_pd(client, prefill, decode,
                                                    Load(args, vocab, mixed=True, seed=2))
             after = exposed(decode)
             ready[transport] = ((after[0] - before[0]) / max(after[1] - before[1], 1),
-                                after[1] - before[1])
+                                after[1] - before[1], parts_sent(prefill) - parts)
             results[f"PD {transport}"] = (alone, mixed, sent)
         finally:
             client.close()
@@ -217,7 +227,8 @@ def main() -> None:
             print(f"PD {transport}: an arriving prompt's first -> second token (its KV's way in "
                   f"+ one step), ms: p50 {np.percentile(ms, 50):.2f}, max {ms.max():.2f}; the "
                   f"decode node's KV in -> first decoded token (pd_kv_exposed_seconds), mean "
-                  f"{ready[transport][0] * 1e3:.2f} ms over {ready[transport][1]:.0f} requests")
+                  f"{ready[transport][0] * 1e3:.2f} ms over {ready[transport][1]:.0f} requests; "
+                  f"{ready[transport][2]:.0f} KV parts sent during prefills")
 
 
 if __name__ == "__main__":

@@ -29,6 +29,8 @@ _STEP = Histogram("pd_step_duration_seconds", "Wall time of one engine step", LA
                   buckets=TIME_BUCKETS)
 # NOTE: tier: how the KV crossed, "shm" (the shared-memory ring, one host) or "zmq" (frames)
 _KV_SENT = Counter("pd_kv_sent_bytes", "KV bytes sent to decode nodes", LABELS + ("tier",))
+_KV_PARTS = Counter("pd_kv_parts_sent", "Parts of a request's KV sent while its prefill still ran "
+                   "(the blocks its earlier chunks filled)", LABELS + ("tier",))
 _KV_RECV = Counter("pd_kv_received_bytes", "KV bytes received from prefill nodes", LABELS + ("tier",))
 _KV_XFER = Histogram("pd_kv_transfer_seconds",
                      "One request's KV transfer: prefill node, from the start of its send to the "
@@ -124,6 +126,7 @@ def for_node(role: str, node_id: str) -> SimpleNamespace:
         kv_usage=_KV_USAGE.labels(**lab), prompt_tokens=_TOKENS.labels(**lab),
         generation_tokens=_GEN_TOKENS.labels(**lab), step_seconds=_STEP.labels(**lab),
         kv_sent_bytes=lambda tier: _KV_SENT.labels(**lab, tier=tier),
+        kv_parts_sent=lambda tier: _KV_PARTS.labels(**lab, tier=tier),
         kv_received_bytes=lambda tier: _KV_RECV.labels(**lab, tier=tier),
         kv_transfer_seconds=lambda tier: _KV_XFER.labels(**lab, tier=tier),
         kv_transfer_bytes=lambda tier: _KV_XFER_BYTES.labels(**lab, tier=tier),

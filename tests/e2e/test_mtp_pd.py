@@ -15,7 +15,7 @@ import pytest
 from pd.engine.llm import LLM
 from pd.engine.runner import SPEC_LAYOUT_ENV
 from pd.wire.sampling_params import SamplingParams
-from tests.e2e.conftest import DEVICE_KWARGS
+from tests.e2e.conftest import DEVICE_KWARGS, wait_idle
 
 
 def prompts(n: int, seed: int) -> list[list[int]]:
@@ -45,12 +45,15 @@ def assert_equal(results, expected, params) -> None:
                 assert [t for t, _ in got] == [t for t, _ in want]
 
 
-@pytest.mark.parametrize("k,overlap", [(1, True), (2, False), (4, True)])
-def test_pd_with_mtp_equals_single_process(cluster, client, reference, k, overlap):
+@pytest.mark.parametrize("k,overlap,budget", [(1, True, None), (2, False, 8), (4, True, None)])
+def test_pd_with_mtp_equals_single_process(cluster, client, reference, k, overlap, budget):
+    """`budget` 8: the longer prompts are prefilled in chunks, their blocks (the MTP layer's
+    too) sent as the chunks fill them."""
     spec = ("--num-speculative-tokens", str(k))
+    chunks = ("--max-num-batched-tokens", str(budget)) if budget else ()
     decode, prefill = cluster.ready(
         cluster.decode(*spec, "--metrics-port", "0", *(() if overlap else ("--no-overlap",)), wait=False),
-        cluster.prefill(*spec, "--transport", "zmq", wait=False))
+        cluster.prefill(*spec, "--transport", "zmq", *chunks, wait=False))
     batch = prompts(16, seed=k)
     free = reference.generate(batch, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))
     params = [SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, logprobs=[None, 0, 3][i % 3],
@@ -63,6 +66,8 @@ def test_pd_with_mtp_equals_single_process(cluster, client, reference, k, overla
     draft_tokens = metric(text, "pd_spec_decode_num_draft_tokens_total")
     assert draft_tokens > 0 and 0 <= metric(text, "pd_spec_decode_num_accepted_tokens_total") <= draft_tokens
     assert metric(text, "pd_messages_refused_total") == 0
+    if budget:
+        assert wait_idle(client, prefill)["kv_parts_sent"] > 0
 
 
 def test_chained_mtp_steps_through_pd_equal_single_process(cluster, client, reference):

@@ -28,13 +28,17 @@ def reference(tiny_model_dir):
     return LLM(tiny_model_dir, num_blocks=512, **DEVICE_KWARGS)
 
 
-@pytest.mark.parametrize("transport", ["ipc", "shm", "zmq"])
-def test_pd_equals_single_process(cluster, client, reference, transport):
+@pytest.mark.parametrize("transport, budget", [("ipc", None), ("shm", None), ("zmq", None),
+                                               ("ipc", 32), ("shm", 32), ("zmq", 32)])
+def test_pd_equals_single_process(cluster, client, reference, transport, budget):
+    """`budget`: the prefill node's tokens per step; 32 prefills the longer prompts in chunks,
+    whose blocks go to the decode node while the rest of the prompt is prefilled."""
     if transport == "ipc" and DEVICE == "cpu":
         pytest.skip("CUDA IPC needs both nodes on a GPU (PD_TEST_DEVICE=cuda)")
+    chunks = ("--max-num-batched-tokens", str(budget)) if budget else ()
     decode, prefill = cluster.ready(
         cluster.decode(wait=False),
-        cluster.prefill("--transport", transport, wait=False))
+        cluster.prefill("--transport", transport, *chunks, wait=False))
     prompts = mixed_prompts(32)
     params = [SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=k)
               for k in (0, 1, 5, None) * 8]
@@ -56,6 +60,8 @@ def test_pd_equals_single_process(cluster, client, reference, transport):
     for node in (prefill, decode):
         stats = wait_idle(client, node)
         assert stats["free_blocks"] == stats["total_blocks"]
+    if budget:
+        assert wait_idle(client, prefill)["kv_parts_sent"] > 0
     # the KV went where asked: "shm" on a GPU is the ring, not CUDA IPC
     assert f"KV over {transport}" in Path(prefill.log_path).read_text()
 

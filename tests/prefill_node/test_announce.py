@@ -2,7 +2,8 @@
 prefill node and engine on the tiny model, a ZMQ ROUTER socket playing the decode node (frames
 transport). The decode node's KVAccept, answered while a chunked prefill runs, lets the KV go
 with the first token, with no round trip after the prefill; a request ended at the prefill node
-after its announcement is aborted at the decode node and its named blocks released."""
+after its announcement is aborted at the decode node and its named blocks released. A longer
+prompt's KV goes in parts as its chunks fill blocks."""
 
 from __future__ import annotations
 
@@ -15,13 +16,13 @@ from pd.engine.llm import LLM
 from pd.wire import messages as m
 from pd.wire.sampling_params import SamplingParams
 from prefill_node.node import JobState, PrefillNode
-from shm_ipc import control
+from shm_ipc import control, header, records
 
 
-def prompt(req_id: str) -> list[int]:
+def prompt(req_id: str, length: int = 40) -> list[int]:
     """40 tokens (3 blocks of 16, prefilled in two chunks of 32 at most), the request's own (no
     prefix cached from another)."""
-    return [3 + len(req_id)] + list(range(4, 43))
+    return [3 + len(req_id)] + list(range(4, 3 + length))
 
 
 @pytest.fixture
@@ -59,9 +60,25 @@ def poll(node) -> None:
         node.handlers[sock]()
 
 
-def admit(node, req_id: str, addr: str, reply: str, max_tokens: int = 4) -> None:
+def admit(node, req_id: str, addr: str, reply: str, max_tokens: int = 4, length: int = 40) -> None:
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0).to_dict()
-    node.admit(m.PrefillRequest(req_id, prompt(req_id), params, addr, reply))
+    node.admit(m.PrefillRequest(req_id, prompt(req_id, length), params, addr, reply))
+
+
+def arrivals(sock, wait_ms: int = 300) -> list:
+    """What arrives within `wait_ms`, in order: control messages, and KV records as
+    (first block, blocks, layers)."""
+    out = []
+    while sock.poll(wait_ms):
+        frames = sock.recv_multipart()
+        if len(frames) == 4 and len(frames[1]) == 4:
+            rec = records.decode(header.from_bytes(frames[1]), frames[2], frames[3])
+            out.append((rec.block_start, rec.num_blocks, (rec.layer_start, rec.layer_end)))
+        elif len(frames) in (2, 3) and len(frames[1]) > 4:
+            msg = control.decode(frames[1])
+            if msg["type"] not in control.INTERNAL:
+                out.append(msg)
+    return out
 
 
 def pair_up(node, decode, addr, reply) -> bytes:
@@ -138,7 +155,7 @@ class StreamPeerCache:
     def __init__(self, node) -> None:
         self.node, self.writes = node, []
 
-    def write(self, kv, src, dst, side: bool = True):
+    def write(self, kv, src, dst, side: bool = True, after=None):
         # whether the step's tokens were already waited for (`ModelRunner.run` unpacks them)
         self.writes.append((list(src), list(dst), side, self.node.jobs["r"].state))
         return DoneCopy()
@@ -157,10 +174,97 @@ def test_a_direct_accept_during_the_prefill_is_written_by_the_last_step(pair):
     assert controls(decode)[0][1]["direct"] is True
     decode.send_multipart([peer, control.encode(m.to_dict(m.KVAccept("r", 0, [5, 6, 7])))])
     poll(node)
-    node.step()  # queues the copy behind its forward, then the first token, then KVDone
-    (src, dst, side, state), = cache.writes
-    assert dst == [5, 6, 7] and src == node.jobs["r"].req.block_ids[:3]
-    assert side is False and state is JobState.ANNOUNCED  # inside the step, on its stream
+    node.step()  # the first chunk's blocks beside it; the last one behind its forward, on its
+    # stream; then the first token, then KVDone
+    part, last = cache.writes
+    src = node.jobs["r"].req.block_ids
+    assert part == (src[:2], [5, 6], True, JobState.ANNOUNCED)
+    assert last == (src[2:3], [7], False, JobState.ANNOUNCED)  # inside the step
     (_, done), = controls(decode)
     assert done == m.to_dict(m.KVDone("r", 0)) and node.jobs["r"].state is JobState.KV_SENT
+    link.peer_cache = None
+
+
+def test_a_long_prompt_sends_its_kv_in_parts_as_its_chunks_fill_blocks(pair):
+    node, decode, addr, reply = pair
+    peer = pair_up(node, decode, addr, reply)
+    admit(node, "r", addr, reply, length=72)  # 5 blocks, prefilled in chunks of 32, 32 and 8
+    node.step()
+    assert controls(decode)[0][1]["type"] == m.RequestMeta.TYPE
+    decode.send_multipart([peer, control.encode(m.to_dict(m.KVAccept("r", 1)))])  # 1 cached there
+    poll(node)
+    node.step()  # before it runs, what the first chunk filled: block 1, named 0 in the records
+    first = arrivals(decode)
+    assert first and {(b0, nb) for b0, nb, _ in first} == {(0, 1)}
+    job = node.jobs["r"]
+    assert (job.kv_sent, job.kv_records, job.state) == (1, len(first), JobState.ANNOUNCED)
+    node.step()  # blocks 2 and 3 before it; then the first token, block 4, and KVDone
+    rest = arrivals(decode)
+    parts = {(b0, nb) for b0, nb, _ in rest[:-1]}
+    assert parts == {(1, 2), (3, 1)}
+    assert rest[-1] == m.to_dict(m.KVDone("r", len(first) + len(rest) - 1))
+    assert job.state is JobState.KV_SENT and job.kv_sent == 4
+    assert job.kv_bytes == 4 * records_bytes(node) and node.kv_parts_sent == 2
+
+
+def records_bytes(node) -> int:
+    """One block's KV bytes, every layer."""
+    kv = node.engine.runner.kv_cache.kv
+    return kv[:, :, :1].numel() * kv.element_size()
+
+
+class PartsPeerCache(StreamPeerCache):
+    """Records each copy: its blocks, its stream, and which earlier copy it waits for beyond
+    its stream (by number)."""
+
+    def __init__(self, node) -> None:
+        super().__init__(node)
+        self.names: dict = {}
+
+    def write(self, kv, src, dst, side: bool = True, after=None):
+        done = DoneCopy()
+        self.writes.append((list(src), list(dst), side, after and self.names[after]))
+        self.names[done] = len(self.names)
+        return done
+
+
+def test_a_direct_long_prompt_is_written_in_parts(pair):
+    node, decode, addr, reply = pair
+    peer = pair_up(node, decode, addr, reply)
+    link = node.links[addr]
+    link.peer_cache = cache = PartsPeerCache(node)
+    admit(node, "r", addr, reply, length=72)
+    node.step()
+    controls(decode)
+    decode.send_multipart([peer, control.encode(m.to_dict(m.KVAccept("r", 0, [9, 8, 7, 6, 5])))])
+    poll(node)
+    node.step()  # blocks 0 and 1 on the side stream, beside the step
+    src = node.jobs["r"].req.block_ids
+    assert cache.writes == [(src[:2], [9, 8], True, None)]
+    assert not controls(decode)  # no KVDone for a part
+    node.step()  # blocks 2 and 3 beside it; the last one on its own stream, after them; KVDone
+    assert cache.writes[1:] == [(src[2:4], [7, 6], True, None), (src[4:5], [5], False, 1)]
+    (_, done), = controls(decode)
+    assert done == m.to_dict(m.KVDone("r", 0))
+    link.peer_cache = None
+
+
+def test_a_request_aborted_after_a_direct_part_is_answered_once_its_copy_is_done(pair):
+    node, decode, addr, reply = pair
+    peer = pair_up(node, decode, addr, reply)
+    link = node.links[addr]
+    link.peer_cache = cache = PartsPeerCache(node)
+    admit(node, "r", addr, reply, length=72)
+    node.step()
+    controls(decode)
+    decode.send_multipart([peer, control.encode(m.to_dict(m.KVAccept("r", 0, [9, 8, 7, 6, 5])))])
+    poll(node)
+    node.step()
+    assert len(cache.writes) == 1
+    node.abort("r", "client gone")
+    # the decode node keeps the blocks until told the copy into them is done: KVDone, not
+    # KVReleased (which says nothing was written)
+    node.step()
+    (_, done), = controls(decode)
+    assert done == m.to_dict(m.KVDone("r", 0)) and not link.writes
     link.peer_cache = None

@@ -229,7 +229,7 @@ class FakePeerCache:
         self.writes: list = []
         self.closed = False
 
-    def write(self, kv, src, dst, side: bool = True) -> FakeCopy:
+    def write(self, kv, src, dst, side: bool = True, after=None) -> FakeCopy:
         copy = FakeCopy()
         self.writes.append((list(src), list(dst), copy))
         return copy
