@@ -11,7 +11,7 @@
 #   masked logits). Logs go to $OUT (or ./out) and one table each to stdout.
 #     bash benchmarks/gpu/run_all.sh [1|2|3|4|5|6]  (1: checks, KV, attention, decode; 2: graphs,
 #                                                 profile, overlap, MTP; 3: two GPUs: KV between
-#                                                 them, the mixed load;
+#                                                 them, the mixed load over each tier;
 #                                                 4: the decode node's host work per request
 #                                                 and per call inside the loop,
 #                                                 prefix caching and serving against the
@@ -84,7 +84,8 @@ TAIL=7 step serving_256 python3 benchmarks/bench_serving.py --device cuda --synt
 fi
 if [[ $PART == 3 ]]; then  # needs two GPUs: P on cuda:0, D on cuda:1
 TAIL=12 step kv_two_gpus timeout 300 python3 benchmarks/gpu/bench_kv.py --devices cuda:0,cuda:1
-TAIL=10 step mixed python3 benchmarks/gpu/bench_mixed.py --stream-tokens 4096 --warmup 0.25
+TAIL=12 step mixed python3 benchmarks/gpu/bench_mixed.py --stream-tokens 4096 --warmup 0.25 \
+    --transports ipc shm zmq
 fi
 if [[ $PART == 5 ]]; then  # needs two GPUs: tensor parallelism (ranks on cuda:0 and cuda:1)
 TAIL=4 step tp_pd env PD_TEST_DEVICE=cuda timeout 150 python3 -m pytest -q -p no:cacheprovider \

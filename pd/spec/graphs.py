@@ -62,8 +62,8 @@ def lp0_columns(columns: torch.Tensor) -> tuple[list[list[float]], list[list[int
     """The host copy of `StepGraphs.draft(lp0=True)`'s last k + 1 columns -> per slot, its
     k + 1 rows' token logprobs, and per slot their ranks: two conversions for the whole step,
     no copy (`SpecDecoder.results` slices each slot's)."""
-    k1, a = columns.shape[1], columns.numpy()  # NOTE: numpy's views cost a tenth of torch's
-    return a.view(np.float32)[:, :k1].tolist(), a.view(np.int32)[:, k1:].tolist()
+    a = columns.numpy()  # NOTE: numpy's views cost a tenth of torch's
+    return a.view(np.float32)[:, 0::2].tolist(), a.view(np.int32)[:, 1::2].tolist()
 
 
 def _round_up(n: int, sizes) -> int:
@@ -181,8 +181,8 @@ class StepGraphs:
     def draft(self, lp0: bool = False) -> torch.Tensor | None:
         """The draft chain into `result`. With `lp0` (a step whose rows ask top_logprobs 0) it
         also returns the result followed by each verified row's token logprob and rank
-        (k + 1 float32 logprobs then k + 1 int32 ranks, as k + 1 int64 columns) [S, 3k + 5], for
-        one host copy (`lp0_columns`): a graph of its own, captured on first use, where the logits are small
+        (`token_logprob`'s int32 pairs: float32 bits, rank; as k + 1 int64 columns) [S, 3k + 5],
+        for one host copy (`lp0_columns`): a graph of its own, captured on first use, where the logits are small
         enough to keep (`LOGPROB_GRAPH_ELEMENTS`)."""
         if lp0 and self.graphs is not None and self.verified.logits.numel() <= LOGPROB_GRAPH_ELEMENTS:
             if self.lp0_graph is None:
@@ -205,9 +205,8 @@ class StepGraphs:
     def _with_lp0(self, result: torch.Tensor, verified: Verified | None = None) -> torch.Tensor:
         k1 = self.owner.k + 1
         logits = (verified or self.verified).logits
-        lp = token_logprob(logits, result[:, :k1].clamp(min=0).reshape(-1)).view(-1, k1, 2)
-        packed = torch.cat([lp[:, :, 0].view(torch.int32), lp[:, :, 1].to(torch.int32)], dim=1)
-        return torch.cat([result, packed.view(torch.int64)], dim=1)
+        lp = token_logprob(logits, result[:, :k1].clamp(min=0).reshape(-1), int_ranks=True)
+        return torch.cat([result, lp.view(torch.int64).view(result.shape[0], k1)], dim=1)
 
     def logprobs(self, num_top: int) -> torch.Tensor:
         """Raw logprobs of each row's accepted token with `num_top` top columns, from the

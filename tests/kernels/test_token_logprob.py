@@ -31,6 +31,10 @@ def rows(num_rows: int, vocab: int, seed: int) -> tuple[torch.Tensor, torch.Tens
 def test_twin_equals_the_packed_logprobs_and_refuses_bad_shapes():
     x, ids = rows(9, 700, 0)
     assert torch.equal(token_logprob(x, ids), pack_logprobs(compute_logprobs(x, ids, 0)))
+    as_ints = token_logprob(x, ids, int_ranks=True)  # the same pairs: float32 bits, int32 rank
+    assert as_ints.dtype == torch.int32
+    assert torch.equal(as_ints[:, 0].view(torch.float32), token_logprob(x, ids)[:, 0])
+    assert torch.equal(as_ints[:, 1].float(), token_logprob(x, ids)[:, 1])
     with pytest.raises(ValueError, match="one id per row"):
         token_logprob(x[0], ids)
     with pytest.raises(ValueError, match="one id per row"):
@@ -46,6 +50,8 @@ def test_kernel_equals_twin(dtype, num_rows, vocab):
     got, want = token_logprob(x, ids, use_kernel=True), token_logprob(x, ids, use_kernel=False)
     assert torch.allclose(got[:, 0], want[:, 0], atol=2e-5, rtol=0), (got[:, 0] - want[:, 0]).abs().max()
     assert torch.equal(got[:, 1], want[:, 1]), (got[:, 1], want[:, 1])
+    as_ints = token_logprob(x, ids, use_kernel=True, int_ranks=True)
+    assert torch.equal(as_ints, torch.cat([got[:, :1].view(torch.int32), got[:, 1:].int()], 1))
     sliced = x[:, : max(1, vocab - 3)]  # a row stride wider than the row
     ids = ids.clamp(max=sliced.shape[1] - 1)
     assert torch.equal(token_logprob(sliced, ids, use_kernel=True)[:, 1],

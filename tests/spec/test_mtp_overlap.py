@@ -99,8 +99,17 @@ def assert_equal(reqs, expected):
         if ref.logprobs is not None:
             assert r.output_logprobs == pytest.approx(ref.logprobs, abs=1e-4)
             assert r.output_ranks == ref.ranks
-            assert [[t for t, _ in top] for top in r.output_top_logprobs] == \
-                [[t for t, _ in top] for top in ref.top_logprobs]
+            assert len(r.output_top_logprobs) == len(ref.top_logprobs)
+            for got, want in zip(r.output_top_logprobs, ref.top_logprobs):
+                same_tops(got, want)
+
+
+def same_tops(got, want, tol: float = 1e-4) -> None:
+    """One token's top pairs equal, but for the order of entries whose logprobs tie within
+    `tol` (the GPU's reductions may order near-equal logits either way)."""
+    assert [lp for _, lp in got] == pytest.approx([lp for _, lp in want], abs=tol)
+    for t, lp in got:
+        assert t in {u for u, v in want if abs(v - lp) <= tol}, (got, want)
 
 
 @pytest.mark.parametrize("k, n", [(1, 16), (2, 16), (3, 32), (4, 16)])
