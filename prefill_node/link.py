@@ -70,6 +70,7 @@ class Handoff(Protocol):
     kv_sent: int  # prompt blocks (past those the decode node holds) sent so far (`send_kv`)
     kv_records: int  # KV records sent so far
     kv_chunk: object  # the copy event of its last direct part sent during its prefill, or None
+    kv_ready: object  # CUDA: the event after the last step that computed its KV, or None
 
 
 class LinkOwner(Protocol):
@@ -112,6 +113,7 @@ class DecodeLink:
         self.ipc_required = transport == "ipc"
         self.peer_cache: PeerCache | None = None  # D's cache, once opened by CUDA IPC
         self.writes: deque = deque()  # (request id, copy done event) of direct KV in flight
+        self.deferred: deque = deque()  # replies read during a step, left for after it
         self.transport = make_transport(addr, secrets.token_hex(16),
                                         mode="shm" if transport == "ipc" else transport)
         self.monitor = self.transport.socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
@@ -206,8 +208,9 @@ class DecodeLink:
         after the first token.
         `upto`: a part of the KV of a prefill still under way (a chunk of a long prompt): the
         prompt blocks before block `upto` not sent yet, without KVDone; a direct one is copied on
-        the side stream, behind the step that computed it. The job's `kv_sent` (blocks) and
-        `kv_records` count what has gone; `kv_chunk` is the event of its last direct part."""
+        the side stream once the step that computed them is done (the job's `kv_ready` event,
+        else the current stream's work). The job's `kv_sent` (blocks) and `kv_records` count
+        what has gone; `kv_chunk` is the event of its last direct part."""
         kv = self.kv
         num_blocks = self.num_prompt_blocks(job)
         if not 0 <= num_cached_blocks <= num_blocks:
@@ -223,7 +226,8 @@ class DecodeLink:
                 dst = dst_block_ids[sent:sent + len(blocks)]
                 if upto is not None:
                     if blocks:
-                        job.kv_chunk = self.peer_cache.write(kv, blocks, dst, side=True)
+                        job.kv_chunk = self.peer_cache.write(kv, blocks, dst, side=True,
+                                                             after=job.kv_ready)
                 else:  # KVDone once this copy and its parts' are done
                     after = job.kv_chunk if early else None  # else on the parts' stream
                     self.writes.append((job.req.req_id, self.peer_cache.write(
@@ -289,6 +293,23 @@ class DecodeLink:
 
     # -- replies ---------------------------------------------------------------------------------
     def on_socket(self) -> None:
+        while self.deferred:
+            self._dispatch(self.deferred.popleft())
+        while (msg := self._read()) is not None:
+            self._dispatch(msg)
+
+    def read_accepts(self) -> None:
+        """During a step: the KVAccepts that have come are handled now, the other replies
+        after it (`on_socket`, which the owner calls when `deferred` holds some). A KVAccept is
+        the decode node's first reply about its request, so none deferred is about it."""
+        while (msg := self._read()) is not None:
+            if isinstance(msg, m.KVAccept):
+                self._dispatch(msg)
+            else:
+                self.deferred.append(msg)
+
+    def _read(self):
+        """The next reply, or None when none is waiting (bad ones refused on the way)."""
         while True:
             try:
                 raw = self.transport.recv_control(0)
@@ -296,13 +317,11 @@ class DecodeLink:
                 self.owner.refuse("kv", e)
                 continue
             if raw is None:
-                return
+                return None
             try:
-                msg = m.from_dict(raw)
+                return m.from_dict(raw)
             except m.MessageError as e:
                 self.owner.refuse("kv", e)
-                continue
-            self._dispatch(msg)
 
     def _dispatch(self, msg) -> None:
         owner = self.owner

@@ -28,6 +28,8 @@ import logging
 import time
 from dataclasses import dataclass, field
 
+import torch
+
 from pd.engine.engine import Engine
 from pd.engine.grammar import GrammarError
 from pd.engine.request import Req
@@ -76,6 +78,7 @@ class Job:
     kv_sent: int = 0  # prompt blocks sent (`DecodeLink.send_kv`; parts go during the prefill)
     kv_records: int = 0
     kv_chunk: object = None  # copy event of its last direct part
+    kv_ready: object = None  # CUDA: event after the last step that computed its KV
 
 
 class PrefillNode(NodeService):
@@ -155,6 +158,7 @@ class PrefillNode(NodeService):
         spec = self.engine.spec
         sampled = (spec.run(batch) if spec is not None
                    else self.engine.runner.run(batch, lambda: self.write_early(batch)))
+        self.mark_kv_ready(batch)
         self.metrics.prompt_tokens.inc(batch.num_tokens)
         self.prompt_tokens_computed += batch.num_tokens
         self.metrics.step_seconds.observe(time.perf_counter() - start)
@@ -174,6 +178,9 @@ class PrefillNode(NodeService):
             else:
                 self.scheduler.detach(req)
                 self.hand_off(job)
+        for link in list(self.links.values()):
+            if link.deferred:  # replies read during the step
+                link.on_socket()
         self.may_check_integrity()
 
     def announce(self, batch) -> None:
@@ -191,31 +198,78 @@ class PrefillNode(NodeService):
         """Called inside the step, before the host waits for its tokens: the KV of the requests
         whose prefill it ends, whose decode node named its blocks meanwhile (CUDA IPC), is
         queued behind the step on its stream: written once the first token is known, so
-        KVDone follows FIRST_TOKEN at once."""
+        KVDone follows FIRST_TOKEN at once. While the step runs, KVAccepts that come for the
+        batch's other direct requests are taken as they come (`await_accepts`)."""
+        waiting = []
         for i, req in enumerate(batch.reqs):
             job = self.jobs.get(req.req_id)
-            if (batch.samples(i) and job is not None and job.state is JobState.ANNOUNCED
-                    and job.accept is not None and job.accept.block_ids is not None):
-                accept, job.accept = job.accept, None
-                self.start_kv(job, accept, early=True)
+            if (job is None or job.state is not JobState.ANNOUNCED
+                    or job.link.peer_cache is None):
+                continue
+            if job.accept is None:
+                waiting.append((job, batch.samples(i)))
+            elif batch.samples(i):
+                self.write_last(job)
+        if waiting and self.engine.runner.device.type == "cuda":
+            self.await_accepts(waiting)
+
+    def write_last(self, job: Job) -> None:
+        accept, job.accept = job.accept, None
+        self.start_kv(job, accept, early=True)
+
+    def await_accepts(self, waiting: list[tuple[Job, bool]]) -> None:
+        """Until the step's work queued so far is done: read the direct links' replies for the
+        KVAccepts of `waiting` (job, whether the step ends its prefill), and write what each
+        accepted one can have now (its last KV behind the step, or the part earlier steps
+        filled beside it); other replies wait for the step's end."""
+        done = torch.cuda.Event()
+        done.record()
+        links = {job.link for job, _ in waiting}
+        while waiting and not done.query():
+            for link in links:
+                if not link.failed:
+                    link.read_accepts()
+            for job, last in [w for w in waiting if w[0].accept is not None]:
+                waiting.remove((job, last))
+                if job.state is not JobState.ANNOUNCED:
+                    continue
+                if last:
+                    self.write_last(job)
+                else:
+                    self.send_part(job)
+
+    def mark_kv_ready(self, batch) -> None:
+        """After a step is queued (on CUDA): the event its requests' KV is complete at, for the
+        parts `send_part` copies beside the later steps."""
+        if self.engine.runner.device.type != "cuda":
+            return
+        ready = torch.cuda.Event()
+        ready.record()
+        for req in batch.reqs:
+            job = self.jobs.get(req.req_id)
+            if job is not None:
+                job.kv_ready = ready
 
     def send_parts(self) -> None:
-        """Before a step: the KV blocks that earlier chunks of a prefill still under way have
-        filled go to its decode node once it has accepted the request (by CUDA IPC on the side
-        stream, while the step runs; records at once on the other tiers)."""
-        size = self.engine.config.block_size
+        """Before a step: `send_part` for every request whose prefill goes on."""
         for job in list(self.jobs.values()):
-            accept = job.accept
-            link = job.link
-            if job.state is not JobState.ANNOUNCED or accept is None or link.failed:
-                continue
-            upto = min(job.req.num_computed_tokens // size, link.num_prompt_blocks(job))
-            if upto > accept.num_cached_blocks + job.kv_sent:
-                nbytes = link.send_kv(job, accept.num_cached_blocks, accept.block_ids, upto=upto)
-                self.count_kv_bytes(job, nbytes)
-                if nbytes:
-                    self.kv_parts_sent += 1
-                    self.metrics.kv_parts_sent(link.tier).inc()
+            self.send_part(job)
+
+    def send_part(self, job: Job) -> None:
+        """The KV blocks that finished steps of a prefill still under way have filled go to its
+        decode node once it has accepted the request (by CUDA IPC on the side stream, beside
+        the steps that follow; records at once on the other tiers)."""
+        accept, link = job.accept, job.link
+        if job.state is not JobState.ANNOUNCED or accept is None or link.failed:
+            return
+        upto = min(job.req.num_computed_tokens // self.engine.config.block_size,
+                   link.num_prompt_blocks(job))
+        if upto > accept.num_cached_blocks + job.kv_sent:
+            nbytes = link.send_kv(job, accept.num_cached_blocks, accept.block_ids, upto=upto)
+            self.count_kv_bytes(job, nbytes)
+            if nbytes:
+                self.kv_parts_sent += 1
+                self.metrics.kv_parts_sent(link.tier).inc()
 
     def finish_here(self, job: Job) -> None:
         req = job.req

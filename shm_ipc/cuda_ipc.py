@@ -112,10 +112,11 @@ class PeerCache:
     def write(self, kv: torch.Tensor, src_block_ids, dst_block_ids,
               side: bool = True, after: torch.cuda.Event | None = None) -> torch.cuda.Event:
         """Queue the copy of kv[:, :, src_block_ids[j]] into the peer's [:, :, dst_block_ids[j]]
-        for every j on the side stream (`side` False: on the current stream), after the work
-        queued so far on the current stream (the KV's writes) and `after`; returns the event
-        that marks it done (and what the stream did before): the peer may read the blocks once
-        it has completed. Ids are checked against both caches."""
+        for every j, after the KV's writes: on the side stream after `after` (the event that
+        marks them) or, without it, after the work queued so far on the current stream; with
+        `side` False on the current stream, after `after` too when given. Returns the event that
+        marks it done (and what its stream did before): the peer may read the blocks once it has
+        completed. Ids are checked against both caches."""
         src, dst = np.asarray(src_block_ids, dtype=np.int64), np.asarray(dst_block_ids, dtype=np.int64)
         n = src.size
         if dst.size != n:
@@ -127,7 +128,8 @@ class PeerCache:
         stream = torch.cuda.current_stream(kv.device)
         if side:
             stream = copy_stream(kv.device)
-            stream.wait_stream(torch.cuda.current_stream(kv.device))
+            if after is None:
+                stream.wait_stream(torch.cuda.current_stream(kv.device))
         if after is not None:
             stream.wait_event(after)
         with torch.cuda.stream(stream):

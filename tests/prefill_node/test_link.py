@@ -301,3 +301,24 @@ def test_an_early_write_is_done_only_after_the_first_token(decode_side):
     link.finish_writes()
     assert recv_control(sock)[1] == m.to_dict(m.KVDone("a", 0))
     link.close()
+
+
+def test_during_a_step_accepts_are_taken_and_other_replies_wait(decode_side):
+    """`read_accepts` (the prefill node's wait for a step): KVAccepts are handled as they come,
+    the other replies kept, in order, for `on_socket` after the step."""
+    sock, addr = decode_side
+    owner = Owner()
+    link = link_to(owner, addr)
+    peer, _ = recv_control(sock)
+    sock.send_multipart([peer, control.encode(m.to_dict(m.HelloOk("decode-test")))])
+    pump(owner, lambda: link.state is LinkState.READY)
+    for msg in (m.KVAck("a"), m.KVAccept("b"), m.KVRefuse("c", "full"), m.KVAccept("d")):
+        sock.send_multipart([peer, control.encode(m.to_dict(msg))])
+    deadline = time.monotonic() + 5
+    while len(link.deferred) < 2 and time.monotonic() < deadline:
+        link.read_accepts()
+    assert owner.events == [("kv_accept", "b"), ("kv_accept", "d")]
+    assert [type(x) for x in link.deferred] == [m.KVAck, m.KVRefuse]
+    link.on_socket()
+    assert owner.events[2:] == [("kv_ack", "a"), ("kv_refuse", "c", "full")] and not link.deferred
+    link.close()
