@@ -1,15 +1,17 @@
 """`token_logprob`: each row's raw logprob of one chosen token and its rank, packed [R, 2]
 float32 (logprob, rank) as `pd.spec.graphs.pack_logprobs` packs a request with
-top_logprobs 0, as one Triton kernel with a torch twin. With `int_ranks` the pair is int32
+top_logprobs 0, as two Triton kernels with a torch twin. With `int_ranks` the pair is int32
 (the logprob's float32 bits, the rank), for a host that reads ranks as integers.
 
 The rank is 1 + the number of columns whose logprob is strictly greater (`pd.engine.logprobs`).
-The twin builds log_softmax of the whole [R, V] in float32 and compares it; the kernel gives
-each row one program that walks the row twice, in chunks of up to `CHUNK` columns: the max and
-the sum of exponentials (online), then the count of columns above the token, each logprob
-formed as log_softmax forms it ((x - max) - log(sum)). Nothing [R, V] is written. On the
-current stream, capturable in a CUDA graph. `triton` is imported on first use; CPU machines
-run the twin.
+The twin builds log_softmax of the whole [R, V] in float32 and compares it; the kernels cut
+each row into segments (`split`: a few rows, as an MTP step's at batch 1, get many, so the
+device is not left to a handful of programs walking 128k columns each) and walk each segment
+twice, in chunks of up to `CHUNK` columns: first its max and sum of exponentials (online), then,
+with the row's max and sum from every segment's, the count of its columns above the token,
+added atomically to the rank; each logprob formed as log_softmax forms it ((x - max) -
+log(sum)). Nothing [R, V] is written. On the current stream, capturable in a CUDA graph.
+`triton` is imported on first use; CPU machines run the twin.
 """
 
 from __future__ import annotations
@@ -21,43 +23,87 @@ import torch
 from kernels.triton_support import triton_usable
 
 CHUNK = 4096  # columns per pass of one program
+TARGET_PROGRAMS = 256  # programs per kernel the rows are cut for (a few per SM)
+MAX_PARTS = 64  # segments of one row at most
+MIN_SEGMENT = 1024  # columns of a segment at least
 
 
 @functools.cache
-def _kernel():
+def _kernels():
     import triton  # noqa: PLC0415 (deferred: CPU machines have no triton)
     import triton.language as tl
 
     @triton.jit
-    def token_logprob_kernel(x_ptr, ids_ptr, out_ptr, stride_x, n_cols, BLOCK: tl.constexpr,
-                             INT_RANKS: tl.constexpr):
-        row = tl.program_id(0).to(tl.int64)
+    def partials_kernel(x_ptr, part_ptr, out_ptr, stride_x, n_cols, seg, n_parts,
+                        BLOCK: tl.constexpr, INT_RANKS: tl.constexpr):
+        """Program (row, p): the max and the sum of exponentials (online) of its segment of
+        the row; part p = 0 also starts the row's rank at 1."""
+        row, p = tl.program_id(0).to(tl.int64), tl.program_id(1)
         base = x_ptr + row * stride_x
         offs = tl.arange(0, BLOCK)
         m = tl.full((), float("-inf"), tl.float32)
         s = tl.zeros((), tl.float32)
-        for start in range(0, n_cols, BLOCK):
+        end = tl.minimum(p * seg + seg, n_cols)
+        for start in range(p * seg, end, BLOCK):
             cols = start + offs
-            x = tl.load(base + cols, mask=cols < n_cols, other=float("-inf")).to(tl.float32)
+            x = tl.load(base + cols, mask=cols < end, other=float("-inf")).to(tl.float32)
             m_new = tl.maximum(m, tl.max(x, 0))
             s = s * tl.exp(m - m_new) + tl.sum(tl.exp(x - m_new), 0)
             m = m_new
-        log_s = tl.log(s)
+        tl.store(part_ptr + (row * n_parts + p) * 2, m)
+        tl.store(part_ptr + (row * n_parts + p) * 2 + 1, s)
+        if p == 0:
+            if INT_RANKS:
+                tl.store(out_ptr + row * 2 + 1, 1)
+            else:
+                tl.store(out_ptr + row * 2 + 1, 1.0)
+
+    @triton.jit
+    def ranks_kernel(x_ptr, ids_ptr, part_ptr, out_ptr, stride_x, n_cols, seg, n_parts,
+                     BLOCK: tl.constexpr, PARTS: tl.constexpr, INT_RANKS: tl.constexpr):
+        """Program (row, p): the row's max and log-sum from the parts, the token's logprob
+        (stored by p = 0), and the columns of its segment above it, added to the rank."""
+        row, p = tl.program_id(0).to(tl.int64), tl.program_id(1)
+        base = x_ptr + row * stride_x
+        k = tl.arange(0, PARTS)
+        pm = tl.load(part_ptr + (row * n_parts + k) * 2, mask=k < n_parts, other=float("-inf"))
+        ps = tl.load(part_ptr + (row * n_parts + k) * 2 + 1, mask=k < n_parts, other=0.0)
+        m = tl.max(pm, 0)
+        log_s = tl.log(tl.sum(ps * tl.exp(pm - m), 0))
         tok = tl.load(ids_ptr + row)
         lp_tok = (tl.load(base + tok).to(tl.float32) - m) - log_s
+        offs = tl.arange(0, BLOCK)
         above = tl.zeros((), tl.int32)
-        for start in range(0, n_cols, BLOCK):
+        end = tl.minimum(p * seg + seg, n_cols)
+        for start in range(p * seg, end, BLOCK):
             cols = start + offs
-            x = tl.load(base + cols, mask=cols < n_cols, other=float("-inf")).to(tl.float32)
+            x = tl.load(base + cols, mask=cols < end, other=float("-inf")).to(tl.float32)
             above += tl.sum(((x - m) - log_s > lp_tok).to(tl.int32), 0)
         if INT_RANKS:
-            tl.store(out_ptr + row * 2, lp_tok.to(tl.int32, bitcast=True))
-            tl.store(out_ptr + row * 2 + 1, above + 1)
+            tl.atomic_add(out_ptr + row * 2 + 1, above)
+            if p == 0:
+                tl.store(out_ptr + row * 2, lp_tok.to(tl.int32, bitcast=True))
         else:
-            tl.store(out_ptr + row * 2, lp_tok)
-            tl.store(out_ptr + row * 2 + 1, (above + 1).to(tl.float32))
+            tl.atomic_add(out_ptr + row * 2 + 1, above.to(tl.float32))
+            if p == 0:
+                tl.store(out_ptr + row * 2, lp_tok)
 
-    return token_logprob_kernel
+    return partials_kernel, ranks_kernel
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+def split(rows: int, cols: int) -> tuple[int, int, int]:
+    """(segment, parts, block): each row cut into `parts` segments of `segment` columns (a
+    multiple of `block`), about `TARGET_PROGRAMS` programs in all, none under `MIN_SEGMENT`
+    columns but a whole short row."""
+    parts = max(1, min(MAX_PARTS, TARGET_PROGRAMS // rows, cols // MIN_SEGMENT))
+    per = -(-cols // parts)
+    block = min(CHUNK, max(16, _pow2(per)))
+    seg = -(-per // block) * block
+    return seg, -(-cols // seg), block
 
 
 def token_logprob_ref(logits: torch.Tensor, ids: torch.Tensor, int_ranks: bool = False) -> torch.Tensor:
@@ -87,7 +133,13 @@ def token_logprob(logits: torch.Tensor, ids: torch.Tensor, use_kernel: bool | No
     rows, cols = logits.shape
     out = torch.empty(rows, 2, dtype=torch.int32 if int_ranks else torch.float32,
                       device=logits.device)
-    block = min(CHUNK, max(16, 1 << (cols - 1).bit_length()))
-    _kernel()[(rows,)](logits, ids.to(torch.int64), out, logits.stride(0), cols, BLOCK=block,
-                       INT_RANKS=int_ranks, num_warps=8 if block >= 2048 else 4)
+    seg, parts, block = split(rows, cols)
+    part = torch.empty(rows, parts, 2, dtype=torch.float32, device=logits.device)
+    partials, ranks = _kernels()
+    warps = 8 if block >= 2048 else 4
+    partials[(rows, parts)](logits, part, out, logits.stride(0), cols, seg, parts, BLOCK=block,
+                            INT_RANKS=int_ranks, num_warps=warps)
+    ranks[(rows, parts)](logits, ids.to(torch.int64), part, out, logits.stride(0), cols, seg,
+                         parts, BLOCK=block, PARTS=_pow2(parts), INT_RANKS=int_ranks,
+                         num_warps=warps)
     return out

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.token_logprob import CHUNK, token_logprob
+from kernels.token_logprob import CHUNK, split, token_logprob
 from pd.engine.logprobs import compute_logprobs, pack_logprobs
 
 CUDA = torch.cuda.is_available()
@@ -56,3 +56,14 @@ def test_kernel_equals_twin(dtype, num_rows, vocab):
     ids = ids.clamp(max=sliced.shape[1] - 1)
     assert torch.equal(token_logprob(sliced, ids, use_kernel=True)[:, 1],
                        token_logprob(sliced, ids, use_kernel=False)[:, 1])
+
+
+@pytest.mark.parametrize("num_rows", [1, 4, 13, 64, 100, 1024])
+@pytest.mark.parametrize("vocab", [7, 512, 4097, 32000, 128256, 151936])
+def test_rows_are_cut_into_segments_that_cover_them(num_rows, vocab):
+    seg, parts, block = split(num_rows, vocab)
+    assert seg % block == 0 and block <= CHUNK and 1 <= parts <= 64
+    assert (parts - 1) * seg < vocab <= parts * seg  # every column in one segment, none empty
+    assert parts == 1 or seg >= 1024
+    if num_rows <= 4 and vocab >= 128256:  # an MTP step's rows at batch 1: many programs each
+        assert parts >= 32
