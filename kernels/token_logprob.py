@@ -1,16 +1,16 @@
 """`token_logprob`: each row's raw logprob of one chosen token and its rank, packed [R, 2]
 float32 (logprob, rank) as `pd.spec.graphs.pack_logprobs` packs a request with
-top_logprobs 0, as two Triton kernels with a torch twin. With `int_ranks` the pair is int32
+top_logprobs 0, as Triton kernels with a torch twin. With `int_ranks` the pair is int32
 (the logprob's float32 bits, the rank), for a host that reads ranks as integers.
 
 The rank is 1 + the number of columns whose logprob is strictly greater (`pd.engine.logprobs`).
 The twin builds log_softmax of the whole [R, V] in float32 and compares it; the kernels cut
 each row into segments (`split`: a few rows, as an MTP step's at batch 1, get many, so the
-device is not left to a handful of programs walking 128k columns each) and walk each segment
-twice, in chunks of up to `CHUNK` columns: first its max and sum of exponentials (online), then,
-with the row's max and sum from every segment's, the count of its columns above the token,
-added atomically to the rank; each logprob formed as log_softmax forms it ((x - max) -
-log(sum)). Nothing [R, V] is written. On the current stream, capturable in a CUDA graph.
+device is not left to a handful of programs walking 128k columns each; rows not cut go through
+one kernel of one program per row) and walk each segment twice, in chunks of up to `CHUNK`
+columns: first its max and sum of exponentials (online), then, with the row's max and sum from
+every segment's, the count of its columns above the token, added atomically to the rank; each
+logprob formed as log_softmax forms it ((x - max) - log(sum)). Nothing [R, V] is written. On the current stream, capturable in a CUDA graph.
 `triton` is imported on first use; CPU machines run the twin.
 """
 
@@ -34,22 +34,53 @@ def _kernels():
     import triton.language as tl
 
     @triton.jit
-    def partials_kernel(x_ptr, part_ptr, out_ptr, stride_x, n_cols, seg, n_parts,
-                        BLOCK: tl.constexpr, INT_RANKS: tl.constexpr):
-        """Program (row, p): the max and the sum of exponentials (online) of its segment of
-        the row; part p = 0 also starts the row's rank at 1."""
-        row, p = tl.program_id(0).to(tl.int64), tl.program_id(1)
-        base = x_ptr + row * stride_x
+    def max_sum(base, lo, hi, BLOCK: tl.constexpr):
+        """The max and the sum of exponentials (online) of columns [lo, hi) of a row."""
         offs = tl.arange(0, BLOCK)
         m = tl.full((), float("-inf"), tl.float32)
         s = tl.zeros((), tl.float32)
-        end = tl.minimum(p * seg + seg, n_cols)
-        for start in range(p * seg, end, BLOCK):
+        for start in range(lo, hi, BLOCK):
             cols = start + offs
-            x = tl.load(base + cols, mask=cols < end, other=float("-inf")).to(tl.float32)
+            x = tl.load(base + cols, mask=cols < hi, other=float("-inf")).to(tl.float32)
             m_new = tl.maximum(m, tl.max(x, 0))
             s = s * tl.exp(m - m_new) + tl.sum(tl.exp(x - m_new), 0)
             m = m_new
+        return m, s
+
+    @triton.jit
+    def count_above(base, lo, hi, m, log_s, lp_tok, BLOCK: tl.constexpr):
+        """How many columns of [lo, hi) have a logprob above `lp_tok`."""
+        offs = tl.arange(0, BLOCK)
+        above = tl.zeros((), tl.int32)
+        for start in range(lo, hi, BLOCK):
+            cols = start + offs
+            x = tl.load(base + cols, mask=cols < hi, other=float("-inf")).to(tl.float32)
+            above += tl.sum(((x - m) - log_s > lp_tok).to(tl.int32), 0)
+        return above
+
+    @triton.jit
+    def whole_kernel(x_ptr, ids_ptr, out_ptr, stride_x, n_cols, BLOCK: tl.constexpr,
+                     INT_RANKS: tl.constexpr):
+        """Program row: both walks over the whole row (rows not cut: one kernel)."""
+        row = tl.program_id(0).to(tl.int64)
+        base = x_ptr + row * stride_x
+        m, s = max_sum(base, 0, n_cols, BLOCK)
+        log_s = tl.log(s)
+        lp_tok = (tl.load(base + tl.load(ids_ptr + row)).to(tl.float32) - m) - log_s
+        above = count_above(base, 0, n_cols, m, log_s, lp_tok, BLOCK)
+        if INT_RANKS:
+            tl.store(out_ptr + row * 2, lp_tok.to(tl.int32, bitcast=True))
+            tl.store(out_ptr + row * 2 + 1, above + 1)
+        else:
+            tl.store(out_ptr + row * 2, lp_tok)
+            tl.store(out_ptr + row * 2 + 1, (above + 1).to(tl.float32))
+
+    @triton.jit
+    def partials_kernel(x_ptr, part_ptr, out_ptr, stride_x, n_cols, seg, n_parts,
+                        BLOCK: tl.constexpr, INT_RANKS: tl.constexpr):
+        """Program (row, p): the max and sum of its segment; p = 0 starts the row's rank at 1."""
+        row, p = tl.program_id(0).to(tl.int64), tl.program_id(1)
+        m, s = max_sum(x_ptr + row * stride_x, p * seg, tl.minimum(p * seg + seg, n_cols), BLOCK)
         tl.store(part_ptr + (row * n_parts + p) * 2, m)
         tl.store(part_ptr + (row * n_parts + p) * 2 + 1, s)
         if p == 0:
@@ -61,8 +92,8 @@ def _kernels():
     @triton.jit
     def ranks_kernel(x_ptr, ids_ptr, part_ptr, out_ptr, stride_x, n_cols, seg, n_parts,
                      BLOCK: tl.constexpr, PARTS: tl.constexpr, INT_RANKS: tl.constexpr):
-        """Program (row, p): the row's max and log-sum from the parts, the token's logprob
-        (stored by p = 0), and the columns of its segment above it, added to the rank."""
+        """Program (row, p): the row's max and log-sum from its segments', the token's logprob
+        (stored by p = 0), and its segment's columns above it, added to the rank."""
         row, p = tl.program_id(0).to(tl.int64), tl.program_id(1)
         base = x_ptr + row * stride_x
         k = tl.arange(0, PARTS)
@@ -70,15 +101,9 @@ def _kernels():
         ps = tl.load(part_ptr + (row * n_parts + k) * 2 + 1, mask=k < n_parts, other=0.0)
         m = tl.max(pm, 0)
         log_s = tl.log(tl.sum(ps * tl.exp(pm - m), 0))
-        tok = tl.load(ids_ptr + row)
-        lp_tok = (tl.load(base + tok).to(tl.float32) - m) - log_s
-        offs = tl.arange(0, BLOCK)
-        above = tl.zeros((), tl.int32)
-        end = tl.minimum(p * seg + seg, n_cols)
-        for start in range(p * seg, end, BLOCK):
-            cols = start + offs
-            x = tl.load(base + cols, mask=cols < end, other=float("-inf")).to(tl.float32)
-            above += tl.sum(((x - m) - log_s > lp_tok).to(tl.int32), 0)
+        lp_tok = (tl.load(base + tl.load(ids_ptr + row)).to(tl.float32) - m) - log_s
+        above = count_above(base, p * seg, tl.minimum(p * seg + seg, n_cols), m, log_s, lp_tok,
+                            BLOCK)
         if INT_RANKS:
             tl.atomic_add(out_ptr + row * 2 + 1, above)
             if p == 0:
@@ -88,7 +113,7 @@ def _kernels():
             if p == 0:
                 tl.store(out_ptr + row * 2, lp_tok)
 
-    return partials_kernel, ranks_kernel
+    return whole_kernel, partials_kernel, ranks_kernel
 
 
 def _pow2(n: int) -> int:
@@ -134,9 +159,13 @@ def token_logprob(logits: torch.Tensor, ids: torch.Tensor, use_kernel: bool | No
     out = torch.empty(rows, 2, dtype=torch.int32 if int_ranks else torch.float32,
                       device=logits.device)
     seg, parts, block = split(rows, cols)
-    part = torch.empty(rows, parts, 2, dtype=torch.float32, device=logits.device)
-    partials, ranks = _kernels()
+    whole, partials, ranks = _kernels()
     warps = 8 if block >= 2048 else 4
+    if parts == 1:
+        whole[(rows,)](logits, ids.to(torch.int64), out, logits.stride(0), cols, BLOCK=block,
+                       INT_RANKS=int_ranks, num_warps=warps)
+        return out
+    part = torch.empty(rows, parts, 2, dtype=torch.float32, device=logits.device)
     partials[(rows, parts)](logits, part, out, logits.stride(0), cols, seg, parts, BLOCK=block,
                             INT_RANKS=int_ranks, num_warps=warps)
     ranks[(rows, parts)](logits, ids.to(torch.int64), part, out, logits.stride(0), cols, seg,
