@@ -7,8 +7,9 @@
 #   skinny kernel), where a prefill's time goes, CUDA graphs vs eager, the decode step's kernels
 #   and host time (profiler), overlap on/off (parity of 64 requests, sync check, throughput and
 #   step gap), MTP on/off (graphed, overlap on/off, logprobs) and the MTP machinery on the 1B
-#   shape, structured output's cost (grammars on the GPU: the same tokens as transformers'
-#   masked logits). Logs go to $OUT (or ./out) and one table each to stdout.
+#   shape, the token-logprob kernels, structured output's cost (grammars on the GPU: the same
+#   tokens as transformers' masked logits). Logs go to $OUT (or ./out) and one table each to
+#   stdout.
 #     bash benchmarks/gpu/run_all.sh [1|2|3|4|5|6]  (1: checks, KV, attention, decode; 2: graphs,
 #                                                 profile, overlap, MTP; 3: two GPUs: KV between
 #                                                 them, the mixed load over each tier;
@@ -63,6 +64,7 @@ TAIL=6 step overlap_small_eager python3 benchmarks/bench_overlap.py --device cud
 TAIL=64 step mtp python3 benchmarks/bench_mtp.py --device cuda --ks 0,1,3 --max-tokens 256 --repeats 3
 TAIL=24 step mtp_eager python3 benchmarks/bench_mtp.py --device cuda --enforce-eager --ks 0,3 --overlap on
 TAIL=36 step mtp_mechanism python3 benchmarks/gpu/bench_mtp_mechanism.py
+TAIL=6 step token_logprob python3 benchmarks/gpu/bench_token_logprob.py
 TAIL=14 step profile_mtp python3 benchmarks/gpu/profile_mtp.py --k 3 --batch 16 --top 8
 TAIL=40 step mtp_kernels python3 benchmarks/gpu/profile_mtp.py --k 3 --batch 1 --kernels --top 10 \
     --max-tokens 64
