@@ -18,17 +18,14 @@ never reaches a decode node. Every waiting state has a deadline: queued or prefi
 router gets an error, the decode node an Abort, and the blocks are freed. A request whose router
 is gone, or whose decode node disconnected, ends the same way. While draining (SIGTERM) new
 requests are refused, so the router retries them elsewhere, and those in flight run to their
-hand-off. Talking to one decode node (handshake, transport) is `link.py`'s job.
+hand-off. Talking to one decode node (handshake, transport) is `link.py`'s job; when each part
+of a request's KV goes, `kv_sends.py`'s; a request's states, `job.py`'s.
 """
 
 from __future__ import annotations
 
-import enum
 import logging
 import time
-from dataclasses import dataclass, field
-
-import torch
 
 from pd.engine.engine import Engine
 from pd.engine.grammar import GrammarError
@@ -36,49 +33,14 @@ from pd.engine.request import Req
 from pd.service import metrics as node_metrics
 from pd.service.flags import default
 from pd.service.node import NodeService
-from pd.service.states import Transitions
 from pd.wire import messages as m
 from pd.wire.sampling_params import SamplingParams
+from prefill_node.job import AT_DECODE, JOB_STATES, PREFILLING, Job, JobState
+from prefill_node.kv_sends import KVSends
 from prefill_node.link import DecodeLink, prompt_logprobs_wire
 from shm_ipc.kv import prepare as prepare_kv_copies
 
 log = logging.getLogger(__name__)
-
-
-class JobState(enum.Enum):
-    QUEUED = "queued"  # waiting for or in its prefill; the decode node does not know of it
-    ANNOUNCED = "announced"  # in its prefill, RequestMeta sent (the decode node reserves blocks)
-    HANDED_OFF = "handed_off"  # first token sent, waiting for KVAccept
-    KV_SENT = "kv_sent"  # KV in flight, waiting for KVAck
-    DONE = "done"
-
-
-JOB_STATES = Transitions({
-    JobState.QUEUED: (JobState.ANNOUNCED, JobState.HANDED_OFF, JobState.DONE),
-    JobState.ANNOUNCED: (JobState.HANDED_OFF, JobState.DONE),
-    JobState.HANDED_OFF: (JobState.KV_SENT, JobState.DONE),
-    JobState.KV_SENT: (JobState.DONE,),
-    JobState.DONE: (),
-})
-PREFILLING = (JobState.QUEUED, JobState.ANNOUNCED)  # in this node's scheduler
-AT_DECODE = (JobState.ANNOUNCED, JobState.HANDED_OFF, JobState.KV_SENT)  # the decode node knows of it
-
-
-@dataclass(eq=False)
-class Job:
-    msg: m.PrefillRequest
-    req: Req
-    deadline: float
-    state: JobState = JobState.QUEUED
-    link: DecodeLink | None = None
-    arrival: float = field(default_factory=time.monotonic)
-    kv_started: float = 0.0
-    kv_bytes: int = 0  # KV bytes sent for it
-    accept: m.KVAccept | None = None  # the decode node's, come while it was ANNOUNCED
-    kv_sent: int = 0  # prompt blocks sent (`DecodeLink.send_kv`; parts go during the prefill)
-    kv_records: int = 0
-    kv_chunk: object = None  # copy event of its last direct part
-    kv_ready: object = None  # CUDA: event after the last step that computed its KV
 
 
 class PrefillNode(NodeService):
@@ -102,8 +64,8 @@ class PrefillNode(NodeService):
         self.links: dict[str, DecodeLink] = {}
         self.geometry = engine.geometry(mtp_enabled=engine.spec is not None)
         self.metrics = node_metrics.for_node(self.role, node_id)
-        self.kv_sent_bytes = 0
-        self.kv_parts_sent = 0  # KV parts sent while their prefill ran (`send_parts`)
+        self.kv_sends = KVSends(self.jobs, engine.config.block_size,
+                                engine.runner.device.type == "cuda", self.metrics)
         self.prompt_tokens_computed = 0
 
     # -- intake --------------------------------------------------------------------------------
@@ -153,12 +115,12 @@ class PrefillNode(NodeService):
         if batch is None:
             return
         self.announce(batch)
-        self.send_parts()
+        self.kv_sends.send_parts()
         start = time.perf_counter()
         spec = self.engine.spec
         sampled = (spec.run(batch) if spec is not None
-                   else self.engine.runner.run(batch, lambda: self.write_early(batch)))
-        self.mark_kv_ready(batch)
+                   else self.engine.runner.run(batch, lambda: self.kv_sends.write_early(batch)))
+        self.kv_sends.mark_ready(batch)
         self.metrics.prompt_tokens.inc(batch.num_tokens)
         self.prompt_tokens_computed += batch.num_tokens
         self.metrics.step_seconds.observe(time.perf_counter() - start)
@@ -194,83 +156,6 @@ class PrefillNode(NodeService):
                 job.link = self.link_for(job)
                 job.link.announce(job)
 
-    def write_early(self, batch) -> None:
-        """Called inside the step, before the host waits for its tokens: the KV of the requests
-        whose prefill it ends, whose decode node named its blocks meanwhile (CUDA IPC), is
-        queued behind the step on its stream: written once the first token is known, so
-        KVDone follows FIRST_TOKEN at once. While the step runs, KVAccepts that come for the
-        batch's other direct requests are taken as they come (`await_accepts`)."""
-        waiting = []
-        for i, req in enumerate(batch.reqs):
-            job = self.jobs.get(req.req_id)
-            if (job is None or job.state is not JobState.ANNOUNCED
-                    or job.link.peer_cache is None):
-                continue
-            if job.accept is None:
-                waiting.append((job, batch.samples(i)))
-            elif batch.samples(i):
-                self.write_last(job)
-        if waiting and self.engine.runner.device.type == "cuda":
-            self.await_accepts(waiting)
-
-    def write_last(self, job: Job) -> None:
-        accept, job.accept = job.accept, None
-        self.start_kv(job, accept, early=True)
-
-    def await_accepts(self, waiting: list[tuple[Job, bool]]) -> None:
-        """Until the step's work queued so far is done: read the direct links' replies for the
-        KVAccepts of `waiting` (job, whether the step ends its prefill), and write what each
-        accepted one can have now (its last KV behind the step, or the part earlier steps
-        filled beside it); other replies wait for the step's end."""
-        done = torch.cuda.Event()
-        done.record()
-        links = {job.link for job, _ in waiting}
-        while waiting and not done.query():
-            for link in links:
-                if not link.failed:
-                    link.read_accepts()
-            for job, last in [w for w in waiting if w[0].accept is not None]:
-                waiting.remove((job, last))
-                if job.state is not JobState.ANNOUNCED:
-                    continue
-                if last:
-                    self.write_last(job)
-                else:
-                    self.send_part(job)
-
-    def mark_kv_ready(self, batch) -> None:
-        """After a step is queued (on CUDA): the event its requests' KV is complete at, for the
-        parts `send_part` copies beside the later steps."""
-        if self.engine.runner.device.type != "cuda":
-            return
-        ready = torch.cuda.Event()
-        ready.record()
-        for req in batch.reqs:
-            job = self.jobs.get(req.req_id)
-            if job is not None:
-                job.kv_ready = ready
-
-    def send_parts(self) -> None:
-        """Before a step: `send_part` for every request whose prefill goes on."""
-        for job in list(self.jobs.values()):
-            self.send_part(job)
-
-    def send_part(self, job: Job) -> None:
-        """The KV blocks that finished steps of a prefill still under way have filled go to its
-        decode node once it has accepted the request (by CUDA IPC on the side stream, beside
-        the steps that follow; records at once on the other tiers)."""
-        accept, link = job.accept, job.link
-        if job.state is not JobState.ANNOUNCED or accept is None or link.failed:
-            return
-        upto = min(job.req.num_computed_tokens // self.engine.config.block_size,
-                   link.num_prompt_blocks(job))
-        if upto > accept.num_cached_blocks + job.kv_sent:
-            nbytes = link.send_kv(job, accept.num_cached_blocks, accept.block_ids, upto=upto)
-            self.count_kv_bytes(job, nbytes)
-            if nbytes:
-                self.kv_parts_sent += 1
-                self.metrics.kv_parts_sent(link.tier).inc()
-
     def finish_here(self, job: Job) -> None:
         req = job.req
         if job.state is JobState.ANNOUNCED:  # the decode node drops it and frees its blocks
@@ -293,7 +178,7 @@ class PrefillNode(NodeService):
         accept, job.accept = job.accept, None
         if job.state is not JobState.HANDED_OFF:  # the link failed
             return
-        if job.kv_started:  # written by its step (`write_early`): KVDone now
+        if job.kv_started:  # written by its step (`KVSends.write_early`): KVDone now
             JOB_STATES.move(job, JobState.KV_SENT)
             job.link.finish_writes()
         elif accept is not None:
@@ -335,18 +220,7 @@ class PrefillNode(NodeService):
                 link.release(msg.req_id)  # the decode node holds those blocks until told
             return
         JOB_STATES.move(job, JobState.KV_SENT)
-        self.start_kv(job, msg)
-
-    def start_kv(self, job: Job, accept: m.KVAccept, early: bool = False) -> None:
-        """The rest of the job's KV (all of it unless parts went during its prefill)."""
-        job.kv_started = time.perf_counter()
-        self.count_kv_bytes(job, job.link.send_kv(job, accept.num_cached_blocks, accept.block_ids,
-                                                  early=early))
-
-    def count_kv_bytes(self, job: Job, nbytes: int) -> None:
-        job.kv_bytes += nbytes
-        self.metrics.kv_sent_bytes(job.link.tier).inc(nbytes)
-        self.kv_sent_bytes += nbytes
+        self.kv_sends.start(job, msg)
 
     def on_kv_ack(self, link: DecodeLink, req_id: str) -> None:
         job = self.jobs.get(req_id)
@@ -448,8 +322,8 @@ class PrefillNode(NodeService):
             "total_blocks": alloc.num_blocks,
             "block_size": self.engine.config.block_size,
             "prompt_tokens_computed": self.prompt_tokens_computed,
-            "kv_sent_bytes": self.kv_sent_bytes,
-            "kv_parts_sent": self.kv_parts_sent,
+            "kv_sent_bytes": self.kv_sends.sent_bytes,
+            "kv_parts_sent": self.kv_sends.parts_sent,
             **self.engine.prefix_stats(),
         }
 

@@ -7,6 +7,7 @@ prompt's KV goes in parts as its chunks fill blocks."""
 
 from __future__ import annotations
 
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -15,7 +16,8 @@ import zmq
 from pd.engine.llm import LLM
 from pd.wire import messages as m
 from pd.wire.sampling_params import SamplingParams
-from prefill_node.node import JobState, PrefillNode
+from prefill_node.job import JobState
+from prefill_node.node import PrefillNode
 from shm_ipc import control, header, records
 
 
@@ -204,7 +206,7 @@ def test_a_long_prompt_sends_its_kv_in_parts_as_its_chunks_fill_blocks(pair):
     assert parts == {(1, 2), (3, 1)}
     assert rest[-1] == m.to_dict(m.KVDone("r", len(first) + len(rest) - 1))
     assert job.state is JobState.KV_SENT and job.kv_sent == 4
-    assert job.kv_bytes == 4 * records_bytes(node) and node.kv_parts_sent == 2
+    assert job.kv_bytes == 4 * records_bytes(node) and node.kv_sends.parts_sent == 2
 
 
 def records_bytes(node) -> int:
@@ -267,4 +269,65 @@ def test_a_request_aborted_after_a_direct_part_is_answered_once_its_copy_is_done
     node.step()
     (_, done), = controls(decode)
     assert done == m.to_dict(m.KVDone("r", 0)) and not link.writes
+    link.peer_cache = None
+
+
+class StepRunning:
+    """Stands in for the event of a step under way (`PrefillNode.await_accepts`): its first
+    query sends the decode node's replies, and it completes once `until()` holds (or after
+    a few seconds of queries)."""
+
+    def __init__(self, decode, peer, replies, until) -> None:
+        self.decode, self.peer, self.replies, self.until = decode, peer, replies, until
+        self.deadline = None
+
+    def query(self) -> bool:
+        if self.deadline is None:
+            self.deadline = time.monotonic() + 5
+            for msg in self.replies:
+                self.decode.send_multipart([self.peer, control.encode(m.to_dict(msg))])
+        return self.until() or time.monotonic() > self.deadline
+
+
+def test_accepts_that_come_while_a_step_runs_write_at_once(pair):
+    """While a step runs, the prefill node reads its direct links: a KVAccept that comes then
+    has the blocks earlier steps filled copied beside the step (a request the step goes on
+    prefilling) or its last KV queued behind it (one the step ends); other replies wait."""
+    node, decode, addr, reply = pair
+    peer = pair_up(node, decode, addr, reply)
+    link = node.links[addr]
+    link.peer_cache = cache = PartsPeerCache(node)
+    admit(node, "r", addr, reply, length=72)
+    node.step()  # the first chunk, announced: 32 tokens in, no KVAccept yet
+    controls(decode)
+    job = node.jobs["r"]
+    replies = [m.KVAck("other"), m.KVAccept("r", 0, [9, 8, 7, 6, 5])]
+    node.kv_sends.await_accepts([(job, False)], StepRunning(decode, peer, replies, lambda: cache.writes))
+    src = job.req.block_ids
+    assert cache.writes == [(src[:2], [9, 8], True, None)] and job.kv_sent == 2
+    assert [type(x) for x in link.deferred] == [m.KVAck]  # for after the step
+    link.on_socket()
+    assert not link.deferred
+    node.step()  # blocks 2 and 3 beside the next chunk
+    node.step()  # the last: block 4 behind it, then KVDone
+    assert [w[:3] for w in cache.writes[1:]] == [(src[2:4], [7, 6], True), (src[4:5], [5], False)]
+    (_, done), = controls(decode)
+    assert done == m.to_dict(m.KVDone("r", 0))
+    link.peer_cache = None
+
+
+def test_an_accept_that_comes_during_the_last_step_queues_the_kv_behind_it(pair):
+    node, decode, addr, reply = pair
+    peer = pair_up(node, decode, addr, reply)
+    link = node.links[addr]
+    link.peer_cache = cache = PartsPeerCache(node)
+    admit(node, "r", addr, reply)  # 40 tokens: chunks of 32 and 8
+    node.step()
+    controls(decode)
+    job = node.jobs["r"]
+    assert node.scheduler.schedule() is not None  # the last chunk's step (its block taken)
+    node.kv_sends.await_accepts([(job, True)], StepRunning(decode, peer, [m.KVAccept("r", 0, [5, 6, 7])],
+                                                  lambda: cache.writes))
+    assert cache.writes == [(job.req.block_ids[:3], [5, 6, 7], False, None)]
+    assert job.accept is None and job.kv_started  # KVDone once its first token has gone
     link.peer_cache = None

@@ -16,7 +16,7 @@ from pd.service.states import IllegalTransition
 from pd.wire import messages as m
 from pd.wire.sampling_params import SamplingParams
 from prefill_node.link import DecodeLink, LinkState
-from prefill_node.node import JOB_STATES, Job, JobState
+from prefill_node.job import JOB_STATES, Job, JobState
 from shm_ipc import control
 
 
