@@ -10,8 +10,9 @@ device is not left to a handful of programs walking 128k columns each; rows not 
 one kernel of one program per row) and walk each segment twice, in chunks of up to `CHUNK`
 columns: first its max and sum of exponentials (online), then, with the row's max and sum from
 every segment's, the count of its columns above the token, added atomically to the rank; each
-logprob formed as log_softmax forms it ((x - max) - log(sum)). Nothing [R, V] is written. On the current stream, capturable in a CUDA graph.
-`triton` is imported on first use; CPU machines run the twin.
+logprob formed as log_softmax forms it ((x - max) - log(sum)). Nothing [R, V] is written. On the
+current stream, capturable in a CUDA graph. `triton` is imported on first use; CPU machines run
+the twin.
 """
 
 from __future__ import annotations
@@ -131,7 +132,8 @@ def split(rows: int, cols: int) -> tuple[int, int, int]:
     return seg, -(-cols // seg), block
 
 
-def token_logprob_ref(logits: torch.Tensor, ids: torch.Tensor, int_ranks: bool = False) -> torch.Tensor:
+def token_logprob_ref(logits: torch.Tensor, ids: torch.Tensor,
+                      int_ranks: bool = False) -> torch.Tensor:
     """The torch twin: [R, V] logits, [R] ids -> [R, 2] float32 (logprob, rank), or int32
     (logprob bits, rank) with `int_ranks`."""
     lp = torch.log_softmax(logits.float(), dim=-1)
