@@ -44,7 +44,7 @@ def pair(tiny_model_dir):
     router.close(linger=0)
 
 
-def controls(sock, wait_ms: int = 300) -> list[tuple[bytes, dict]]:
+def controls(sock, wait_ms: int = 150) -> list[tuple[bytes, dict]]:
     """The control messages (not records or doorbells) that arrive within `wait_ms`."""
     out = []
     while sock.poll(wait_ms):
@@ -67,7 +67,7 @@ def admit(node, req_id: str, addr: str, reply: str, max_tokens: int = 4, length:
     node.admit(m.PrefillRequest(req_id, prompt(req_id, length), params, addr, reply))
 
 
-def arrivals(sock, wait_ms: int = 300) -> list:
+def arrivals(sock, wait_ms: int = 150) -> list:
     """What arrives within `wait_ms`, in order: control messages, and KV records as
     (first block, blocks, layers)."""
     out = []
