@@ -230,7 +230,9 @@ class PartsPeerCache(StreamPeerCache):
         return done
 
 
-def test_a_direct_long_prompt_is_written_in_parts(pair):
+def direct_long_prompt(pair):
+    """A direct link, a 72-token prompt's first chunk prefilled and announced, and the decode
+    node's KVAccept naming blocks 9..5 read: (node, decode socket, link, its fake cache)."""
     node, decode, addr, reply = pair
     peer = pair_up(node, decode, addr, reply)
     link = node.links[addr]
@@ -240,6 +242,11 @@ def test_a_direct_long_prompt_is_written_in_parts(pair):
     controls(decode)
     decode.send_multipart([peer, control.encode(m.to_dict(m.KVAccept("r", 0, [9, 8, 7, 6, 5])))])
     poll(node)
+    return node, decode, link, cache
+
+
+def test_a_direct_long_prompt_is_written_in_parts(pair):
+    node, decode, link, cache = direct_long_prompt(pair)
     node.step()  # blocks 0 and 1 on the side stream, beside the step
     src = node.jobs["r"].req.block_ids
     assert cache.writes == [(src[:2], [9, 8], True, None)]
@@ -252,15 +259,7 @@ def test_a_direct_long_prompt_is_written_in_parts(pair):
 
 
 def test_a_request_aborted_after_a_direct_part_is_answered_once_its_copy_is_done(pair):
-    node, decode, addr, reply = pair
-    peer = pair_up(node, decode, addr, reply)
-    link = node.links[addr]
-    link.peer_cache = cache = PartsPeerCache(node)
-    admit(node, "r", addr, reply, length=72)
-    node.step()
-    controls(decode)
-    decode.send_multipart([peer, control.encode(m.to_dict(m.KVAccept("r", 0, [9, 8, 7, 6, 5])))])
-    poll(node)
+    node, decode, link, cache = direct_long_prompt(pair)
     node.step()
     assert len(cache.writes) == 1
     node.abort("r", "client gone")

@@ -250,14 +250,20 @@ def no_control(sock, wait_ms: int = 200) -> bool:
     return True
 
 
-def direct_link(decode_side) -> tuple[DecodeLink, FakePeerCache]:
-    """A paired link writing KV into a stand-in of the decode node's cache."""
+def paired_link(decode_side, transport: str = "zmq") -> tuple[DecodeLink, Owner, bytes]:
+    """A link the decode node has answered HelloOk: (link, its owner, the decode side's peer)."""
     sock, addr = decode_side
     owner = Owner()
-    link = link_to(owner, addr, transport="shm")
+    link = link_to(owner, addr, transport=transport)
     peer, _ = recv_control(sock)
     sock.send_multipart([peer, control.encode(m.to_dict(m.HelloOk("decode-test")))])
     pump(owner, lambda: link.state is LinkState.READY)
+    return link, owner, peer
+
+
+def direct_link(decode_side) -> tuple[DecodeLink, FakePeerCache]:
+    """A paired link writing KV into a stand-in of the decode node's cache."""
+    link, _, _ = paired_link(decode_side, transport="shm")
     link.peer_cache = FakePeerCache()
     return link, link.peer_cache
 
@@ -306,12 +312,8 @@ def test_an_early_write_is_done_only_after_the_first_token(decode_side):
 def test_during_a_step_accepts_are_taken_and_other_replies_wait(decode_side):
     """`read_accepts` (the prefill node's wait for a step): KVAccepts are handled as they come,
     the other replies kept, in order, for `on_socket` after the step."""
-    sock, addr = decode_side
-    owner = Owner()
-    link = link_to(owner, addr)
-    peer, _ = recv_control(sock)
-    sock.send_multipart([peer, control.encode(m.to_dict(m.HelloOk("decode-test")))])
-    pump(owner, lambda: link.state is LinkState.READY)
+    sock, _ = decode_side
+    link, owner, peer = paired_link(decode_side)
     for msg in (m.KVAck("a"), m.KVAccept("b"), m.KVRefuse("c", "full"), m.KVAccept("d")):
         sock.send_multipart([peer, control.encode(m.to_dict(msg))])
     deadline = time.monotonic() + 5
