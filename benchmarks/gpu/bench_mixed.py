@@ -27,6 +27,7 @@ ratio that matters is each setup's mixed p99 over its own streams-alone p99.
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import random
 import sys
@@ -125,6 +126,33 @@ def exposed(decode) -> tuple[float, float]:
     return got.get("pd_kv_exposed_seconds_sum", 0.0), got.get("pd_kv_exposed_seconds_count", 0.0)
 
 
+class Pauses:
+    """This process's garbage collections of generations 1 and 2 since made: how many, and the
+    longest in ms (each stops the stamping of arriving tokens)."""
+
+    def __init__(self) -> None:
+        self.count, self.longest, self.started = 0, 0.0, 0.0
+        gc.callbacks.append(self.on_gc)
+
+    def on_gc(self, phase: str, info: dict) -> None:
+        if info["generation"] == 0:
+            return
+        if phase == "start":
+            self.started = time.perf_counter()
+        else:
+            self.count += 1
+            self.longest = max(self.longest, (time.perf_counter() - self.started) * 1e3)
+
+    def close(self) -> None:
+        gc.callbacks.remove(self.on_gc)
+
+
+def node_gc(node) -> tuple[float, float]:
+    """A node's pd_gc_pause_seconds (count, sum) from its /metrics."""
+    got = node_sums(f"127.0.0.1:{node.info['metrics_port']}")
+    return got.get("pd_gc_pause_seconds_count", 0.0), got.get("pd_gc_pause_seconds_sum", 0.0)
+
+
 def parts_sent(prefill) -> float:
     """The prefill node's KV parts sent while their prompts' prefill still ran."""
     url = f"http://127.0.0.1:{prefill.info['metrics_port']}/metrics"
@@ -182,7 +210,7 @@ def main() -> None:
     vocab = ModelConfig.from_dir(model).vocab_size
     print(f"model {model}; {args.streams} streams of {args.stream_tokens} tokens; mixed: "
           f"{args.prompt_len}-token prompts every {args.interval}s")
-    results, joins, ready = {}, {}, {}
+    results, joins, ready, collections = {}, {}, {}, {}
     for transport in transports if "pd" in args.setups else []:
         decode = start_node("decode", [*common, "--device", args.decode_device, "--port", "0",
                                        "--kv-port", "0", "--metrics-port", "0"], timeout=600,
@@ -195,6 +223,7 @@ def main() -> None:
         client = NodeClient()
         try:
             run_pd(client, prefill, decode, Load(args, vocab, mixed=True, seed=99))  # warm-up
+            pauses, gc_before = Pauses(), node_gc(decode)
             alone, _, _ = run_pd(client, prefill, decode, Load(args, vocab, mixed=False, seed=1))
             before, parts = exposed(decode), parts_sent(prefill)
             mixed, sent, joins[transport] = run_pd(client, prefill, decode,
@@ -202,6 +231,10 @@ def main() -> None:
             after = exposed(decode)
             ready[transport] = ((after[0] - before[0]) / max(after[1] - before[1], 1),
                                 after[1] - before[1], parts_sent(prefill) - parts)
+            gc_after = node_gc(decode)
+            pauses.close()
+            collections[transport] = (gc_after[0] - gc_before[0],
+                                      (gc_after[1] - gc_before[1]) * 1e3, pauses)
             results[f"PD {transport}"] = (alone, mixed, sent)
         finally:
             client.close()
@@ -229,6 +262,10 @@ def main() -> None:
                   f"decode node's KV in -> first decoded token (pd_kv_exposed_seconds), mean "
                   f"{ready[transport][0] * 1e3:.2f} ms over {ready[transport][1]:.0f} requests; "
                   f"{ready[transport][2]:.0f} KV parts sent during prefills")
+    for transport, (count, ms, pauses) in collections.items():
+        print(f"PD {transport}: garbage collections (generations 1-2) over both phases: the "
+              f"decode node {count:.0f}, {ms:.1f} ms in all; this process (which stamps the "
+              f"tokens) {pauses.count}, the longest {pauses.longest:.1f} ms")
 
 
 if __name__ == "__main__":

@@ -11,6 +11,8 @@ overlap scheduler; a node without them leaves them at zero.
 
 from __future__ import annotations
 
+import gc
+import time
 from types import SimpleNamespace
 
 from prometheus_client import Counter, Gauge, Histogram
@@ -119,8 +121,38 @@ def export_prefix_cache(metrics: SimpleNamespace, engine) -> None:
         metrics.count_prefix_evictions(engine.allocator.num_evictions)
 
 
+_GC_PAUSE = Histogram("pd_gc_pause_seconds",
+                      "Pauses of the process's Python garbage collections of generations 1 and "
+                      "2 (a node's decoding stops for them)", LABELS + ("generation",),
+                      buckets=TIME_BUCKETS)
+_gc_watched = False
+
+
+def watch_gc(role: str, node_id: str) -> None:
+    """Time the process's collections of generations 1 and 2 into `pd_gc_pause_seconds`, under
+    the first node that asks (once a process; the young generation's are not timed)."""
+    global _gc_watched
+    if _gc_watched:
+        return
+    _gc_watched = True
+    pauses = {g: _GC_PAUSE.labels(role=role, node=node_id, generation=str(g)) for g in (1, 2)}
+    started = [0.0]
+
+    def on_gc(phase: str, info: dict) -> None:
+        if info["generation"] == 0:
+            return
+        if phase == "start":
+            started[0] = time.perf_counter()
+        else:
+            pauses[info["generation"]].observe(time.perf_counter() - started[0])
+
+    gc.callbacks.append(on_gc)
+
+
 def for_node(role: str, node_id: str) -> SimpleNamespace:
+    """The node's children of every metric (and its process's collections timed: `watch_gc`)."""
     lab = {"role": role, "node": node_id}
+    watch_gc(role, node_id)
     return SimpleNamespace(
         waiting=_WAITING.labels(**lab), running=_RUNNING.labels(**lab),
         kv_usage=_KV_USAGE.labels(**lab), prompt_tokens=_TOKENS.labels(**lab),
