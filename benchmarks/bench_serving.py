@@ -163,6 +163,9 @@ def main() -> None:
                 for k in last if k[0] == "decode" and k[1].startswith("phase=")}
         host["sum"] = sum(host.values())
         gap = mean("decode", "pd_decode_step_gap_seconds")
+        collected = {role: (delta(role, "pd_gc_pause_seconds_count"),
+                            1000 * delta(role, "pd_gc_pause_seconds_sum"))
+                     for role in ("prefill", "decode")}
 
         def steps_over(bound: str) -> float:  # share of the decode node's steps longer
             return 1 - (delta("decode", f'step_le="{bound}"')
@@ -216,6 +219,9 @@ def main() -> None:
           f"{slow[2]:.2%} at the prefill node; gaps {slow[3]:.3%} at the client, {slow[4]:.3%} at "
           f"the router", flush=True)
     print("busy (CPU s per s): " + ", ".join(f"{k} {v:.2f}" for k, v in busy.items()), flush=True)
+    print("garbage collections (generations 1-2) in the measured run: " + ", ".join(
+        f"{role} node {n:.0f}, {ms:.1f} ms in all" for role, (n, ms) in collected.items()),
+        flush=True)
     if captures:
         print("CUDA graphs captured during the measured run: " + ", ".join(
             f"{n} {kind}" for kind, n in captures.items()), flush=True)
