@@ -4,8 +4,10 @@ each later step; by CUDA IPC on the side stream beside that step, after the even
 the steps that computed them), and the rest as its prefill ends: by CUDA IPC queued behind the
 last step on its stream when the KVAccept came during the prefill (KVDone then follows
 FIRST_TOKEN at once), else when the KVAccept comes. While a step runs, the direct links'
-KVAccepts are read as they come (`await_accepts`). The bytes go through `DecodeLink.send_kv`;
-the job counts what has gone (`kv_sent`, `kv_records`, `kv_chunk`, `kv_ready`)."""
+KVAccepts are read as they come (`await_accepts`). A step waits for the parts copied beside the
+step before it (their blocks may have been freed and given to it). The bytes go through
+`DecodeLink.send_kv`; the job counts what has gone (`kv_sent`, `kv_records`, `kv_chunk`,
+`kv_ready`)."""
 
 from __future__ import annotations
 
@@ -26,6 +28,7 @@ class KVSends:
         self.jobs, self.block_size, self.cuda, self.metrics = jobs, block_size, cuda, metrics
         self.sent_bytes = 0  # KV bytes sent, every tier
         self.parts_sent = 0  # parts sent while their prefill ran (`send_parts`)
+        self.beside = None  # CUDA: the event of the last part copied beside the step under way
 
     def write_early(self, batch) -> None:
         """Called inside the step, before the host waits for its tokens: the KV of the requests
@@ -90,7 +93,12 @@ class KVSends:
                 job.kv_ready = ready
 
     def send_parts(self) -> None:
-        """Before a step: `send_part` for every request whose prefill goes on."""
+        """Before a step: `send_part` for every request whose prefill goes on. The step waits
+        for the parts copied beside the one before it: a block they read may be freed meanwhile
+        (a preempted request's) and written by this step."""
+        if self.beside is not None:
+            torch.cuda.current_stream().wait_event(self.beside)
+            self.beside = None
         for job in list(self.jobs.values()):
             self.send_part(job)
 
@@ -108,6 +116,8 @@ class KVSends:
             if nbytes:
                 self.parts_sent += 1
                 self.metrics.kv_parts_sent(link.tier).inc()
+                if self.cuda and job.kv_chunk is not None:  # copied on the side stream
+                    self.beside = job.kv_chunk
 
     def start(self, job: Job, accept: m.KVAccept, early: bool = False) -> None:
         """The rest of the job's KV (all of it unless parts went during its prefill)."""
