@@ -26,7 +26,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_decode import LLAMA_1B  # noqa: E402
+from bench_decode import LLAMA_1B, timed  # noqa: E402
 
 from pd.engine.llm import LLM  # noqa: E402
 from pd.spec.verify import SpecStats  # noqa: E402
@@ -94,16 +94,8 @@ def main() -> None:
         rows[batch, 0] = (batch * args.max_tokens / secs, 1.0, True)
     for (batch, width), (graph, _) in sorted(plain.engine.runner.graphs.graphs.items()):
         plain.engine.runner.graphs.pad_inputs((batch, width))  # the graph reads its own layout
-        times = []
-        for _ in range(5):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            graph.replay()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        print(f"  plain decode graph for {batch} rows x {width} blocks: {sorted(times)[2]:.3f} ms "
-              f"(LM head and argmax included)")
+        print(f"  plain decode graph for {batch} rows x {width} blocks: "
+              f"{timed(graph.replay) * 1e3:.3f} ms (LM head and argmax included)")
     del plain
     torch.cuda.empty_cache()
     runs = ([(k, "perfect", False) for k in args.ks] + [(k, "mtp+perf", False) for k in args.ks]

@@ -13,34 +13,18 @@ import sys
 
 import torch
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+from bench_decode import graph_time  # noqa: E402
+
 from kernels.token_logprob import split, token_logprob  # noqa: E402
 
 
 def per_call_us(rows: int, vocab: int, calls: int = 20) -> float:
     x = torch.randn(rows, vocab, device="cuda", dtype=torch.bfloat16)
     ids = torch.randint(0, vocab, (rows,), device="cuda")
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # compile and warm the allocator off the capture
-        for _ in range(3):
-            token_logprob(x, ids)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            token_logprob(x, ids)
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(20):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1000 / calls)
-    return sorted(times)[len(times) // 2]
+    token_logprob(x, ids)  # compiled before the capture
+    return graph_time(lambda: [token_logprob(x, ids) for _ in range(calls)]) / calls * 1e6
 
 
 def main() -> None:
