@@ -43,6 +43,7 @@ from bench_decode import LLAMA_1B  # noqa: E402
 from bench_serving import node_sums  # noqa: E402
 
 from pd.service.client import NodeClient  # noqa: E402
+from pd.service.metrics import time_collections  # noqa: E402
 from pd.config import EngineConfig, ModelConfig  # noqa: E402
 from pd.engine.engine import Engine  # noqa: E402
 from pd.service.procs import start_node  # noqa: E402
@@ -131,20 +132,15 @@ class Pauses:
     longest in ms (each stops the stamping of arriving tokens)."""
 
     def __init__(self) -> None:
-        self.count, self.longest, self.started = 0, 0.0, 0.0
-        gc.callbacks.append(self.on_gc)
+        self.count, self.longest = 0, 0.0
+        self.callback = time_collections(self.add)
 
-    def on_gc(self, phase: str, info: dict) -> None:
-        if info["generation"] == 0:
-            return
-        if phase == "start":
-            self.started = time.perf_counter()
-        else:
-            self.count += 1
-            self.longest = max(self.longest, (time.perf_counter() - self.started) * 1e3)
+    def add(self, generation: int, seconds: float) -> None:
+        self.count += 1
+        self.longest = max(self.longest, seconds * 1e3)
 
     def close(self) -> None:
-        gc.callbacks.remove(self.on_gc)
+        gc.callbacks.remove(self.callback)
 
 
 def node_gc(node) -> tuple[float, float]:

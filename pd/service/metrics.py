@@ -128,14 +128,10 @@ _GC_PAUSE = Histogram("pd_gc_pause_seconds",
 _gc_watched = False
 
 
-def watch_gc(role: str, node_id: str) -> None:
-    """Time the process's collections of generations 1 and 2 into `pd_gc_pause_seconds`, under
-    the first node that asks (once a process; the young generation's are not timed)."""
-    global _gc_watched
-    if _gc_watched:
-        return
-    _gc_watched = True
-    pauses = {g: _GC_PAUSE.labels(role=role, node=node_id, generation=str(g)) for g in (1, 2)}
+def time_collections(on_pause):
+    """Call `on_pause(generation, seconds)` after each of the process's garbage collections of
+    generations 1 and 2 (the young generation's are not timed); returns the callback installed
+    (`gc.callbacks.remove` it to stop)."""
     started = [0.0]
 
     def on_gc(phase: str, info: dict) -> None:
@@ -144,9 +140,21 @@ def watch_gc(role: str, node_id: str) -> None:
         if phase == "start":
             started[0] = time.perf_counter()
         else:
-            pauses[info["generation"]].observe(time.perf_counter() - started[0])
+            on_pause(info["generation"], time.perf_counter() - started[0])
 
     gc.callbacks.append(on_gc)
+    return on_gc
+
+
+def watch_gc(role: str, node_id: str) -> None:
+    """Time the process's collections of generations 1 and 2 into `pd_gc_pause_seconds`, under
+    the first node that asks (once a process)."""
+    global _gc_watched
+    if _gc_watched:
+        return
+    _gc_watched = True
+    pauses = {g: _GC_PAUSE.labels(role=role, node=node_id, generation=str(g)) for g in (1, 2)}
+    time_collections(lambda generation, seconds: pauses[generation].observe(seconds))
 
 
 def for_node(role: str, node_id: str) -> SimpleNamespace:
