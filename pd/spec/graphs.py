@@ -182,8 +182,8 @@ class StepGraphs:
         """The draft chain into `result`. With `lp0` (a step whose rows ask top_logprobs 0) it
         also returns the result followed by each verified row's token logprob and rank
         (`token_logprob`'s int32 pairs: float32 bits, rank; as k + 1 int64 columns) [S, 3k + 5],
-        for one host copy (`lp0_columns`): a graph of its own, captured on first use, where the logits are small
-        enough to keep (`LOGPROB_GRAPH_ELEMENTS`)."""
+        for one host copy (`lp0_columns`): a graph of its own, captured on first use, where the
+        logits are small enough to keep (`LOGPROB_GRAPH_ELEMENTS`)."""
         if lp0 and self.graphs is not None and self.verified.logits.numel() <= LOGPROB_GRAPH_ELEMENTS:
             if self.lp0_graph is None:
                 self.lp0_graph = capture(self._draft_lp0, self.owner.pool_owner, self.owner.device)
