@@ -159,6 +159,16 @@ class Intake:
         if self.receiver.num_held:
             self.receiver.release()
 
+    def expecting(self) -> bool:
+        """Whether a request's KV is about to be complete: its first token is here (its
+        prefill is done) and its KVDone not yet, or its last copies run (LANDING)."""
+        if self.landing:
+            return True
+        for inc in self.incoming.values():
+            if inc.first_token_at and inc.state is IncomingState.RECEIVING:
+                return True
+        return False
+
     def dispatch(self, peer: bytes, item) -> None:
         if isinstance(item, dict):
             msg = m.from_dict(item)

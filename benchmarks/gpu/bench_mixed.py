@@ -149,17 +149,31 @@ def node_gc(node) -> tuple[float, float]:
     return got.get("pd_gc_pause_seconds_count", 0.0), got.get("pd_gc_pause_seconds_sum", 0.0)
 
 
+def counter(node, name: str, **labels) -> float:
+    """A node's counter `name` (its `_total` line) summed over the children whose labels
+    include `labels`, from its /metrics."""
+    url = f"http://127.0.0.1:{node.info['metrics_port']}/metrics"
+    text = urllib.request.urlopen(url, timeout=10).read().decode()
+    want = [f'{k}="{v}"' for k, v in labels.items()]
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(name + "_total{") and all(w in line for w in want))
+
+
 def parts_sent(prefill) -> float:
     """The prefill node's KV parts sent while their prompts' prefill still ran."""
-    url = f"http://127.0.0.1:{prefill.info['metrics_port']}/metrics"
-    text = urllib.request.urlopen(url, timeout=10).read().decode()
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith("pd_kv_parts_sent_total{"))
+    return counter(prefill, "pd_kv_parts_sent")
+
+
+def holds(decode) -> tuple[float, float]:
+    """The decode node's launches held for a request about to join: (it joined, the step was
+    due first)."""
+    return (counter(decode, "pd_decode_launch_holds", outcome="joined"),
+            counter(decode, "pd_decode_launch_holds", outcome="due"))
 
 
 def row(name: str, alone: np.ndarray, mixed: np.ndarray, sent: int) -> str:
     p = lambda a, q: float(np.percentile(a, q))  # noqa: E731
-    return (f"{name:>10} | {p(alone, 50):7.2f} {p(alone, 99):7.2f} {alone.max():7.2f} | "
+    return (f"{name:>17} | {p(alone, 50):7.2f} {p(alone, 99):7.2f} {alone.max():7.2f} | "
             f"{p(mixed, 50):7.2f} {p(mixed, 99):7.2f} {mixed.max():8.2f} | {sent:5d} | "
             f"{p(mixed, 99) / p(alone, 99):6.2f}x")
 
@@ -186,6 +200,9 @@ def main() -> None:
     ap.add_argument("--transports", nargs="+", default=None, choices=["ipc", "shm", "zmq"],
                     help="the PD setup's KV transports, one row each (default: ipc and shm on "
                          "GPUs, shm on CPU)")
+    ap.add_argument("--join-hold", nargs="+", default=["on"], choices=["on", "off"],
+                    help="the decode node's launch held for a request about to join (on) or "
+                         "not (off: --no-join-hold), one PD row each per transport (default: on)")
     args = ap.parse_args()
 
     cuda = args.prefill_device.startswith("cuda")
@@ -207,10 +224,13 @@ def main() -> None:
     print(f"model {model}; {args.streams} streams of {args.stream_tokens} tokens; mixed: "
           f"{args.prompt_len}-token prompts every {args.interval}s")
     results, joins, ready, collections = {}, {}, {}, {}
-    for transport in transports if "pd" in args.setups else []:
+    for transport, hold in [(t, h) for t in transports for h in args.join_hold] \
+            if "pd" in args.setups else []:
+        name = transport if hold == "on" else f"{transport} no hold"
         decode = start_node("decode", [*common, "--device", args.decode_device, "--port", "0",
-                                       "--kv-port", "0", "--metrics-port", "0"], timeout=600,
-                            die_with_parent=True)
+                                       "--kv-port", "0", "--metrics-port", "0",
+                                       *(["--no-join-hold"] if hold == "off" else [])],
+                            timeout=600, die_with_parent=True)
         prefill = start_node("prefill", [*common, "--device", args.prefill_device, "--port", "0",
                                          "--metrics-port", "0", "--transport", transport],
                              timeout=600, die_with_parent=True)
@@ -221,17 +241,18 @@ def main() -> None:
             run_pd(client, prefill, decode, Load(args, vocab, mixed=True, seed=99))  # warm-up
             pauses, gc_before = Pauses(), node_gc(decode)
             alone, _, _ = run_pd(client, prefill, decode, Load(args, vocab, mixed=False, seed=1))
-            before, parts = exposed(decode), parts_sent(prefill)
-            mixed, sent, joins[transport] = run_pd(client, prefill, decode,
-                                                   Load(args, vocab, mixed=True, seed=2))
-            after = exposed(decode)
-            ready[transport] = ((after[0] - before[0]) / max(after[1] - before[1], 1),
-                                after[1] - before[1], parts_sent(prefill) - parts)
+            before, parts, held = exposed(decode), parts_sent(prefill), holds(decode)
+            mixed, sent, joins[name] = run_pd(client, prefill, decode,
+                                              Load(args, vocab, mixed=True, seed=2))
+            after, held_after = exposed(decode), holds(decode)
+            ready[name] = ((after[0] - before[0]) / max(after[1] - before[1], 1),
+                           after[1] - before[1], parts_sent(prefill) - parts,
+                           held_after[0] - held[0], held_after[1] - held[1])
             gc_after = node_gc(decode)
             pauses.close()
-            collections[transport] = (gc_after[0] - gc_before[0],
-                                      (gc_after[1] - gc_before[1]) * 1e3, pauses)
-            results[f"PD {transport}"] = (alone, mixed, sent)
+            collections[name] = (gc_after[0] - gc_before[0],
+                                 (gc_after[1] - gc_before[1]) * 1e3, pauses)
+            results[f"PD {name}"] = (alone, mixed, sent)
         finally:
             client.close()
             prefill.stop()
@@ -246,20 +267,21 @@ def main() -> None:
         results["colocated"] = (alone, mixed, sent)
     print(f"\ndecode ITL of the steady streams, ms   (P on {args.prefill_device}, D on "
           f"{args.decode_device}; colocated on {args.prefill_device})")
-    print(f"{'setup':>10} | {'streams alone':>23} | {'with arriving prompts':>24} | {'sent':>5} | "
+    print(f"{'setup':>17} | {'streams alone':>23} | {'with arriving prompts':>24} | {'sent':>5} | "
           f"p99 mixed/alone")
-    print(f"{'':>10} | {'p50':>7} {'p99':>7} {'max':>7} | {'p50':>7} {'p99':>7} {'max':>8} |       |")
+    print(f"{'':>17} | {'p50':>7} {'p99':>7} {'max':>7} | {'p50':>7} {'p99':>7} {'max':>8} |       |")
     for name, (alone, mixed, sent) in results.items():
         print(row(name, alone, mixed, sent))
-    for transport, ms in joins.items():
+    for name, ms in joins.items():
         if ms.size:
-            print(f"PD {transport}: an arriving prompt's first -> second token (its KV's way in "
+            mean, count, parts, joined, due = ready[name]
+            print(f"PD {name}: an arriving prompt's first -> second token (its KV's way in "
                   f"+ one step), ms: p50 {np.percentile(ms, 50):.2f}, max {ms.max():.2f}; the "
                   f"decode node's KV in -> first decoded token (pd_kv_exposed_seconds), mean "
-                  f"{ready[transport][0] * 1e3:.2f} ms over {ready[transport][1]:.0f} requests; "
-                  f"{ready[transport][2]:.0f} KV parts sent during prefills")
-    for transport, (count, ms, pauses) in collections.items():
-        print(f"PD {transport}: garbage collections (generations 1-2) over both phases: the "
+                  f"{mean * 1e3:.2f} ms over {count:.0f} requests; {parts:.0f} KV parts sent "
+                  f"during prefills; launches held {joined + due:.0f} ({joined:.0f} joined)")
+    for name, (count, ms, pauses) in collections.items():
+        print(f"PD {name}: garbage collections (generations 1-2) over both phases: the "
               f"decode node {count:.0f}, {ms:.1f} ms in all; this process (which stamps the "
               f"tokens) {pauses.count}, the longest {pauses.longest:.1f} ms")
 
