@@ -77,6 +77,23 @@ def gaps(times: dict[str, list[float]], skip: int) -> np.ndarray:
     return np.concatenate(out) * 1e3 if out else np.zeros(1)
 
 
+def worst(times: dict[str, list[float]], skip: int) -> str:
+    """Where the longest gap of the streams fell: its length, the token it ended at, and when
+    (seconds after the phase's first token), with how many streams had a gap over half of it
+    that ended within 1 ms of it (all of them: the stall was the node's or this process's)."""
+    start = min(ts[0] for ts in times.values() if ts)
+    found = (0.0, 0, 0.0)
+    for ts in times.values():
+        d = np.diff(ts[skip:])
+        if d.size and d.max() > found[0]:
+            i = int(d.argmax())
+            found = (float(d[i]), skip + i + 1, ts[skip + i + 1])
+    gap, token, at = found
+    alike = sum(1 for ts in times.values() for j in range(skip + 1, len(ts))
+                if abs(ts[j] - at) < 1e-3 and ts[j] - ts[j - 1] > gap / 2)
+    return f"{gap * 1e3:.1f} ms at token {token}, {at - start:.3f} s in, {alike} streams alike"
+
+
 def run_colocated(engine: Engine, load: Load) -> tuple[np.ndarray, int]:
     reqs = {f"s{i}": engine.add_request(p, load.stream_params, f"s{i}")
             for i, p in enumerate(load.streams)}
@@ -92,6 +109,7 @@ def run_colocated(engine: Engine, load: Load) -> tuple[np.ndarray, int]:
         for rid, r in reqs.items():
             times[rid] += [now] * (r.num_tokens - seen[rid])
             seen[rid] = r.num_tokens
+    load.worst = worst(times, load.args.skip)
     return gaps(times, load.args.skip), sent
 
 
@@ -118,13 +136,16 @@ def run_pd(client: NodeClient, prefill, decode, load: Load) -> tuple[np.ndarray,
     if failed:
         raise RuntimeError(f"{len(failed)} request(s) failed: {failed[0]}")
     joins = np.array([(times[r][1] - times[r][0]) * 1e3 for r in longs if len(times[r]) > 1])
+    load.worst = worst({r: times[r] for r in streams}, load.args.skip)
     return gaps({r: times[r] for r in streams}, load.args.skip), len(longs), joins
 
 
-def exposed(decode) -> tuple[float, float]:
-    """The decode node's pd_kv_exposed_seconds (sum, count) from its /metrics."""
+def exposed(decode) -> np.ndarray:
+    """The decode node's pd_kv_exposed_seconds (sum, count) and pd_request_join_seconds (sum,
+    count: a handed-over request's first token -> its joining the batch) from its /metrics."""
     got = node_sums(f"127.0.0.1:{decode.info['metrics_port']}")
-    return got.get("pd_kv_exposed_seconds_sum", 0.0), got.get("pd_kv_exposed_seconds_count", 0.0)
+    return np.array([got.get(f"pd_{name}_seconds_{x}", 0.0) for name in ("kv_exposed", "request_join")
+                     for x in ("sum", "count")])
 
 
 class Pauses:
@@ -229,6 +250,9 @@ def main() -> None:
         name = transport if hold == "on" else f"{transport} no hold"
         decode = start_node("decode", [*common, "--device", args.decode_device, "--port", "0",
                                        "--kv-port", "0", "--metrics-port", "0",
+                                       # every graph its sequences meet captured before serving
+                                       "--cuda-graph-max-tokens",
+                                       str(max(ctx, args.stream_prompt + args.stream_tokens)),
                                        *(["--no-join-hold"] if hold == "off" else [])],
                             timeout=600, die_with_parent=True)
         prefill = start_node("prefill", [*common, "--device", args.prefill_device, "--port", "0",
@@ -240,14 +264,16 @@ def main() -> None:
         try:
             run_pd(client, prefill, decode, Load(args, vocab, mixed=True, seed=99))  # warm-up
             pauses, gc_before = Pauses(), node_gc(decode)
-            alone, _, _ = run_pd(client, prefill, decode, Load(args, vocab, mixed=False, seed=1))
+            load = Load(args, vocab, mixed=False, seed=1)
+            alone, _, _ = run_pd(client, prefill, decode, load)
+            worst_alone = load.worst
             before, parts, held = exposed(decode), parts_sent(prefill), holds(decode)
-            mixed, sent, joins[name] = run_pd(client, prefill, decode,
-                                              Load(args, vocab, mixed=True, seed=2))
-            after, held_after = exposed(decode), holds(decode)
-            ready[name] = ((after[0] - before[0]) / max(after[1] - before[1], 1),
-                           after[1] - before[1], parts_sent(prefill) - parts,
-                           held_after[0] - held[0], held_after[1] - held[1])
+            load = Load(args, vocab, mixed=True, seed=2)
+            mixed, sent, joins[name] = run_pd(client, prefill, decode, load)
+            d, held_after = exposed(decode) - before, holds(decode)
+            ready[name] = (d[0] / max(d[1], 1), d[1], parts_sent(prefill) - parts,
+                           held_after[0] - held[0], held_after[1] - held[1], d[2] / max(d[3], 1),
+                           worst_alone, load.worst)
             gc_after = node_gc(decode)
             pauses.close()
             collections[name] = (gc_after[0] - gc_before[0],
@@ -274,12 +300,15 @@ def main() -> None:
         print(row(name, alone, mixed, sent))
     for name, ms in joins.items():
         if ms.size:
-            mean, count, parts, joined, due = ready[name]
+            mean, count, parts, joined, due, join, worst_alone, worst_mixed = ready[name]
             print(f"PD {name}: an arriving prompt's first -> second token (its KV's way in "
                   f"+ one step), ms: p50 {np.percentile(ms, 50):.2f}, max {ms.max():.2f}; the "
-                  f"decode node's KV in -> first decoded token (pd_kv_exposed_seconds), mean "
-                  f"{mean * 1e3:.2f} ms over {count:.0f} requests; {parts:.0f} KV parts sent "
-                  f"during prefills; launches held {joined + due:.0f} ({joined:.0f} joined)")
+                  f"decode node's first token in -> joined (pd_request_join_seconds) mean "
+                  f"{join * 1e3:.2f} ms, KV in -> first decoded token (pd_kv_exposed_seconds) "
+                  f"mean {mean * 1e3:.2f} ms over {count:.0f} requests; {parts:.0f} KV parts "
+                  f"sent during prefills; launches held {joined + due:.0f} ({joined:.0f} "
+                  f"joined); the streams' longest gap alone: {worst_alone}; with prompts: "
+                  f"{worst_mixed}")
     for name, (count, ms, pauses) in collections.items():
         print(f"PD {name}: garbage collections (generations 1-2) over both phases: the "
               f"decode node {count:.0f}, {ms:.1f} ms in all; this process (which stamps the "

@@ -170,14 +170,14 @@ class DecodeLoop:
     def launch_by(self) -> float | None:
         """The host time (`time.perf_counter`) by which the next step should be launched so that
         the device goes on without a gap after the step in flight: that step's start plus the
-        shortest of the last four steps' device time, less twice the host's recent time to
-        launch a step ahead and 150 us. None when no step is in flight, it is already done, or
+        shortest of the last four steps' device time, less 1.5 times the host's recent time to
+        launch a step ahead and 100 us. None when no step is in flight, it is already done, or
         no step has been measured."""
         if self.last is None or not self.busy or self.in_flight_done():
             return None
         n = len(self.busy)
         step = min(self.busy[i] for i in range(max(0, n - 4), n))
-        return self.started_at + step - 2 * self.launch_cost - 150e-6
+        return self.started_at + step - 1.5 * self.launch_cost - 100e-6
 
     def in_flight_done(self) -> bool:
         """Whether the step in flight (if any) has completed on the device."""

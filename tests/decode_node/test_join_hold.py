@@ -134,6 +134,6 @@ def test_launch_by_follows_the_step_in_flight(node):  # noqa: F811
     loop.busy.extend([0.030, 0.020, 0.025, 0.040])
     loop.launch_cost = 0.001
     loop.in_flight_done = lambda: False
-    assert loop.launch_by() == pytest.approx(loop.started_at + 0.020 - 0.002 - 150e-6)
+    assert loop.launch_by() == pytest.approx(loop.started_at + 0.020 - 0.0015 - 100e-6)
     loop.in_flight_done = lambda: True
     assert loop.launch_by() is None
