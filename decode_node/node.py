@@ -21,11 +21,13 @@ The step gap (device idle time between steps) is a histogram and a periodic log 
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections import Counter
 
 from decode_node.intake import Intake
 from pd.engine.decode_loop import make_decode_loop
+from pd.engine.loop_stats import SlowSteps
 from pd.engine.engine import Engine
 from pd.engine.request import Req
 from pd.service import metrics as node_metrics
@@ -71,6 +73,7 @@ class DecodeNode(NodeService):
                                      on_gap=self.metrics.step_gap_seconds.observe, spec=engine.spec,
                                      spec_fallback=fallback)
         self.spec_seen = SpecStats()  # MTP counters already exported
+        self.slow = SlowSteps(self.loop.times, os.environ)  # PD_LOG_SLOW_STEPS_MS
         self.capture_graphs(capture_graphs_tokens)
         self.last_gap_log = time.monotonic()
 
@@ -153,6 +156,7 @@ class DecodeNode(NodeService):
             self.events.send(reply_to, m.TokenStreams(**cols))
         self.loop.times.add("stream", t)
         self.intake.may_reserve()
+        self.slow.end(log, self.node_id, self.loop.batch_size, self.has_work())
         if self.engine.spec is not None:
             self.spec_seen = self.engine.spec.stats.export(self.metrics, self.spec_seen)
             if self.loop.choice is not None:

@@ -192,6 +192,15 @@ def holds(decode) -> tuple[float, float]:
             counter(decode, "pd_decode_launch_holds", outcome="due"))
 
 
+def slow_steps(decode, top: int = 4) -> str:
+    """The decode node's slow-step warnings (PD_LOG_SLOW_STEPS_MS): how many, and the longest
+    with where their time went."""
+    with open(decode.log_path, errors="replace") as f:
+        lines = [line.split("slow step, ", 1)[1].strip() for line in f if "slow step, " in line]
+    lines.sort(key=lambda line: -float(line.split(" ms", 1)[0]))
+    return f"{len(lines)}" + "".join(f"\n    {line}" for line in lines[:top])
+
+
 def row(name: str, alone: np.ndarray, mixed: np.ndarray, sent: int) -> str:
     p = lambda a, q: float(np.percentile(a, q))  # noqa: E731
     return (f"{name:>17} | {p(alone, 50):7.2f} {p(alone, 99):7.2f} {alone.max():7.2f} | "
@@ -221,6 +230,9 @@ def main() -> None:
     ap.add_argument("--transports", nargs="+", default=None, choices=["ipc", "shm", "zmq"],
                     help="the PD setup's KV transports, one row each (default: ipc and shm on "
                          "GPUs, shm on CPU)")
+    ap.add_argument("--slow-ms", type=float, default=5.0,
+                    help="the decode node logs each step slower than this (PD_LOG_SLOW_STEPS_MS); "
+                         "the count and the longest are printed (default: 5)")
     ap.add_argument("--join-hold", nargs="+", default=["on"], choices=["on", "off"],
                     help="the decode node's launch held for a request about to join (on) or "
                          "not (off: --no-join-hold), one PD row each per transport (default: on)")
@@ -244,7 +256,7 @@ def main() -> None:
     vocab = ModelConfig.from_dir(model).vocab_size
     print(f"model {model}; {args.streams} streams of {args.stream_tokens} tokens; mixed: "
           f"{args.prompt_len}-token prompts every {args.interval}s")
-    results, joins, ready, collections = {}, {}, {}, {}
+    results, joins, ready, collections, slow = {}, {}, {}, {}, {}
     for transport, hold in [(t, h) for t in transports for h in args.join_hold] \
             if "pd" in args.setups else []:
         name = transport if hold == "on" else f"{transport} no hold"
@@ -254,7 +266,8 @@ def main() -> None:
                                        "--cuda-graph-max-tokens",
                                        str(max(ctx, args.stream_prompt + args.stream_tokens)),
                                        *(["--no-join-hold"] if hold == "off" else [])],
-                            timeout=600, die_with_parent=True)
+                            env={"PD_LOG_SLOW_STEPS_MS": str(args.slow_ms)}, timeout=600,
+                            die_with_parent=True)
         prefill = start_node("prefill", [*common, "--device", args.prefill_device, "--port", "0",
                                          "--metrics-port", "0", "--transport", transport],
                              timeout=600, die_with_parent=True)
@@ -279,6 +292,7 @@ def main() -> None:
             collections[name] = (gc_after[0] - gc_before[0],
                                  (gc_after[1] - gc_before[1]) * 1e3, pauses)
             results[f"PD {name}"] = (alone, mixed, sent)
+            slow[name] = slow_steps(decode)
         finally:
             client.close()
             prefill.stop()
@@ -313,6 +327,9 @@ def main() -> None:
         print(f"PD {name}: garbage collections (generations 1-2) over both phases: the "
               f"decode node {count:.0f}, {ms:.1f} ms in all; this process (which stamps the "
               f"tokens) {pauses.count}, the longest {pauses.longest:.1f} ms")
+    for name, text in slow.items():
+        print(f"PD {name}: the decode node's steps over {args.slow_ms:g} ms (warm-up included), "
+              f"by phase in ms: {text}")
 
 
 if __name__ == "__main__":

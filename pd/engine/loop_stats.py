@@ -54,6 +54,40 @@ class HostTimes:
         return now
 
 
+class SlowSteps:
+    """A warning for each turn of a decode node's loop (from the end of one step to the end of
+    the next: the sockets' poll and handlers, then the step) longer than `threshold_ms`
+    (env PD_LOG_SLOW_STEPS_MS; unset: off), with where its time went by `HostTimes` phase,
+    the rest being the loop's own ("loop": polls, handlers, timers): what names the source of
+    a stall that every stream sees."""
+
+    ENV = "PD_LOG_SLOW_STEPS_MS"
+
+    def __init__(self, times: HostTimes, environ) -> None:
+        value = environ.get(self.ENV, "").strip()
+        self.threshold = float(value) / 1e3 if value else None
+        self.times = times
+        self.ended = 0.0
+        self.before = dict(times.total)
+        self.more = False  # the last step left work: this turn is timed
+
+    def end(self, log, node_id: str, batch_size: int, more: bool) -> None:
+        """A step just ended; `more`: the loop has work left (it comes straight back, so the
+        next turn is timed; not after an idle wait)."""
+        if self.threshold is None:
+            return
+        now = time.perf_counter()
+        took, self.ended = now - self.ended, now
+        total = self.times.total
+        if self.more and took > self.threshold:
+            phases = {k: total[k] - self.before[k] for k in total}
+            phases["loop"] = took - sum(phases.values())
+            log.warning("decode node %s: slow step, %.1f ms at batch %d: %s", node_id,
+                        took * 1e3, batch_size, ", ".join(
+                            f"{k} {v * 1e3:.2f}" for k, v in phases.items() if v >= 5e-5))
+        self.before, self.more = dict(total), more
+
+
 class SpecChoice:
     """Whether MTP steps or plain steps serve the current batch size better, from measurement
     alone: per batch-size bucket (powers of two) the wall time per emitted token over the last
