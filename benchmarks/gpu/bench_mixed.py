@@ -77,11 +77,10 @@ def gaps(times: dict[str, list[float]], skip: int) -> np.ndarray:
     return np.concatenate(out) * 1e3 if out else np.zeros(1)
 
 
-def worst(times: dict[str, list[float]], skip: int) -> str:
+def worst(times: dict[str, list[float]], skip: int, start: float) -> str:
     """Where the longest gap of the streams fell: its length, the token it ended at, and when
-    (seconds after the phase's first token), with how many streams had a gap over half of it
-    that ended within 1 ms of it (all of them: the stall was the node's or this process's)."""
-    start = min(ts[0] for ts in times.values() if ts)
+    (seconds after the phase's `start`), with how many streams had a gap over half of it that
+    ended within 1 ms of it (all of them: the stall was the node's or this process's)."""
     found = (0.0, 0, 0.0)
     for ts in times.values():
         d = np.diff(ts[skip:])
@@ -109,7 +108,7 @@ def run_colocated(engine: Engine, load: Load) -> tuple[np.ndarray, int]:
         for rid, r in reqs.items():
             times[rid] += [now] * (r.num_tokens - seen[rid])
             seen[rid] = r.num_tokens
-    load.worst = worst(times, load.args.skip)
+    load.worst = worst(times, load.args.skip, start)
     return gaps(times, load.args.skip), sent
 
 
@@ -121,14 +120,20 @@ def run_pd(client: NodeClient, prefill, decode, load: Load) -> tuple[np.ndarray,
                for p in load.streams]
     times: dict[str, list[float]] = {rid: [] for rid in streams}
     longs: list[str] = []
-    start = time.perf_counter()
+    start = last = time.perf_counter()
+    turns = [(0.0, False, 0.0)]  # this process's longest turns of its loop: (s, submitted, at)
     while not all(client.results[r].done for r in streams + longs):
+        submitted = False
         while (not all(client.results[r].done for r in streams)) and load.due(start, len(longs)):
             longs.append(client.submit(prefill.addr, decode.kv_addr, load.longs[len(longs)],
                                        load.long_params))
             times[longs[-1]] = []
+            submitted = True
         msgs = client.poll(0.001)
         now = time.perf_counter()
+        if now - last > turns[-1][0] or len(turns) < 3:
+            turns = sorted(turns + [(now - last, submitted, now - start)], reverse=True)[:3]
+        last = now
         for msg in msgs:
             if msg.req_id in times:
                 times[msg.req_id] += [now] * len(msg.token_ids)
@@ -136,7 +141,10 @@ def run_pd(client: NodeClient, prefill, decode, load: Load) -> tuple[np.ndarray,
     if failed:
         raise RuntimeError(f"{len(failed)} request(s) failed: {failed[0]}")
     joins = np.array([(times[r][1] - times[r][0]) * 1e3 for r in longs if len(times[r]) > 1])
-    load.worst = worst({r: times[r] for r in streams}, load.args.skip)
+    load.worst = worst({r: times[r] for r in streams}, load.args.skip, start) + (
+        "; this process's longest turns: " + ", ".join(
+            f"{s * 1e3:.1f} ms{' (a prompt sent)' if sub else ''} at {at:.3f} s"
+            for s, sub, at in turns if s))
     return gaps({r: times[r] for r in streams}, load.args.skip), len(longs), joins
 
 
