@@ -160,12 +160,12 @@ class Intake:
             self.receiver.release()
 
     def expecting(self) -> bool:
-        """Whether a request's KV is about to be complete: its first token is here (its
-        prefill is done) and its KVDone not yet, or its last copies run (LANDING)."""
+        """Whether a request may join soon: its blocks are reserved and its prefill or its KV
+        is under way (RECEIVING), or its last copies run (LANDING)."""
         if self.landing:
             return True
         for inc in self.incoming.values():
-            if inc.first_token_at and inc.state is IncomingState.RECEIVING:
+            if inc.state is IncomingState.RECEIVING:
                 return True
         return False
 

@@ -13,8 +13,8 @@ overlap scheduler), or the plain loop with `overlap=False` (`--no-overlap`,
 PD_DISABLE_OVERLAP=1). With MTP the prefill node's DRAFT_TOKENS record (after FIRST_TOKEN)
 gives the first drafts, so a request's first step here verifies them; every step may then
 stream several tokens of a request. Requests joining from prefill nodes and aborts are applied between
-steps; while a request's KV is about to be complete (its first token in), the next launch is
-held for it, up to the end of the step in flight (`hold`; `--no-join-hold` launches at once).
+steps; while a request may join soon (its prefill or KV under way), the next launch is held
+for it, up to the end of the step in flight (`hold`; `--no-join-hold` launches at once).
 The step gap (device idle time between steps) is a histogram and a periodic log line.
 """
 
@@ -163,14 +163,14 @@ class DecodeNode(NodeService):
                 self.metrics.count_spec_plain_steps(self.loop.choice.num_plain_steps)
 
     def hold(self, t: float) -> float:
-        """Hold the next launch while a handed-over request's KV is about to be complete,
-        reading the sockets, until it joins or the step in flight is about to end
-        (`DecodeLoop.launch_by`, or found done). The overlap scheduler launches a step as the
-        one before it begins on the device, so a request joining between launches waits for
-        the step in flight and then the one launched without it; held, it joins the next step,
-        while the device runs on. Returns now (the hold's end), having counted it."""
+        """Hold the next launch while a handed-over request may join soon (its prefill or its
+        KV under way), reading the sockets, until one joins or the step in flight is about to
+        end (`DecodeLoop.launch_by`, or found done). The overlap scheduler would launch a step
+        as the one before it begins on the device, so that a request joining just after waits
+        for the step in flight and then the one launched without it; held, the launch takes
+        in what joins meanwhile, and the device runs on. Returns now, having counted a hold."""
         by = self.loop.launch_by()
-        if by is None:
+        if by is None or time.perf_counter() >= by:
             return t
         joined = self.num_joined
         while self.num_joined == joined and not self.stopping.is_set():

@@ -62,9 +62,9 @@ _STEP_GAP = Histogram("pd_decode_step_gap_seconds",
                       "Device idle time between two decode steps (the overlap scheduler's gap)",
                       LABELS, buckets=TIME_BUCKETS)
 _HOLDS = Counter("pd_decode_launch_holds",
-                 "Decode steps whose launch was held for a request whose KV was about to be "
-                 "complete (its first token in): joined (it joined that step) or due (the step "
-                 "in flight was about to end first)", LABELS + ("outcome",))
+                 "Decode steps whose launch was held while a handed-over request might join "
+                 "(its prefill or KV under way): joined (one joined, and is in that step) or due "
+                 "(the step in flight was about to end first)", LABELS + ("outcome",))
 _DRAFTS = Counter("pd_spec_decode_num_drafts", "MTP draft proposals verified", LABELS)
 _DRAFT_TOKENS = Counter("pd_spec_decode_num_draft_tokens", "MTP draft tokens proposed", LABELS)
 _ACCEPTED = Counter("pd_spec_decode_num_accepted_tokens", "MTP draft tokens accepted", LABELS)

@@ -1,7 +1,7 @@
-"""The decode node's held launch (`DecodeNode.hold`): while a handed-over request's KV is about to
-be complete (its first token is in), the next step's launch waits, reading the sockets, until the
-request joins (it is then in that step) or the step in flight is about to end (`launch_by`);
-with `join_hold` off, or nothing about to join, a step is launched at once. A real decode node
+"""The decode node's held launch (`DecodeNode.hold`): while a handed-over request may join soon
+(its blocks reserved, its prefill or KV under way), the next step's launch waits, reading the
+sockets, until the request joins (it is then in that step) or the step in flight is about to end
+(`launch_by`); with `join_hold` off, or nothing to join, a step is launched at once. A real decode node
 and engine on the tiny model decoding one request (overlap on: a step in flight between calls);
 the second request's KVDone arrives on a socket the node polls, from a timer; the loop's clock
 (`launch_by`, `in_flight_done`) is set by the test, since on this CPU a step may end before the
@@ -15,8 +15,9 @@ import time
 import pytest
 import zmq
 
-from tests.decode_node.test_direct_kv import RING_PEER, hand_over, node  # noqa: F401
+from tests.decode_node.test_direct_kv import PROMPT, RING_PEER, hand_over, node  # noqa: F401
 from pd.wire import messages as m
+from pd.wire.sampling_params import SamplingParams
 
 
 @pytest.fixture
@@ -27,6 +28,9 @@ def decoding(node):  # noqa: F811
     node.step()
     assert node.loop.in_flight
     yield node
+    for timer in getattr(node, "timers", []):
+        timer.join()
+    node.loop.close()  # the step in flight done: no forward of this engine outlives the test
     for sock in node.extra:
         sock.close(linger=0)
 
@@ -66,7 +70,7 @@ def clock(monkeypatch, node, due_in: float) -> None:
 def test_a_request_about_to_join_is_in_the_next_step(decoding, monkeypatch):
     node = decoding
     node.extra = []
-    hand_over(node, RING_PEER, "b")  # its first token is in: its KV is about to be complete
+    hand_over(node, RING_PEER, "b")  # its blocks reserved, its first token in, its KV to come
     assert node.intake.expecting()
     clock(monkeypatch, node, due_in=5.0)
     joined = holds(node, "joined")
@@ -124,16 +128,28 @@ def test_nothing_is_held_when_the_step_in_flight_is_done_or_nothing_is_about_to_
     assert time.perf_counter() - start < 2.0
 
 
-def test_launch_by_follows_the_step_in_flight(node):  # noqa: F811
+def test_launch_by_follows_the_step_in_flight(decoding, monkeypatch):
+    node = decoding
+    node.extra = []
     loop = node.loop
-    assert loop.launch_by() is None  # nothing in flight
-    hand_over(node, RING_PEER, "a")
-    node.intake.dispatch(RING_PEER, m.to_dict(m.KVDone("a", 0)))
-    for _ in range(3):
-        node.step()
+    node.step()
     loop.busy.extend([0.030, 0.020, 0.025, 0.040])
     loop.launch_cost = 0.001
-    loop.in_flight_done = lambda: False
+    monkeypatch.setattr(loop, "in_flight_done", lambda: False)
     assert loop.launch_by() == pytest.approx(loop.started_at + 0.020 - 0.0015 - 100e-6)
-    loop.in_flight_done = lambda: True
+    monkeypatch.setattr(loop, "in_flight_done", lambda: True)
     assert loop.launch_by() is None
+    monkeypatch.undo()
+    loop.drain()
+    assert loop.launch_by() is None  # nothing in flight
+
+
+def test_a_request_is_expected_from_its_request_meta(node):  # noqa: F811
+    hand_over(node, RING_PEER, "a")
+    assert node.intake.expecting()  # first token in, KV to come
+    node.intake.dispatch(RING_PEER, m.to_dict(m.KVDone("a", 0)))
+    assert not node.intake.expecting()
+    params = SamplingParams(max_tokens=4, temperature=0.0).to_dict()
+    node.intake.dispatch(RING_PEER, m.to_dict(m.RequestMeta("b", PROMPT, params, node.reply,
+                                                            num_blocks=3, direct=True)))
+    assert node.intake.expecting()  # announced as its prefill starts: blocks reserved
