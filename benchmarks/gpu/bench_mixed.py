@@ -11,7 +11,8 @@ out), pooled: p50, p99 and max.
 - PD: a prefill node on `--prefill-device` and a decode node on `--decode-device`, real
   processes joined by ZMQ and the KV transport (`--transports`: one row each, CUDA IPC and
   the shm ring by default on GPUs), driven by `pd.service.client.NodeClient`; a token's time is
-  when the client receives it.
+  when the client receives it. The arriving prompts are sent and read by a second process
+  (`Arrivals`), so the one stamping the streams' tokens does nothing else.
 - colocated: one `Engine` on `--prefill-device` doing both, driven in this process (chunked
   prefill of up to `--max-num-batched-tokens` tokens per step, mixed into the decode steps); a
   token's time is when the step that sampled it returns.
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import multiprocessing as mp
 import os
 import random
 import sys
@@ -112,40 +114,90 @@ def run_colocated(engine: Engine, load: Load) -> tuple[np.ndarray, int]:
     return gaps(times, load.args.skip), sent
 
 
-def run_pd(client: NodeClient, prefill, decode, load: Load) -> tuple[np.ndarray, int, np.ndarray]:
-    """The streams' ITL gaps (ms), the prompts sent, and each arriving prompt's gap from its
-    first token (sent on by the decode node as it arrives, before the KV) to its second (its
-    first decode step, once its KV is in): the transfer's exposed time plus one step."""
+class Arrivals:
+    """The arriving prompts, sent and read by a process of their own (spawned once per PD
+    setup), so that the process stamping the streams' tokens does nothing else: sending a
+    prompt once held its loop 12 ms, seen by every stream as a stall of the decode node.
+    `run` starts a phase's arrivals; `finish`, once the streams are done, waits for the last
+    and gives (prompts sent, each one's first -> second token gap in ms)."""
+
+    def __init__(self, prefill_addr: str, kv_addr: str) -> None:
+        ctx = mp.get_context("spawn")
+        self.commands, self.results = ctx.Queue(), ctx.Queue()
+        self.streams_done = ctx.Event()
+        self.proc = ctx.Process(target=_send_arrivals, daemon=True, args=(
+            prefill_addr, kv_addr, self.commands, self.results, self.streams_done))
+        self.proc.start()
+        assert self.results.get(timeout=120) == "ready"
+
+    def run(self, load: "Load", start: float) -> None:
+        self.streams_done.clear()
+        self.commands.put((load.longs, load.long_params, start, load.args.warmup,
+                           load.args.interval))
+
+    def finish(self) -> tuple[int, np.ndarray]:
+        self.streams_done.set()
+        sent, joins, error = self.results.get(timeout=600)
+        if error:
+            raise RuntimeError(error)
+        return sent, np.array(joins)
+
+    def close(self) -> None:
+        self.commands.put(None)
+        self.proc.join(timeout=10)
+
+
+def _send_arrivals(prefill_addr, kv_addr, commands, results, streams_done) -> None:
+    client = NodeClient()
+    results.put("ready")
+    while (cmd := commands.get()) is not None:
+        longs, params, start, warmup, interval = cmd
+        sent: list[str] = []
+        times: dict[str, list[float]] = {}
+        while not (streams_done.is_set() and all(client.results[r].done for r in sent)):
+            if (not streams_done.is_set() and len(sent) < len(longs)
+                    and time.perf_counter() >= start + warmup + len(sent) * interval):
+                sent.append(client.submit(prefill_addr, kv_addr, longs[len(sent)], params))
+                times[sent[-1]] = []
+            for msg in client.poll(0.001):
+                if msg.req_id in times:
+                    times[msg.req_id] += [time.perf_counter()] * len(msg.token_ids)
+        failed = [client.results[r].error for r in sent if client.results[r].error]
+        joins = [(times[r][1] - times[r][0]) * 1e3 for r in sent if len(times[r]) > 1]
+        results.put((len(sent), joins, f"{len(failed)} prompt(s) failed: {failed[0]}" if failed
+                     else None))
+    client.close()
+
+
+def run_pd(client: NodeClient, prefill, decode, load: Load,
+           arrivals: Arrivals) -> tuple[np.ndarray, int, np.ndarray]:
+    """The streams' ITL gaps (ms), the prompts sent (by `arrivals`), and each arriving prompt's
+    gap from its first token (sent on by the decode node as it arrives, before the KV) to its
+    second (its first decode step, once its KV is in): the transfer's exposed time plus one
+    step."""
     streams = [client.submit(prefill.addr, decode.kv_addr, p, load.stream_params)
                for p in load.streams]
     times: dict[str, list[float]] = {rid: [] for rid in streams}
-    longs: list[str] = []
     start = last = time.perf_counter()
-    turns = [(0.0, False, 0.0)]  # this process's longest turns of its loop: (s, submitted, at)
-    while not all(client.results[r].done for r in streams + longs):
-        submitted = False
-        while (not all(client.results[r].done for r in streams)) and load.due(start, len(longs)):
-            longs.append(client.submit(prefill.addr, decode.kv_addr, load.longs[len(longs)],
-                                       load.long_params))
-            times[longs[-1]] = []
-            submitted = True
+    if load.longs:
+        arrivals.run(load, start)
+    longest = (0.0, 0.0)  # this process's longest turn of its loop: (seconds, when)
+    while not all(client.results[r].done for r in streams):
         msgs = client.poll(0.001)
         now = time.perf_counter()
-        if now - last > turns[-1][0] or len(turns) < 3:
-            turns = sorted(turns + [(now - last, submitted, now - start)], reverse=True)[:3]
+        if now - last > longest[0]:
+            longest = (now - last, now - start)
         last = now
         for msg in msgs:
             if msg.req_id in times:
                 times[msg.req_id] += [now] * len(msg.token_ids)
+    sent, joins = arrivals.finish() if load.longs else (0, np.zeros(0))
     failed = [r.error for r in client.results.values() if r.error]
     if failed:
         raise RuntimeError(f"{len(failed)} request(s) failed: {failed[0]}")
-    joins = np.array([(times[r][1] - times[r][0]) * 1e3 for r in longs if len(times[r]) > 1])
-    load.worst = worst({r: times[r] for r in streams}, load.args.skip, start) + (
-        "; this process's longest turns: " + ", ".join(
-            f"{s * 1e3:.1f} ms{' (a prompt sent)' if sub else ''} at {at:.3f} s"
-            for s, sub, at in turns if s))
-    return gaps({r: times[r] for r in streams}, load.args.skip), len(longs), joins
+    load.worst = (worst(times, load.args.skip, start) + f"; this process's longest turn "
+                  f"{longest[0] * 1e3:.1f} ms at {longest[1]:.3f} s")
+    return gaps(times, load.args.skip), sent, joins
 
 
 def exposed(decode) -> np.ndarray:
@@ -282,15 +334,17 @@ def main() -> None:
         decode.addr, decode.kv_addr = f"tcp://127.0.0.1:{decode.info['port']}", decode.info["kv_addr"]
         prefill.addr = f"tcp://127.0.0.1:{prefill.info['port']}"
         client = NodeClient()
+        arrivals = Arrivals(prefill.addr, decode.kv_addr)
         try:
-            run_pd(client, prefill, decode, Load(args, vocab, mixed=True, seed=99))  # warm-up
+            run_pd(client, prefill, decode, Load(args, vocab, mixed=True, seed=99),
+                   arrivals)  # warm-up
             pauses, gc_before = Pauses(), node_gc(decode)
             load = Load(args, vocab, mixed=False, seed=1)
-            alone, _, _ = run_pd(client, prefill, decode, load)
+            alone, _, _ = run_pd(client, prefill, decode, load, arrivals)
             worst_alone = load.worst
             before, parts, held = exposed(decode), parts_sent(prefill), holds(decode)
             load = Load(args, vocab, mixed=True, seed=2)
-            mixed, sent, joins[name] = run_pd(client, prefill, decode, load)
+            mixed, sent, joins[name] = run_pd(client, prefill, decode, load, arrivals)
             d, held_after = exposed(decode) - before, holds(decode)
             ready[name] = (d[0] / max(d[1], 1), d[1], parts_sent(prefill) - parts,
                            held_after[0] - held[0], held_after[1] - held[1], d[2] / max(d[3], 1),
@@ -302,6 +356,7 @@ def main() -> None:
             results[f"PD {name}"] = (alone, mixed, sent)
             slow[name] = slow_steps(decode)
         finally:
+            arrivals.close()
             client.close()
             prefill.stop()
             decode.stop()
