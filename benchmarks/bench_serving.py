@@ -359,7 +359,8 @@ def snapshot(lau) -> dict[tuple[str, str], float]:
 
 
 TAIL_BUCKETS = ("pd_time_to_first_token_seconds_bucket", "pd_inter_token_latency_seconds_bucket",
-                "pd_first_token_send_seconds_bucket", "pd_request_join_seconds_bucket")
+                "pd_first_token_send_seconds_bucket", "pd_request_join_seconds_bucket",
+                "pd_decode_step_gap_seconds_bucket")
 
 
 def node_sums(address: str) -> dict[str, float]:

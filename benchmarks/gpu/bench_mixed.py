@@ -202,10 +202,13 @@ def run_pd(client: NodeClient, prefill, decode, load: Load,
 
 def exposed(decode) -> np.ndarray:
     """The decode node's pd_kv_exposed_seconds (sum, count) and pd_request_join_seconds (sum,
-    count: a handed-over request's first token -> its joining the batch) from its /metrics."""
+    count: a handed-over request's first token -> its joining the batch), and its step gaps
+    (sum, count, how many of at most 250 us) from its /metrics."""
     got = node_sums(f"127.0.0.1:{decode.info['metrics_port']}")
     return np.array([got.get(f"pd_{name}_seconds_{x}", 0.0) for name in ("kv_exposed", "request_join")
-                     for x in ("sum", "count")])
+                     for x in ("sum", "count")]
+                    + [got.get(f"pd_decode_step_gap_seconds_{x}", 0.0) for x in ("sum", "count")]
+                    + [got.get('pd_decode_step_gap_seconds_le="0.00025"', 0.0)])
 
 
 class Pauses:
@@ -348,7 +351,7 @@ def main() -> None:
             d, held_after = exposed(decode) - before, holds(decode)
             ready[name] = (d[0] / max(d[1], 1), d[1], parts_sent(prefill) - parts,
                            held_after[0] - held[0], held_after[1] - held[1], d[2] / max(d[3], 1),
-                           worst_alone, load.worst)
+                           worst_alone, load.worst, d[4] / max(d[5], 1), d[5] - d[6])
             gc_after = node_gc(decode)
             pauses.close()
             collections[name] = (gc_after[0] - gc_before[0],
@@ -377,15 +380,17 @@ def main() -> None:
         print(row(name, alone, mixed, sent))
     for name, ms in joins.items():
         if ms.size:
-            mean, count, parts, joined, due, join, worst_alone, worst_mixed = ready[name]
+            (mean, count, parts, joined, due, join, worst_alone, worst_mixed, gap,
+             long_gaps) = ready[name]
             print(f"PD {name}: an arriving prompt's first -> second token (its KV's way in "
                   f"+ one step), ms: p50 {np.percentile(ms, 50):.2f}, max {ms.max():.2f}; the "
                   f"decode node's first token in -> joined (pd_request_join_seconds) mean "
                   f"{join * 1e3:.2f} ms, KV in -> first decoded token (pd_kv_exposed_seconds) "
                   f"mean {mean * 1e3:.2f} ms over {count:.0f} requests; {parts:.0f} KV parts "
                   f"sent during prefills; launches held {joined + due:.0f} ({joined:.0f} "
-                  f"joined); the streams' longest gap alone: {worst_alone}; with prompts: "
-                  f"{worst_mixed}")
+                  f"joined); the device's step gaps with prompts: mean {gap * 1e6:.0f} us, "
+                  f"{long_gaps:.0f} over 250 us; the streams' longest gap alone: "
+                  f"{worst_alone}; with prompts: {worst_mixed}")
     for name, (count, ms, pauses) in collections.items():
         print(f"PD {name}: garbage collections (generations 1-2) over both phases: the "
               f"decode node {count:.0f}, {ms:.1f} ms in all; this process (which stamps the "

@@ -100,7 +100,7 @@ class DecodeLoop:
         # the previous step's end seen by the host), and the host's recent time to launch a
         # step ahead: `launch_by`
         self.started_at = 0.0
-        self.launch_cost = 0.0
+        self.launch_costs: deque[float] = deque(maxlen=8)
 
     @property
     def in_flight(self) -> bool:
@@ -165,19 +165,20 @@ class DecodeLoop:
         now = time.perf_counter()
         self.started_at = now
         if ahead:  # only a launch ahead is the cost `launch_by` leaves room for
-            self.launch_cost += 0.25 * (now - since - self.launch_cost)
+            self.launch_costs.append(now - since)
 
     def launch_by(self) -> float | None:
         """The host time (`time.perf_counter`) by which the next step should be launched so that
         the device goes on without a gap after the step in flight: that step's start plus the
-        shortest of the last four steps' device time, less 1.5 times the host's recent time to
-        launch a step ahead and 100 us. None when no step is in flight, it is already done, or
-        no step has been measured."""
-        if self.last is None or not self.busy or self.in_flight_done():
+        shortest of the last four steps' device time, less the longest of the host's last eight
+        launches ahead and 150 us. None when no step is in flight, it is already done, or
+        nothing has been measured yet."""
+        if (self.last is None or not self.busy or not self.launch_costs
+                or self.in_flight_done()):
             return None
         n = len(self.busy)
         step = min(self.busy[i] for i in range(max(0, n - 4), n))
-        return self.started_at + step - 1.5 * self.launch_cost - 100e-6
+        return self.started_at + step - max(self.launch_costs) - 150e-6
 
     def in_flight_done(self) -> bool:
         """Whether the step in flight (if any) has completed on the device."""

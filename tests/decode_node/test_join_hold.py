@@ -134,9 +134,9 @@ def test_launch_by_follows_the_step_in_flight(decoding, monkeypatch):
     loop = node.loop
     node.step()
     loop.busy.extend([0.030, 0.020, 0.025, 0.040])
-    loop.launch_cost = 0.001
+    loop.launch_costs.extend([0.001, 0.003, 0.002])
     monkeypatch.setattr(loop, "in_flight_done", lambda: False)
-    assert loop.launch_by() == pytest.approx(loop.started_at + 0.020 - 0.0015 - 100e-6)
+    assert loop.launch_by() == pytest.approx(loop.started_at + 0.020 - 0.003 - 150e-6)
     monkeypatch.setattr(loop, "in_flight_done", lambda: True)
     assert loop.launch_by() is None
     monkeypatch.undo()
