@@ -159,16 +159,6 @@ class Intake:
         if self.receiver.num_held:
             self.receiver.release()
 
-    def expecting(self) -> bool:
-        """Whether a request may join soon: its blocks are reserved and its prefill or its KV
-        is under way (RECEIVING), or its last copies run (LANDING)."""
-        if self.landing:
-            return True
-        for inc in self.incoming.values():
-            if inc.state is IncomingState.RECEIVING:
-                return True
-        return False
-
     def dispatch(self, peer: bytes, item) -> None:
         if isinstance(item, dict):
             msg = m.from_dict(item)

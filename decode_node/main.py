@@ -42,7 +42,7 @@ def main(args: argparse.Namespace) -> int:
         args.node_id or f"decode-{args.port or os.getpid()}", engine, host=args.host,
         port=args.port, kv_port=args.kv_port, metrics_port=args.metrics_port,
         max_queue=args.max_queue, kv_timeout=args.kv_timeout, overlap=overlap,
-        spec_fallback=args.spec_fallback, join_hold=not args.no_join_hold,
+        spec_fallback=args.spec_fallback,
         drain_timeout=args.drain_timeout, capture_graphs_tokens=args.cuda_graph_max_tokens)
     announce("decode", node.node_id, port=node.port, kv_addr=node.kv_addr,
              metrics_port=node.probe.port if node.probe else None)

@@ -13,9 +13,7 @@ overlap scheduler), or the plain loop with `overlap=False` (`--no-overlap`,
 PD_DISABLE_OVERLAP=1). With MTP the prefill node's DRAFT_TOKENS record (after FIRST_TOKEN)
 gives the first drafts, so a request's first step here verifies them; every step may then
 stream several tokens of a request. Requests joining from prefill nodes and aborts are applied between
-steps; while a request may join soon (its prefill or KV under way), the next launch is held
-for it, up to the end of the step in flight (`hold`; `--no-join-hold` launches at once).
-The step gap (device idle time between steps) is a histogram and a periodic log line.
+steps; the step gap (device idle time between steps) is a histogram and a periodic log line.
 """
 
 from __future__ import annotations
@@ -48,7 +46,6 @@ class DecodeNode(NodeService):
                  metrics_port: int | None, max_queue: int = default("max_queue", "decode"),
                  kv_timeout: float = default("kv_timeout", "decode"), overlap: bool = True,
                  spec_fallback: str = default("spec_fallback", "decode"),
-                 join_hold: bool = not default("no_join_hold", "decode"),
                  drain_timeout: float = default("drain_timeout", "decode"),
                  capture_graphs_tokens: int = default("cuda_graph_max_tokens", "decode")) -> None:
         super().__init__(node_id, host, port, metrics_port, drain_timeout)
@@ -57,8 +54,6 @@ class DecodeNode(NodeService):
         self.allocator = engine.allocator
         self.reply_to: dict[str, str] = {}  # running request -> router event endpoint
         self.ready_at: dict[str, float] = {}  # joined, no token decoded yet: when its KV was in
-        self.num_joined = 0  # requests that joined the running batch
-        self.join_hold = join_hold  # `hold`
         self.metrics = node_metrics.for_node(self.role, node_id)
         receiver = KVReceiver(f"tcp://{host}:{kv_port}", ctx=self.ctx,
                               pin_rings=engine.runner.device.type == "cuda")
@@ -112,8 +107,6 @@ class DecodeNode(NodeService):
 
     def step(self) -> None:
         t = time.perf_counter()
-        if self.join_hold and self.intake.expecting():
-            t = self.hold(t)
         # requests whose KV copies completed join this step (with nothing to decode, once
         # they have: no empty steps while KV lands)
         self.intake.land(wait=not self.loop.has_work)
@@ -162,28 +155,6 @@ class DecodeNode(NodeService):
             if self.loop.choice is not None:
                 self.metrics.count_spec_plain_steps(self.loop.choice.num_plain_steps)
 
-    def hold(self, t: float) -> float:
-        """Hold the next launch while a handed-over request may join soon (its prefill or its
-        KV under way), reading the sockets, until one joins or the step in flight is about to
-        end (`DecodeLoop.launch_by`, or found done). The overlap scheduler would launch a step
-        as the one before it begins on the device, so that a request joining just after waits
-        for the step in flight and then the one launched without it; held, the launch takes
-        in what joins meanwhile, and the device runs on. Returns now, having counted a hold."""
-        by = self.loop.launch_by()
-        if by is None or time.perf_counter() >= by:
-            return t
-        joined = self.num_joined
-        while self.num_joined == joined and not self.stopping.is_set():
-            now = time.perf_counter()
-            if now >= by or self.loop.in_flight_done() or not self.intake.expecting():
-                break
-            wait_ms = int((by - now) * 1000) - 1  # the poller's whole milliseconds; spin the rest
-            for sock, _ in self.poller.poll(max(0, wait_ms)):
-                self.handlers[sock]()
-            self.intake.land()
-        self.metrics.launch_holds("joined" if self.num_joined != joined else "due").inc()
-        return self.loop.times.add("hold", t)
-
     def stream(self, reply_to: str, req: Req, n: int, finish_reason: str | None) -> None:
         """Send the request's last n tokens (with logprobs when asked) to the router."""
         self.events.send(reply_to, self.token_stream(req, n, finish_reason))
@@ -207,7 +178,6 @@ class DecodeNode(NodeService):
         return req_id in self.reply_to
 
     def join(self, req: Req, reply_to: str) -> None:
-        self.num_joined += 1
         self.reply_to[req.req_id] = reply_to
         self.ready_at[req.req_id] = time.perf_counter()
         self.scheduler.add_running(req)

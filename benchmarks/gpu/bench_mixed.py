@@ -248,13 +248,6 @@ def parts_sent(prefill) -> float:
     return counter(prefill, "pd_kv_parts_sent")
 
 
-def holds(decode) -> tuple[float, float]:
-    """The decode node's launches held for a request about to join: (it joined, the step was
-    due first)."""
-    return (counter(decode, "pd_decode_launch_holds", outcome="joined"),
-            counter(decode, "pd_decode_launch_holds", outcome="due"))
-
-
 def slow_steps(decode, top: int = 4) -> str:
     """The decode node's slow-step warnings (PD_LOG_SLOW_STEPS_MS): how many, and the longest
     with where their time went."""
@@ -266,7 +259,7 @@ def slow_steps(decode, top: int = 4) -> str:
 
 def row(name: str, alone: np.ndarray, mixed: np.ndarray, sent: int) -> str:
     p = lambda a, q: float(np.percentile(a, q))  # noqa: E731
-    return (f"{name:>17} | {p(alone, 50):7.2f} {p(alone, 99):7.2f} {alone.max():7.2f} | "
+    return (f"{name:>10} | {p(alone, 50):7.2f} {p(alone, 99):7.2f} {alone.max():7.2f} | "
             f"{p(mixed, 50):7.2f} {p(mixed, 99):7.2f} {mixed.max():8.2f} | {sent:5d} | "
             f"{p(mixed, 99) / p(alone, 99):6.2f}x")
 
@@ -296,9 +289,6 @@ def main() -> None:
     ap.add_argument("--slow-ms", type=float, default=5.0,
                     help="the decode node logs each step slower than this (PD_LOG_SLOW_STEPS_MS); "
                          "the count and the longest are printed (default: 5)")
-    ap.add_argument("--join-hold", nargs="+", default=["on"], choices=["on", "off"],
-                    help="the decode node's launch held for a request about to join (on) or "
-                         "not (off: --no-join-hold), one PD row each per transport (default: on)")
     args = ap.parse_args()
 
     cuda = args.prefill_device.startswith("cuda")
@@ -320,19 +310,16 @@ def main() -> None:
     print(f"model {model}; {args.streams} streams of {args.stream_tokens} tokens; mixed: "
           f"{args.prompt_len}-token prompts every {args.interval}s")
     results, joins, ready, collections, slow = {}, {}, {}, {}, {}
-    for transport, hold in [(t, h) for t in transports for h in args.join_hold] \
-            if "pd" in args.setups else []:
-        name = transport if hold == "on" else f"{transport} no hold"
+    for name in transports if "pd" in args.setups else []:
         decode = start_node("decode", [*common, "--device", args.decode_device, "--port", "0",
                                        "--kv-port", "0", "--metrics-port", "0",
                                        # every graph its sequences meet captured before serving
                                        "--cuda-graph-max-tokens",
-                                       str(max(ctx, args.stream_prompt + args.stream_tokens)),
-                                       *(["--no-join-hold"] if hold == "off" else [])],
+                                       str(max(ctx, args.stream_prompt + args.stream_tokens))],
                             env={"PD_LOG_SLOW_STEPS_MS": str(args.slow_ms)}, timeout=600,
                             die_with_parent=True)
         prefill = start_node("prefill", [*common, "--device", args.prefill_device, "--port", "0",
-                                         "--metrics-port", "0", "--transport", transport],
+                                         "--metrics-port", "0", "--transport", name],
                              timeout=600, die_with_parent=True)
         decode.addr, decode.kv_addr = f"tcp://127.0.0.1:{decode.info['port']}", decode.info["kv_addr"]
         prefill.addr = f"tcp://127.0.0.1:{prefill.info['port']}"
@@ -345,13 +332,13 @@ def main() -> None:
             load = Load(args, vocab, mixed=False, seed=1)
             alone, _, _ = run_pd(client, prefill, decode, load, arrivals)
             worst_alone = load.worst
-            before, parts, held = exposed(decode), parts_sent(prefill), holds(decode)
+            before, parts = exposed(decode), parts_sent(prefill)
             load = Load(args, vocab, mixed=True, seed=2)
             mixed, sent, joins[name] = run_pd(client, prefill, decode, load, arrivals)
-            d, held_after = exposed(decode) - before, holds(decode)
+            d = exposed(decode) - before
             ready[name] = (d[0] / max(d[1], 1), d[1], parts_sent(prefill) - parts,
-                           held_after[0] - held[0], held_after[1] - held[1], d[2] / max(d[3], 1),
-                           worst_alone, load.worst, d[4] / max(d[5], 1), d[5] - d[6])
+                           d[2] / max(d[3], 1), worst_alone, load.worst, d[4] / max(d[5], 1),
+                           d[5] - d[6])
             gc_after = node_gc(decode)
             pauses.close()
             collections[name] = (gc_after[0] - gc_before[0],
@@ -373,22 +360,21 @@ def main() -> None:
         results["colocated"] = (alone, mixed, sent)
     print(f"\ndecode ITL of the steady streams, ms   (P on {args.prefill_device}, D on "
           f"{args.decode_device}; colocated on {args.prefill_device})")
-    print(f"{'setup':>17} | {'streams alone':>23} | {'with arriving prompts':>24} | {'sent':>5} | "
+    print(f"{'setup':>10} | {'streams alone':>23} | {'with arriving prompts':>24} | {'sent':>5} | "
           f"p99 mixed/alone")
-    print(f"{'':>17} | {'p50':>7} {'p99':>7} {'max':>7} | {'p50':>7} {'p99':>7} {'max':>8} |       |")
+    print(f"{'':>10} | {'p50':>7} {'p99':>7} {'max':>7} | {'p50':>7} {'p99':>7} {'max':>8} |       |")
     for name, (alone, mixed, sent) in results.items():
         print(row(name, alone, mixed, sent))
     for name, ms in joins.items():
         if ms.size:
-            (mean, count, parts, joined, due, join, worst_alone, worst_mixed, gap,
-             long_gaps) = ready[name]
+            mean, count, parts, join, worst_alone, worst_mixed, gap, long_gaps = ready[name]
             print(f"PD {name}: an arriving prompt's first -> second token (its KV's way in "
                   f"+ one step), ms: p50 {np.percentile(ms, 50):.2f}, max {ms.max():.2f}; the "
                   f"decode node's first token in -> joined (pd_request_join_seconds) mean "
                   f"{join * 1e3:.2f} ms, KV in -> first decoded token (pd_kv_exposed_seconds) "
                   f"mean {mean * 1e3:.2f} ms over {count:.0f} requests; {parts:.0f} KV parts "
-                  f"sent during prefills; launches held {joined + due:.0f} ({joined:.0f} "
-                  f"joined); the device's step gaps with prompts: mean {gap * 1e6:.0f} us, "
+                  f"sent during prefills; the device's step gaps with prompts: mean "
+                  f"{gap * 1e6:.0f} us, "
                   f"{long_gaps:.0f} over 250 us; the streams' longest gap alone: "
                   f"{worst_alone}; with prompts: {worst_mixed}")
     for name, (count, ms, pauses) in collections.items():

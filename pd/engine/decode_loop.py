@@ -96,11 +96,6 @@ class DecodeLoop:
         self.num_deferred = 0  # of those, steps whose sampler waited for the previous one's tokens
         self.batch_size = 0  # requests in the step launched last (0: none)
         self.times = HostTimes()
-        # when the step in flight began on the device (host clock: the later of its launch and
-        # the previous step's end seen by the host), and the host's recent time to launch a
-        # step ahead: `launch_by`
-        self.started_at = 0.0
-        self.launch_costs: deque[float] = deque(maxlen=8)
 
     @property
     def in_flight(self) -> bool:
@@ -123,7 +118,6 @@ class DecodeLoop:
         if not self.overlap:
             cur = self.launch(None)
             return emitted + (self.process(cur, None) if cur is not None else self.idle())
-        t = time.perf_counter()
         last, defer = self.last, False
         if last is not None:
             blocks, host_tokens = self.can_predict(last)
@@ -133,8 +127,6 @@ class DecodeLoop:
             else:
                 defer = host_tokens
         cur = self.launch(last, defer)
-        if cur is not None:
-            self.launched(t, last is not None)
         masks = None
         if last is not None:
             # NOTE: step N+1 is already queued behind step N; only now does the host wait for N.
@@ -157,37 +149,6 @@ class DecodeLoop:
         if cur is None:
             self.idle()
         return emitted
-
-    def launched(self, since: float, ahead: bool) -> None:
-        """A step was launched (its host work began at `since`); `ahead`: while the step before
-        it was unprocessed, so it begins on the device when that one ends (`started_at` is then
-        set once the host has seen that end: `process`)."""
-        now = time.perf_counter()
-        self.started_at = now
-        if ahead:  # only a launch ahead is the cost `launch_by` leaves room for
-            self.launch_costs.append(now - since)
-
-    def launch_by(self) -> float | None:
-        """The host time (`time.perf_counter`) by which the next step should be launched so that
-        the device goes on without a gap after the step in flight: that step's start plus the
-        shortest of the last four steps' device time, less the longest of the host's last eight
-        launches ahead and 150 us. None when no step is in flight, it is already done, or
-        nothing has been measured yet."""
-        if (self.last is None or not self.busy or not self.launch_costs
-                or self.in_flight_done()):
-            return None
-        n = len(self.busy)
-        step = min(self.busy[i] for i in range(max(0, n - 4), n))
-        return self.started_at + step - max(self.launch_costs) - 150e-6
-
-    def in_flight_done(self) -> bool:
-        """Whether the step in flight (if any) has completed on the device."""
-        f = self.last
-        if f is None:
-            return True
-        if isinstance(f, InFlight):
-            return f.out.copy_done.done()
-        return f.end is None or f.end.query()
 
     def choose_kind(self) -> tuple[bool, list[Req]]:
         """MTP (True) or plain for the next step, and the tokens of the step a switch drained
@@ -235,7 +196,6 @@ class DecodeLoop:
             t = time.perf_counter()
             cur = self.spec.launch_chained(last)
             self.times.add("launch", t)
-            self.launched(t, True)
             self.num_ahead += 1
             emitted += self.process(last, cur)
         else:
@@ -257,7 +217,6 @@ class DecodeLoop:
                 return emitted + done
             cur = self.spec.launch_graphed(batch, key)
             self.times.add("launch", t)
-            self.launched(t, False)
         if not self.overlap:
             emitted += self.process(cur, None)
             cur = None
@@ -363,8 +322,6 @@ class DecodeLoop:
         t = time.perf_counter()
         f.out.copy_done.wait()
         t = self.times.add("wait", t)
-        if nxt is not None:  # queued behind f: it began on the device as f ended
-            self.started_at = max(self.started_at, t)
         self.busy.append(self.executor.busy_seconds(f.out))
         if self.prev_done is not None:
             gap = self.executor.gap_seconds(self.prev_done, f.out)
@@ -433,8 +390,6 @@ class DecodeLoop:
         if f.end is not None:
             f.end.synchronize()
         t = self.times.add("wait", t)
-        if nxt is not None:
-            self.started_at = max(self.started_at, t)
         results = self.spec.collect(f)
         if f.start is not None:
             self.busy.append(f.start.elapsed_time(f.end) / 1000.0)

@@ -39,11 +39,10 @@ class HostTimes:
     """Host seconds spent in each phase of the decode loop since it started: `schedule` (the
     scheduler builds the batch), `launch` (inputs built and copied, the device work queued),
     `wait` (for a step's results), `process` (tokens appended, stop checks); the node adds
-    `intake` (requests and KV arriving), `hold` (a launch held for a request about to join:
-    `decode_node.node.DecodeNode.hold`) and `stream` (tokens sent to routers). Set with
+    `intake` (requests and KV arriving) and `stream` (tokens sent to routers). Set with
     `t = times.add(phase, t)`, which returns now for the next phase."""
 
-    PHASES = ("schedule", "launch", "wait", "process", "intake", "hold", "stream")
+    PHASES = ("schedule", "launch", "wait", "process", "intake", "stream")
 
     def __init__(self) -> None:
         self.total = dict.fromkeys(self.PHASES, 0.0)

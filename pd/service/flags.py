@@ -152,11 +152,6 @@ NODE_FLAGS = (
     NodeFlag("no_overlap", False, "run the plain decode loop (wait for each step before "
              "scheduling the next) instead of the overlap scheduler; PD_DISABLE_OVERLAP=1 does "
              "the same", ("decode",), action="store_true"),
-    NodeFlag("no_join_hold", False, "launch each decode step as early as the overlap scheduler "
-             "can, even while a handed-over request may join soon (its prefill or its KV under "
-             "way); by default the next launch is held for it, up to the end of the step in "
-             "flight, so that a request joining meanwhile is in that step, one step earlier, "
-             "the device running on", ("decode",), action="store_true"),
     NodeFlag("cuda_graph_max_tokens", 4096, "CUDA: before serving, capture the decode step "
              "graphs of every batch size for sequences of up to this many tokens (longer ones "
              "are captured when first met, a stall of the running batch); 0 = capture each on "

@@ -61,10 +61,6 @@ _BATCH = Histogram("pd_batch_size", "Requests in one engine step", LABELS,
 _STEP_GAP = Histogram("pd_decode_step_gap_seconds",
                       "Device idle time between two decode steps (the overlap scheduler's gap)",
                       LABELS, buckets=TIME_BUCKETS)
-_HOLDS = Counter("pd_decode_launch_holds",
-                 "Decode steps whose launch was held while a handed-over request might join "
-                 "(its prefill or KV under way): joined (one joined, and is in that step) or due "
-                 "(the step in flight was about to end first)", LABELS + ("outcome",))
 _DRAFTS = Counter("pd_spec_decode_num_drafts", "MTP draft proposals verified", LABELS)
 _DRAFT_TOKENS = Counter("pd_spec_decode_num_draft_tokens", "MTP draft tokens proposed", LABELS)
 _ACCEPTED = Counter("pd_spec_decode_num_accepted_tokens", "MTP draft tokens accepted", LABELS)
@@ -76,8 +72,7 @@ _SPEC_PLAIN = Counter("pd_spec_decode_plain_steps",
                       "that batch size (--spec-fallback)", LABELS)
 _HOST = Counter("pd_decode_host_seconds",
                 "Decode loop host time by phase: schedule, launch, wait (for the device), process, "
-                "intake (requests and KV arriving), hold (a launch held for a request about to "
-                "join), stream (tokens sent)", LABELS + ("phase",))
+                "intake (requests and KV arriving), stream (tokens sent)", LABELS + ("phase",))
 _PREFIX_QUERIES = Counter("pd_prefix_cache_queries",
                           "Prompt tokens looked up in the prefix cache (a decode node looks up "
                           "each handed-over prompt)", LABELS)
@@ -181,7 +176,6 @@ def for_node(role: str, node_id: str) -> SimpleNamespace:
         count_steps_ahead=_mirror(_AHEAD.labels(**lab)),
         join_seconds=_JOIN.labels(**lab), kv_exposed_seconds=_EXPOSED.labels(**lab),
         batch_size=_BATCH.labels(**lab), step_gap_seconds=_STEP_GAP.labels(**lab),
-        launch_holds=lambda outcome: _HOLDS.labels(**lab, outcome=outcome),
         spec_drafts=_DRAFTS.labels(**lab), spec_draft_tokens=_DRAFT_TOKENS.labels(**lab),
         spec_accepted_tokens=_ACCEPTED.labels(**lab),
         count_spec_plain_steps=_mirror(_SPEC_PLAIN.labels(**lab)),
