@@ -203,10 +203,16 @@ class StepGraphs:
         return self._with_lp0(result)
 
     def _with_lp0(self, result: torch.Tensor, verified: Verified | None = None) -> torch.Tensor:
+        """The result followed by its k + 1 rows' (logprob bits, rank) int32 pairs, read from
+        the accepted columns in place and written in place: one copy and `token_logprob`'s
+        kernels."""
         k1 = self.owner.k + 1
-        logits = (verified or self.verified).logits
-        lp = token_logprob(logits, result[:, :k1].clamp(min=0).reshape(-1), int_ranks=True)
-        return torch.cat([result, lp.view(torch.int64).view(result.shape[0], k1)], dim=1)
+        num_slots, width = result.shape
+        out = torch.empty(num_slots, width + k1, dtype=torch.int64, device=result.device)
+        out[:, :width].copy_(result)
+        token_logprob((verified or self.verified).logits, result[:, :k1], int_ranks=True,
+                      out=out[:, width:].view(torch.int32).view(num_slots, k1, 2))
+        return out
 
     def logprobs(self, num_top: int) -> torch.Tensor:
         """Raw logprobs of each row's accepted token with `num_top` top columns, from the

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from kernels.token_logprob import CHUNK, split, token_logprob
+from tests.kernels.interpreter import run_interpreted
 from pd.engine.logprobs import compute_logprobs, pack_logprobs
 
 CUDA = torch.cuda.is_available()
@@ -67,3 +68,56 @@ def test_rows_are_cut_into_segments_that_cover_them(num_rows, vocab):
     assert parts == 1 or seg >= 1024
     if num_rows <= 4 and vocab >= 128256:  # an MTP step's rows at batch 1: many programs each
         assert parts >= 32
+
+
+def test_twin_reads_ids_in_groups_and_writes_into_a_view():
+    x, ids = rows(12, 300, 3)
+    result = torch.full((3, 7), -1, dtype=torch.int64)  # an MTP step's result: k + 1 = 4 columns
+    result[:, :4] = ids.view(3, 4)
+    result[2, 3] = -1  # a place with no token: its pair is meaningless, read as column 0
+    buffer = torch.zeros(3, 7 + 4, dtype=torch.int64)
+    out = buffer[:, 7:].view(torch.int32).view(3, 4, 2)
+    assert token_logprob(x, result[:, :4], int_ranks=True, out=out) is out
+    want = token_logprob(x, result[:, :4].clamp(min=0).reshape(-1), int_ranks=True)
+    assert torch.equal(out.reshape(12, 2), want)
+    assert torch.equal(buffer[:, :7], torch.zeros(3, 7, dtype=torch.int64))  # nothing else written
+    with pytest.raises(ValueError, match="out must be"):
+        token_logprob(x, result[:, :4], out=out)  # float32 pairs into int32
+
+
+def test_kernel_reads_ids_in_groups_and_writes_into_a_view_interpreted():
+    run_interpreted(GROUPS_SCRIPT)
+
+
+GROUPS_SCRIPT = """
+import torch
+from kernels.token_logprob import token_logprob
+from tests.kernels.test_token_logprob import rows
+for num_slots, k1, vocab in ((1, 4, 8192), (16, 2, 700)):  # cut into segments, then whole rows
+    x, ids = rows(num_slots * k1, vocab, vocab)
+    result = torch.full((num_slots, 9), -1, dtype=torch.int64)
+    result[:, :k1] = ids.view(num_slots, k1)
+    result[0, k1 - 1] = -1
+    for int_ranks in (True, False):
+        if int_ranks:
+            buffer = torch.zeros(num_slots, 9 + k1, dtype=torch.int64)
+            out = buffer[:, 9:].view(torch.int32).view(num_slots, k1, 2)
+        else:
+            buffer = torch.zeros(num_slots, 9 + 2 * k1, dtype=torch.float32)
+            out = buffer[:, 9:].view(num_slots, k1, 2)
+        token_logprob(x, result[:, :k1], use_kernel=True, int_ranks=int_ranks, out=out)
+        want = token_logprob(x, result[:, :k1].clamp(min=0).reshape(-1), use_kernel=False,
+                             int_ranks=int_ranks)
+        got = out.reshape(-1, 2)
+        if int_ranks:
+            assert torch.equal(got[:, 1], want[:, 1]), (got, want)
+            lp, lp_want = got[:, 0].view(torch.float32), want[:, 0].view(torch.float32)
+        else:
+            assert torch.equal(got[:, 1], want[:, 1]), (got, want)
+            lp, lp_want = got[:, 0], want[:, 0]
+        assert torch.allclose(lp, lp_want, atol=2e-5, rtol=0), (lp - lp_want).abs().max()
+        assert not buffer[:, :9].any()
+    plain = token_logprob(x, ids, use_kernel=True)  # the flat form as before
+    assert torch.equal(plain[:, 1], token_logprob(x, ids, use_kernel=False)[:, 1])
+print("ok")
+"""
