@@ -64,7 +64,7 @@ TAIL=6 step overlap_small_eager python3 benchmarks/bench_overlap.py --device cud
 TAIL=64 step mtp python3 benchmarks/bench_mtp.py --device cuda --ks 0,1,3 --max-tokens 256 --repeats 3
 TAIL=24 step mtp_eager python3 benchmarks/bench_mtp.py --device cuda --enforce-eager --ks 0,3 --overlap on
 TAIL=36 step mtp_mechanism python3 benchmarks/gpu/bench_mtp_mechanism.py
-TAIL=6 step token_logprob python3 benchmarks/gpu/bench_token_logprob.py
+TAIL=11 step token_logprob python3 benchmarks/gpu/bench_token_logprob.py
 TAIL=14 step profile_mtp python3 benchmarks/gpu/profile_mtp.py --k 3 --batch 16 --top 8
 TAIL=40 step mtp_kernels python3 benchmarks/gpu/profile_mtp.py --k 3 --batch 1 --kernels --top 10 \
     --max-tokens 64
@@ -86,7 +86,7 @@ TAIL=7 step serving_256 python3 benchmarks/bench_serving.py --device cuda --synt
 fi
 if [[ $PART == 3 ]]; then  # needs two GPUs: P on cuda:0, D on cuda:1
 TAIL=12 step kv_two_gpus timeout 300 python3 benchmarks/gpu/bench_kv.py --devices cuda:0,cuda:1
-TAIL=12 step mixed python3 benchmarks/gpu/bench_mixed.py --stream-tokens 4096 --warmup 0.25 \
+TAIL=24 step mixed python3 benchmarks/gpu/bench_mixed.py --stream-tokens 4096 --warmup 0.25 \
     --transports ipc shm zmq
 fi
 if [[ $PART == 5 ]]; then  # needs two GPUs: tensor parallelism (ranks on cuda:0 and cuda:1)
