@@ -336,9 +336,10 @@ def main() -> None:
             load = Load(args, vocab, mixed=True, seed=2)
             mixed, sent, joins[name] = run_pd(client, prefill, decode, load, arrivals)
             d = exposed(decode) - before
-            ready[name] = (d[0] / max(d[1], 1), d[1], parts_sent(prefill) - parts,
-                           d[2] / max(d[3], 1), worst_alone, load.worst, d[4] / max(d[5], 1),
-                           d[5] - d[6])
+            ready[name] = dict(exposed=d[0] / max(d[1], 1), count=d[1],
+                               parts=parts_sent(prefill) - parts, join=d[2] / max(d[3], 1),
+                               gap=d[4] / max(d[5], 1), long_gaps=d[5] - d[6],
+                               worst_alone=worst_alone, worst_mixed=load.worst)
             gc_after = node_gc(decode)
             pauses.close()
             collections[name] = (gc_after[0] - gc_before[0],
@@ -367,16 +368,16 @@ def main() -> None:
         print(row(name, alone, mixed, sent))
     for name, ms in joins.items():
         if ms.size:
-            mean, count, parts, join, worst_alone, worst_mixed, gap, long_gaps = ready[name]
+            r = ready[name]
             print(f"PD {name}: an arriving prompt's first -> second token (its KV's way in "
                   f"+ one step), ms: p50 {np.percentile(ms, 50):.2f}, max {ms.max():.2f}; the "
                   f"decode node's first token in -> joined (pd_request_join_seconds) mean "
-                  f"{join * 1e3:.2f} ms, KV in -> first decoded token (pd_kv_exposed_seconds) "
-                  f"mean {mean * 1e3:.2f} ms over {count:.0f} requests; {parts:.0f} KV parts "
-                  f"sent during prefills; the device's step gaps with prompts: mean "
-                  f"{gap * 1e6:.0f} us, "
-                  f"{long_gaps:.0f} over 250 us; the streams' longest gap alone: "
-                  f"{worst_alone}; with prompts: {worst_mixed}")
+                  f"{r['join'] * 1e3:.2f} ms, KV in -> first decoded token "
+                  f"(pd_kv_exposed_seconds) mean {r['exposed'] * 1e3:.2f} ms over "
+                  f"{r['count']:.0f} requests; {r['parts']:.0f} KV parts sent during prefills; "
+                  f"the device's step gaps with prompts: mean {r['gap'] * 1e6:.0f} us, "
+                  f"{r['long_gaps']:.0f} over 250 us; the streams' longest gap alone: "
+                  f"{r['worst_alone']}; with prompts: {r['worst_mixed']}")
     for name, (count, ms, pauses) in collections.items():
         print(f"PD {name}: garbage collections (generations 1-2) over both phases: the "
               f"decode node {count:.0f}, {ms:.1f} ms in all; this process (which stamps the "
