@@ -257,10 +257,15 @@ class DecodeLink:
                 self._broken(f"KV transfer to decode node {self.addr} failed: {e}")
                 return
 
-    def release(self, req_id: str) -> None:
-        """Tell the decode node that this node will not write the blocks its direct KVAccept for
-        `req_id` named (the request ended here first)."""
-        if self.state is not LinkState.FAILED:
+    def release(self, req_id: str, written: torch.cuda.Event | None = None) -> None:
+        """Tell the decode node that this node will write no more into the blocks its direct
+        KVAccept for `req_id` named (the request ended here first): KVReleased, or, when parts
+        went into them (`written`: the last part's copy event), KVDone once that copy is done
+        (`finish_writes`)."""
+        if written is not None:
+            if self.state is not LinkState.FAILED:
+                self.writes.append((req_id, written))
+        elif self.state is not LinkState.FAILED:
             try:
                 self.control(m.KVReleased(req_id))
             except TransportError as e:

@@ -255,11 +255,7 @@ class PrefillNode(NodeService):
         if job.state in PREFILLING:
             self.scheduler.abort(job.req)
         if job.accept is not None and job.accept.block_ids is not None:
-            if job.kv_chunk is not None:  # parts written: KVDone once their copies are done
-                if not job.link.failed:
-                    job.link.writes.append((job.req.req_id, job.kv_chunk))
-            else:
-                job.link.release(job.req.req_id)
+            job.link.release(job.req.req_id, written=job.kv_chunk)
         if job.link is not None:
             job.link.withdraw(job)
         self.scheduler.free_blocks(job.req)

@@ -58,11 +58,11 @@ def test_pd_equals_single_process(cluster, client, reference, transport, budget)
                 assert len(got) == sp.logprobs
                 assert [t for t, _ in got] == [t for t, _ in want]
                 assert [lp for _, lp in got] == pytest.approx([lp for _, lp in want], abs=1e-5)
-    for node in (prefill, decode):
-        stats = wait_idle(client, node)
+    prefill_stats, decode_stats = (wait_idle(client, node) for node in (prefill, decode))
+    for stats in (prefill_stats, decode_stats):
         assert stats["free_blocks"] == stats["total_blocks"]
     if budget:
-        assert wait_idle(client, prefill)["kv_parts_sent"] > 0
+        assert prefill_stats["kv_parts_sent"] > 0
     # the KV went where asked: "shm" on a GPU is the ring, not CUDA IPC
     assert f"KV over {transport}" in Path(prefill.log_path).read_text()
 

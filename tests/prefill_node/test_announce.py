@@ -19,6 +19,7 @@ from pd.wire.sampling_params import SamplingParams
 from prefill_node.job import JobState
 from prefill_node.node import PrefillNode
 from shm_ipc import control, header, records
+from shm_ipc.kv import block_bytes
 
 
 def prompt(req_id: str, length: int = 40) -> list[int]:
@@ -206,13 +207,8 @@ def test_a_long_prompt_sends_its_kv_in_parts_as_its_chunks_fill_blocks(pair):
     assert parts == {(1, 2), (3, 1)}
     assert rest[-1] == m.to_dict(m.KVDone("r", len(first) + len(rest) - 1))
     assert job.state is JobState.KV_SENT and job.kv_sent == 4
-    assert job.kv_bytes == 4 * records_bytes(node) and node.kv_sends.parts_sent == 2
-
-
-def records_bytes(node) -> int:
-    """One block's KV bytes, every layer."""
-    kv = node.engine.runner.kv_cache.kv
-    return kv[:, :, :1].numel() * kv.element_size()
+    assert job.kv_bytes == 4 * block_bytes(node.engine.runner.kv_cache.kv)
+    assert node.kv_sends.parts_sent == 2
 
 
 class PartsPeerCache(StreamPeerCache):
@@ -272,7 +268,7 @@ def test_a_request_aborted_after_a_direct_part_is_answered_once_its_copy_is_done
 
 
 class StepRunning:
-    """Stands in for the event of a step under way (`PrefillNode.await_accepts`): its first
+    """Stands in for the event of a step under way (`KVSends.await_accepts`): its first
     query sends the decode node's replies, and it completes once `until()` holds (or after
     a few seconds of queries)."""
 
