@@ -2,7 +2,9 @@
 device): what a decode node's Python does per step at a batch size, which on a GPU must fit in
 the device's step. Medians of repeated calls, in microseconds.
 
-- graph inputs: a graphed decode step's inputs in its layout (`fill_decode_inputs`);
+- graph inputs: a graphed decode step's inputs in its layout filled whole
+  (`fill_decode_inputs`), and advanced from the step before's for the same requests
+  (`DecodeInputs`, a steady batch's step);
 - sampler rows: a step's `SamplingRow`s (`ModelRunner.sampling_row`);
 - append + stop: each request's token appended and its stop checked (`DecodeLoop.process`);
 - register: a prompt's full blocks entered in the prefix cache after its step
@@ -26,7 +28,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import numpy as np  # noqa: E402
 
 from pd.engine.allocator import BlockAllocator  # noqa: E402
-from pd.engine.cuda_graph import DecodeLayout, fill_decode_inputs  # noqa: E402
+from pd.engine.decode_inputs import DecodeInputs, DecodeLayout, fill_decode_inputs  # noqa: E402
 from pd.engine.prefix import chain_hashes  # noqa: E402
 from pd.engine.request import Req, ReqStatus  # noqa: E402
 from pd.engine.runner import ModelRunner  # noqa: E402
@@ -66,12 +68,15 @@ def main() -> None:
     p.add_argument("--context", type=int, default=144, help="tokens per decoding request")
     p.add_argument("--prompt", type=int, default=8192, help="prompt tokens for register and slots")
     args = p.parse_args()
-    print(f"{'batch':>5} | {'graph inputs':>12} {'sampler rows':>12} {'append + stop':>13} (us)")
+    print(f"{'batch':>5} | {'graph inputs':>12} {'advanced':>8} {'sampler rows':>12} "
+          f"{'append + stop':>13} (us)")
     for batch in args.batch:
         reqs = running(batch, args.context)
         width = 1 << (max(len(r.block_ids) for r in reqs) - 1).bit_length()
         layout = DecodeLayout(batch, width)
         flat = np.zeros(layout.size, dtype=np.int64)
+        inputs = DecodeInputs(BLOCK, 0)
+        inputs.fill(flat, layout, reqs)  # the steps timed next advance this one
 
         def append_and_stop() -> None:
             for req in reqs:
@@ -81,6 +86,7 @@ def main() -> None:
                 req.token_ids.pop()
 
         print(f"{batch:>5} | {median_us(lambda: fill_decode_inputs(flat, layout, reqs, BLOCK, 0)):>12.1f} "
+              f"{median_us(lambda: inputs.fill(flat, layout, reqs)):>8.1f} "
               f"{median_us(lambda: [ModelRunner.sampling_row(r, mask=False) for r in reqs]):>12.1f} "
               f"{median_us(append_and_stop):>13.1f}")
     rng = random.Random(0)

@@ -22,14 +22,13 @@ eagerly.
 
 from __future__ import annotations
 
-import itertools
 import logging
-from typing import NamedTuple
 
 import numpy as np
 import torch
 
 from kernels.argmax import argmax
+from pd.engine.decode_inputs import DecodeInputs, DecodeLayout, fill_decode_inputs
 from pd.engine.graph import Graph, capture
 from pd.engine.host_ring import HostRing
 from pd.engine.logprobs import packed_logprobs
@@ -45,58 +44,10 @@ def _round_up(n: int, sizes) -> int:
     return next(s for s in sizes if s >= n)
 
 
-class DecodeLayout(NamedTuple):
-    """Where a decode graph of (batch B, block-table width W) finds its inputs in one flat
-    int64 buffer: ids, positions, KV slots, context lengths and future rows (B each), then the
-    block tables [B, W]. A future row j >= 0 means "this row's id is row j of the previous
-    step's tokens" (sampled by the step still in flight; its id is read on the device)."""
-
-    batch: int
-    width: int
-
-    @property
-    def size(self) -> int:
-        return self.batch * (5 + self.width)
-
-    def views(self, flat):
-        """(ids, positions, slots, context_lens, future, block_tables) of `flat` (a tensor or
-        an array)."""
-        b = self.batch
-        cols = [flat[i * b:(i + 1) * b] for i in range(5)]
-        return (*cols, flat[5 * b:self.size].reshape(b, self.width))
-
-
-def fill_decode_inputs(flat: np.ndarray, layout: DecodeLayout, reqs, block_size: int,
-                       dummy_block: int) -> None:
-    """A decode step's inputs in `layout` (`flat` int64): each request's one new token at
-    position num_computed_tokens, rows past the batch padded (token 0 at position 0 in the
-    spare block). A negative id -(j + 1) (the overlap loop's placeholder) becomes future row j.
-    NOTE: in as few numpy calls as it takes (a decode step's host time is mostly their number:
-    ~2 us each on the H100 host)."""
-    n, b = len(reqs), layout.batch
-    cols = flat[:5 * b].reshape(5, b)  # ids, positions, slots, context lengths, future rows
-    tables = flat[5 * b:layout.size].reshape(b, layout.width)
-    cols[:, n:] = np.array(((0,), (0,), (dummy_block * block_size,), (1,), (-1,)), np.int64)
-    start = np.fromiter((r.num_computed_tokens for r in reqs), np.int64, n)
-    new = np.fromiter((r.token_ids[r.num_computed_tokens] for r in reqs), np.int64, n)
-    tables.fill(dummy_block)
-    # NOTE: every table at once, row-major under a mask (256 rows: 135 -> 64 us on the CPU)
-    block_ids = [r.block_ids for r in reqs]
-    widths = np.fromiter(map(len, block_ids), np.int64, n)
-    tables[:n][np.arange(layout.width) < widths[:, None]] = np.fromiter(
-        itertools.chain.from_iterable(block_ids), np.int64, int(widths.sum()))
-    block, offset = np.divmod(start, block_size)
-    cols[0, :n] = np.maximum(new, 0)
-    cols[1, :n] = start
-    cols[2, :n] = tables[np.arange(n), block] * block_size + offset
-    cols[3, :n] = start + 1
-    cols[4, :n] = np.where(new < 0, ~new, -1)  # ~x == -x - 1
-
-
 class DecodeGraphs:
     """Decode graphs per (padded batch, padded width). A step's inputs are built on the host
-    straight into a pinned buffer in the graph's layout (`DecodeLayout`, `fill_decode_inputs`)
-    and reach the device in one copy into a staging buffer shared by every graph, which the
+    straight into a pinned buffer in the graph's layout (`pd.engine.decode_inputs`: whole, or
+    advanced from the step before's for the same requests) and reach the device in one copy into a staging buffer shared by every graph, which the
     graph reads at its start (stream order keeps a step's copy behind the replay before it).
     The ids of future rows are gathered inside the graph from `tokens`, the previous step's
     tokens (its argmax, or what the sampler drew, copied there by `ModelRunner.execute`)."""
@@ -124,6 +75,7 @@ class DecodeGraphs:
         # (padded batch, top columns) -> the graph of `logprobs` and its packed output
         self.logprob_graphs: dict[tuple[int, int], tuple[Graph, torch.Tensor]] = {}
         self.host = HostRing(pin=device.type == "cuda")
+        self.inputs = DecodeInputs(block_size, dummy_block)
         self.pool = None
         self.device = device
 
@@ -151,7 +103,7 @@ class DecodeGraphs:
         """A pinned buffer (`HostRing`) holding the step's inputs in the graph's layout."""
         layout = DecodeLayout(*key)
         buf = self.host.get((layout.size,))
-        fill_decode_inputs(buf.numpy(), layout, reqs, self.block_size, self.dummy_block)
+        self.inputs.fill(buf.numpy(), layout, reqs)
         return buf
 
     def _forward(self, batch: int, width: int) -> torch.Tensor:

@@ -282,8 +282,10 @@ class DecodeLoop:
                     pending.append(req)
                     req.token_ids.append(-(row + 1))
         # a request whose pending token is its last by length sits the next step out
-        done = frozenset(r for r in pending if r.num_output_tokens >= r.params.max_tokens
-                         or r.num_tokens >= self.max_model_len)
+        # NOTE: per request every step: no property calls (`num_output_tokens`, `num_tokens`)
+        mml = self.max_model_len
+        done = frozenset(r for r in pending if len(r.token_ids) >= mml or len(r.token_ids)
+                         - len(r.prompt_token_ids) >= r.params.max_tokens)
         preemptions = self.scheduler.num_preemptions
         try:
             t = time.perf_counter()

@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import fields, replace
+from operator import is_
 from typing import NamedTuple
 
 import numpy as np
@@ -79,10 +80,9 @@ class ForwardInput(NamedTuple):
     # logits_index are then None
     prefill_graph: tuple[int, torch.Tensor] | None = None
     prompt_spans: tuple = ()  # prompt positions whose logprobs are asked (`prompt_spans`)
-
-    @property
-    def wants_logprobs(self) -> bool:
-        return any(r.params.logprobs is not None for r in self.rows)
+    wants_logprobs: bool = False  # a row asks for logprobs
+    # a graphed decode step's rows all take the argmax its graph took (`SamplingRow.takes_argmax`)
+    argmax_only: bool = False
 
 
 class ForwardOutput(NamedTuple):
@@ -149,6 +149,8 @@ class ModelRunner:
                 VARLEN_MAX_KEYS, self.dtype, self.device)
         self.sampler = Sampler()
         self.host_buffers = HostRing(pin=self.device.type == "cuda")  # `alloc_output`'s
+        # the last graphed decode step's requests and inputs, whose rows the next may reuse
+        self.graphed_rows: tuple[list[Req], ForwardInput | None] = ([], None)
         log.info("model %s (%s, %d layers%s) on %s/%s, KV cache %d blocks x %d tokens (%.1f MiB)",
                  mc.model_id, mc.architecture, mc.num_layers, " + MTP" if mc.has_mtp else "",
                  cfg.device, dtype_name(self.dtype), num_blocks, cfg.block_size,
@@ -181,8 +183,10 @@ class ModelRunner:
     def prepare(self, batch: ScheduledBatch, masks: bool = True) -> ForwardInput:
         """The step's inputs on the device and its sampler rows; `masks` False leaves the
         grammars' masks out of the rows (a deferred sampling rebuilds them, `sampling_rows`)."""
-        if self.graphs is not None and all(n == 1 for n in batch.num_new_tokens) and all(
-                batch.samples(i) for i in range(len(batch.reqs))):
+        # NOTE: a decode step of one token per request, each sampling (`ScheduledBatch.samples`),
+        # checked without a call per request
+        if (self.graphs is not None and batch.num_tokens == len(batch.reqs)
+                and all(r.num_computed_tokens + 1 >= len(r.token_ids) for r in batch.reqs)):
             key = self.graphs.key(len(batch.reqs), max(len(r.block_ids) for r in batch.reqs))
             if key is not None:
                 return self.prepare_graphed(batch, key, masks)
@@ -216,12 +220,12 @@ class ModelRunner:
                 logits_index.append(num_tokens - 1)
                 sample_reqs.append(i)
         rows = self.sampling_rows([batch.reqs[i] for i in sample_reqs], masks)
+        asked = [r.params.logprobs for r in rows if r.params.logprobs is not None]
         flat = _concat if any(n > LONG_RUN for n in batch.num_new_tokens) else _chain
         ids, positions, slots = flat(id_parts), flat(pos_parts), flat(slot_parts)
         ctx = host_context(batch.num_new_tokens, context_lens,
                            [req.block_ids for req in batch.reqs], slots,
                            bs if self.device.type == "cuda" else None)  # kv_slots: CUDA's
-        asked = [r.params.logprobs for r in rows if r.params.logprobs is not None]
         future = np.nonzero(ids < 0)[0]
         host = {"input_ids": torch.from_numpy(ids), "positions": torch.from_numpy(positions),
                 "logits_index": torch.from_numpy(np.asarray(logits_index, dtype=np.int64))}
@@ -243,17 +247,30 @@ class ModelRunner:
             future_slots=dev.get("future_slots"),
             num_top=min(max(asked, default=0), self.model_config.vocab_size),
             prompt_spans=tuple(prompt_spans(batch.reqs, batch.num_new_tokens)),
+            wants_logprobs=bool(asked),
         )
 
     def prepare_graphed(self, batch: ScheduledBatch, key: tuple[int, int],
                         masks: bool = True) -> ForwardInput:
         """A decode step for a CUDA graph: its inputs built on the host in the graph's layout,
-        copied and replayed by `sample` (nothing else per step touches the device)."""
-        rows = self.sampling_rows(batch.reqs, masks)
-        asked = [r.params.logprobs for r in rows if r.params.logprobs is not None]
-        return ForwardInput(None, None, None, None, list(range(len(rows))), rows,
-                            num_top=min(max(asked, default=0), self.model_config.vocab_size),
-                            decode_graph=(key, self.graphs.host_inputs(batch.reqs, key)))
+        copied and replayed by `sample` (nothing else per step touches the device). The rows
+        of a step whose requests, in the same order, all took the argmax in the last graphed
+        step are that step's: such a row stays one (greedy, unprocessed, past min_tokens), and
+        nothing reads its count then (a steady greedy batch's every step)."""
+        last_reqs, last = self.graphed_rows
+        if (last is not None and last.argmax_only and len(batch.reqs) == len(last_reqs)
+                and all(map(is_, batch.reqs, last_reqs))):
+            inp = last._replace(decode_graph=(key, self.graphs.host_inputs(batch.reqs, key)))
+        else:
+            rows = self.sampling_rows(batch.reqs, masks)
+            asked = [r.params.logprobs for r in rows if r.params.logprobs is not None]
+            inp = ForwardInput(None, None, None, None, list(range(len(rows))), rows,
+                               num_top=min(max(asked, default=0), self.model_config.vocab_size),
+                               decode_graph=(key, self.graphs.host_inputs(batch.reqs, key)),
+                               wants_logprobs=bool(asked),
+                               argmax_only=all(r.takes_argmax for r in rows))
+        self.graphed_rows = (list(batch.reqs), inp)
+        return inp
 
     def prefill_graph_inputs(self, batch: ScheduledBatch,
                              graphs=None) -> tuple[int, torch.Tensor] | None:
@@ -282,7 +299,8 @@ class ModelRunner:
         return ForwardInput(None, None, None, None, sample_reqs, rows,
                             num_top=min(max(asked, default=0), self.model_config.vocab_size),
                             prefill_graph=graph_inputs,
-                            prompt_spans=tuple(prompt_spans(batch.reqs, batch.num_new_tokens)))
+                            prompt_spans=tuple(prompt_spans(batch.reqs, batch.num_new_tokens)),
+                            wants_logprobs=bool(asked))
 
     def to_device(self, t: torch.Tensor) -> torch.Tensor:
         """A host tensor on the runner's device; on CUDA through pinned memory without blocking,
@@ -374,7 +392,7 @@ class ModelRunner:
             n = len(inp.rows)
             # NOTE: a decode step samples every row, and its graph ran the LM head and the
             # greedy argmax of them already (and, where asked, a graph of their logprobs)
-            if all(r.takes_argmax for r in inp.rows):
+            if inp.argmax_only:
                 if not inp.wants_logprobs:
                     return SamplerOutput(graphs.tokens[:n])
                 packed = graphs.logprobs(inp.decode_graph[0][0], inp.num_top)

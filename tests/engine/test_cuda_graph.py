@@ -43,7 +43,8 @@ def test_graph_inputs_equal_the_eager_step_inputs(tiny_model_dir):
     """The host layout a decode graph reads (`fill_decode_inputs`) carries what the eager
     path's `prepare` builds for the same decode step: ids (placeholders as future rows),
     positions, KV slots, context lengths and block tables; padding rows sit in the spare block."""
-    from pd.engine.cuda_graph import DecodeGraphs, DecodeLayout, fill_decode_inputs
+    from pd.engine.cuda_graph import DecodeGraphs
+    from pd.engine.decode_inputs import DecodeLayout, fill_decode_inputs
     from pd.engine.request import Req
     from pd.engine.scheduler import ScheduledBatch
 
