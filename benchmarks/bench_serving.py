@@ -154,7 +154,9 @@ def main() -> None:
         batch = mean("decode", "pd_batch_size") / 1000
         life = {name: mean(role, metric) for name, role, metric in (
             ("router admission queue", "router", "pd_request_queue_time_seconds"),
+            ("router dispatch -> first token read", "router", "pd_router_first_token_nodes_seconds"),
             ("prefill arrival -> first token sent", "prefill", "pd_first_token_send_seconds"),
+            ("RequestMeta -> first token in (decode)", "decode", "pd_first_token_receive_seconds"),
             ("prefill step", "prefill", "pd_step_duration_seconds"),
             ("KV send -> ack", "prefill", "pd_kv_transfer_seconds"),
             ("KV accept -> last record in (decode)", "decode", "pd_kv_transfer_seconds"),
@@ -191,7 +193,9 @@ def main() -> None:
         slow = (sum(t > 0.1 for t in r["ttfts"]) / max(1, len(r["ttfts"])),
                 over("router", "pd_time_to_first_token_seconds", "0.1"),
                 over("router", "pd_request_queue_time_seconds", "0.1"),
+                over("router", "pd_router_first_token_nodes_seconds", "0.1"),
                 over("prefill", "pd_first_token_send_seconds", "0.1"),
+                over("decode", "pd_first_token_receive_seconds", "0.1"),
                 sum(g > 0.1 for g in flat) / max(1, len(flat)),
                 over("router", "pd_inter_token_latency_seconds", "0.1"))
     finally:
@@ -218,8 +222,10 @@ def main() -> None:
         f"over {float(b) * 1e3:g} ms {node:.2%} of the decode node's steps, {client:.2%} of the "
         f"client's gaps" for b, (node, client) in tail.items()), flush=True)
     print(f"over 100 ms: first tokens {slow[0]:.2%} at the client, {slow[1]:.2%} at the router "
-          f"({slow[2]:.2%} in its admission queue), {slow[3]:.2%} at the prefill node; gaps "
-          f"{slow[4]:.3%} at the client, {slow[5]:.3%} at the router", flush=True)
+          f"({slow[2]:.2%} in its admission queue, {slow[3]:.2%} from its dispatch to the first "
+          f"token read back), {slow[4]:.2%} at the prefill node, {slow[5]:.2%} at the decode node "
+          f"(from its RequestMeta); gaps {slow[6]:.3%} at the client, {slow[7]:.3%} at the "
+          f"router", flush=True)
     print("busy (CPU s per s): " + ", ".join(f"{k} {v:.2f}" for k, v in busy.items()), flush=True)
     print("garbage collections (generations 1-2) in the measured run: " + ", ".join(
         f"{role} node {n:.0f}, {ms:.1f} ms in all" for role, (n, ms) in collected.items()),
@@ -361,8 +367,9 @@ def snapshot(lau) -> dict[tuple[str, str], float]:
 
 
 TAIL_BUCKETS = ("pd_time_to_first_token_seconds_bucket", "pd_inter_token_latency_seconds_bucket",
-                "pd_request_queue_time_seconds_bucket",
-                "pd_first_token_send_seconds_bucket", "pd_request_join_seconds_bucket",
+                "pd_request_queue_time_seconds_bucket", "pd_router_first_token_nodes_seconds_bucket",
+                "pd_first_token_send_seconds_bucket", "pd_first_token_receive_seconds_bucket",
+                "pd_request_join_seconds_bucket",
                 "pd_decode_step_gap_seconds_bucket")
 
 

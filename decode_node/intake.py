@@ -35,7 +35,7 @@ import enum
 import logging
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -87,6 +87,7 @@ class Incoming:
     kv_bytes: int = 0  # KV bytes received for it
     accepted_at: float = 0.0  # perf_counter time of its KVAccept
     first_token_at: float = 0.0  # perf_counter time of the first token's arrival (0: not yet)
+    meta_at: float = field(default_factory=time.perf_counter)  # its RequestMeta's arrival
     direct: bool = False  # the prefill node writes its KV into our blocks (CUDA IPC)
     fence: object = None  # its last record's copy (a CUDA event: done when it completes)
 
@@ -247,6 +248,7 @@ class Intake:
         req = inc.req
         req.append_token(rec.token_id, rec.logprob, rec.rank, [tuple(p) for p in rec.top])
         inc.first_token_at = time.perf_counter()
+        self.metrics.first_token_receive_seconds.observe(inc.first_token_at - inc.meta_at)
         # NOTE: the first token goes to the router now; TTFT does not wait for the KV.
         self.owner.stream(inc.reply_to, req, 1, None)
 

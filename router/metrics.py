@@ -7,7 +7,8 @@ finished requests by reason, aborts by reason, and the healthy nodes per role as
 reports them. Every sample is rendered with `role="router"` and `node` (env `PD_NODE_ID`, else
 the host name) so one Prometheus query can tell the router's series from the nodes'. Retries of
 the ZMQ backend (another prefill node before the first token) count in `BACKEND_RETRIES`, and
-the ZMQ messages it refuses in `MESSAGES_REFUSED`, one per process. Serving `/metrics` is the
+the ZMQ messages it refuses in `MESSAGES_REFUSED`, one per process; the nodes' part of each
+first token in `FIRST_TOKEN_NODES`. Serving `/metrics` is the
 server's job; the nodes export their own metrics. Several router workers on one port share
 their samples through prometheus_client's multiprocess mode (`router.workers`).
 """
@@ -41,6 +42,11 @@ ROUTING_DECISIONS = Counter("pd_router_routing_decisions",
 # Sub-millisecond to minutes.
 _LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75,
                     1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 300.0)
+FIRST_TOKEN_NODES = Histogram("pd_router_first_token_nodes_seconds",
+                              "Time from a request's dispatch to its prefill node to its first "
+                              "token read off the router's event socket: the nodes' part of TTFT "
+                              "(the rest is the router's own: admission, tokenizing, writing)",
+                              buckets=_LATENCY_BUCKETS, registry=_PROCESS)
 _ITL_BUCKETS = (0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2,
                 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 30.0)
 

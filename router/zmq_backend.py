@@ -26,7 +26,8 @@ from pd.wire import messages as m
 from pd.wire import security
 from pd.wire.refusals import RefusalLog
 from router.backend import Backend, BackendUnavailable, GenerateRequest, TokenEvent
-from router.metrics import BACKEND_RETRIES, MESSAGES_REFUSED, ROUTING_DECISIONS
+from router.metrics import (BACKEND_RETRIES, FIRST_TOKEN_NODES, MESSAGES_REFUSED,
+                            ROUTING_DECISIONS)
 from router.policy import make_policy
 from router.registry import Node, NodeRegistry, Role
 
@@ -51,6 +52,7 @@ class Flight:
     node_req_id: str
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     got_token: bool = False
+    sent_at: float = field(default_factory=time.perf_counter)  # the PrefillRequest's dispatch
     blocks: int = 0  # KV blocks counted against the decode node until it reports
     # a token has arrived from the decode node (read off the socket, maybe not yet from
     # `queue`): the request is the decode node's now
@@ -203,7 +205,9 @@ class ZmqBackend(Backend):
             for msg in streams:
                 flight = self.flights.get(msg.req_id)
                 if flight is not None:  # else: a request already ended (aborted, failed over)
-                    flight.at_decode = flight.at_decode or bool(msg.token_ids)
+                    if msg.token_ids and not flight.at_decode:
+                        flight.at_decode = True
+                        FIRST_TOKEN_NODES.observe(time.perf_counter() - flight.sent_at)
                     flight.queue.put_nowait(msg)
             # NOTE: a message already waiting is returned without a pass of the event loop:
             # yield one, so this step's tokens are written before the next step's are read

@@ -49,6 +49,9 @@ _FIRST_SEND = Histogram("pd_first_token_send_seconds",
                         "From a request's arrival at the prefill node to its first token sent "
                         "(FIRST_TOKEN to the decode node, or the answer to the router)", LABELS,
                         buckets=TIME_BUCKETS)
+_FIRST_RECV = Histogram("pd_first_token_receive_seconds",
+                        "From a request's RequestMeta at the decode node (sent as its prefill "
+                        "starts) to its FIRST_TOKEN there", LABELS, buckets=TIME_BUCKETS)
 _JOIN = Histogram("pd_request_join_seconds",
                   "From a request's first token at the decode node to its joining the running "
                   "batch (blocks reserved, KV received and installed)", LABELS, buckets=TIME_BUCKETS)
@@ -174,7 +177,7 @@ def for_node(role: str, node_id: str) -> SimpleNamespace:
         preemptions=_PREEMPT.labels(**lab), first_token_send_seconds=_FIRST_SEND.labels(**lab),
         count_preemptions=_mirror(_PREEMPT.labels(**lab)),
         count_steps_ahead=_mirror(_AHEAD.labels(**lab)),
-        join_seconds=_JOIN.labels(**lab), kv_exposed_seconds=_EXPOSED.labels(**lab),
+        first_token_receive_seconds=_FIRST_RECV.labels(**lab), join_seconds=_JOIN.labels(**lab), kv_exposed_seconds=_EXPOSED.labels(**lab),
         batch_size=_BATCH.labels(**lab), step_gap_seconds=_STEP_GAP.labels(**lab),
         spec_drafts=_DRAFTS.labels(**lab), spec_draft_tokens=_DRAFT_TOKENS.labels(**lab),
         spec_accepted_tokens=_ACCEPTED.labels(**lab),

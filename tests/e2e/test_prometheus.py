@@ -129,6 +129,11 @@ def test_prometheus_scrapes_every_service_and_holds_ttft_and_itl(launch, prometh
                       NUM_REQUESTS) == NUM_REQUESTS
     assert wait_value(prometheus, 'sum(pd_request_join_seconds_count{role="decode",node="decode-0"})',
                       NUM_REQUESTS) == NUM_REQUESTS
+    # a first token each: as the decode node got it, and the nodes' part as the router read it
+    assert wait_value(prometheus, 'sum(pd_first_token_receive_seconds_count{role="decode"})',
+                      NUM_REQUESTS) == NUM_REQUESTS
+    assert wait_value(prometheus, 'sum(pd_router_first_token_nodes_seconds_count{role="router"})',
+                      NUM_REQUESTS) == NUM_REQUESTS
     assert wait_value(prometheus, 'sum(pd_generation_tokens_total{role="decode"})',
                       NUM_REQUESTS * (MAX_TOKENS - 1)) == NUM_REQUESTS * (MAX_TOKENS - 1)
     healthy = query(prometheus, 'pd_router_healthy_nodes{service="router"}')
