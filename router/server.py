@@ -345,8 +345,13 @@ class RouterServer:
             log.warning("request fields ignored (not known to this server): %r", req.ignored[:16])
             headers[IGNORED_HEADER] = ignored_header(req.ignored)
         self._check_text_length(req)
-        # NOTE: tokenizing and templating run in a worker thread, not on the event loop
-        prompts = await asyncio.to_thread(self._prompts, req)
+        # NOTE: tokenizing and templating of long text run in a worker thread, not on the event
+        # loop; prompts of token ids and short text here (a thread's round trip, its result
+        # waiting for the GIL behind the loop, cost more than they do: see `_inline`)
+        if _inline(req):
+            prompts = self._prompts(req)
+        else:
+            prompts = await asyncio.to_thread(self._prompts, req)
         choices, greqs = [], []
         for p, ids in enumerate(prompts):
             max_tokens = self._max_tokens(req, len(ids))
@@ -502,6 +507,17 @@ class RouterServer:
         u = usage(num_prompt_tokens, sum(c.num_generated for c in choices))
         return web.Response(body=dumps(acc.response(u)), content_type="application/json",
                             headers=headers)
+
+
+INLINE_TEXT_CHARS = 2048  # prompt text up to this is tokenized on the event loop (~0.1 ms)
+
+
+def _inline(req: ApiRequest) -> bool:
+    """Whether a request's prompts are tokenized on the event loop: token ids, or completions'
+    text of at most INLINE_TEXT_CHARS in all (chat goes through its template: a thread)."""
+    if req.endpoint == "chat":
+        return False
+    return sum(len(p) for p in req.prompts if isinstance(p, str)) <= INLINE_TEXT_CHARS
 
 
 def _generation_failed(d: Delta) -> APIError:
