@@ -27,7 +27,7 @@ from decode_node.intake import Intake
 from pd.engine.decode_loop import make_decode_loop
 from pd.engine.loop_stats import SlowSteps
 from pd.engine.engine import Engine
-from pd.engine.request import Req
+from pd.engine.request import Req, ReqStatus
 from pd.service import metrics as node_metrics
 from pd.service.flags import default
 from pd.service.node import NodeService
@@ -118,35 +118,8 @@ class DecodeNode(NodeService):
         self.metrics.generation_tokens.inc(len(emitted))
         self.metrics.count_steps_ahead(self.loop.num_ahead)
         t = time.perf_counter()
-        counts = Counter(emitted)  # with MTP a request is emitted once per kept token
-        for req in counts:
-            ready = self.ready_at.pop(req.req_id, None)
-            if ready is not None:
-                self.metrics.kv_exposed_seconds.observe(t - ready)
-        batches: dict[str, dict] = {}  # router -> this step's columns for it (`TokenStreams`)
-        for req, n in counts.items():
-            reply_to = self.reply_to.get(req.req_id)
-            if reply_to is None:
-                continue
-            cols = batches.get(reply_to)
-            if cols is None:
-                cols = batches[reply_to] = {"req_ids": [], "counts": [], "token_ids": [],
-                                            "num_prompt_tokens": [], "num_output_tokens": [],
-                                            "ended": [], "logprobs": []}
-            i = len(cols["req_ids"])
-            cols["req_ids"].append(req.req_id)
-            cols["counts"].append(n)
-            cols["token_ids"] += req.token_ids[-n:]
-            cols["num_prompt_tokens"].append(req.num_prompt_tokens)
-            cols["num_output_tokens"].append(req.num_output_tokens)
-            if req.params.logprobs is not None:
-                cols["logprobs"].append([i, req.output_logprobs[-n:], [
-                    [list(p) for p in top] for top in req.output_top_logprobs[-n:]]])
-            if req.is_finished:
-                cols["ended"].append([i, req.finish_reason.value])
-                del self.reply_to[req.req_id]
-        for reply_to, cols in batches.items():
-            self.events.send(reply_to, m.TokenStreams(**cols))
+        self.send_streams(Counter(emitted) if self.engine.spec is not None  # once per kept token
+                          else dict.fromkeys(emitted, 1), t)
         self.loop.times.add("stream", t)
         self.intake.may_reserve()
         self.slow.end(log, self.node_id, self.loop.batch_size, self.has_work())
@@ -154,6 +127,44 @@ class DecodeNode(NodeService):
             self.spec_seen = self.engine.spec.stats.export(self.metrics, self.spec_seen)
             if self.loop.choice is not None:
                 self.metrics.count_spec_plain_steps(self.loop.choice.num_plain_steps)
+
+    def send_streams(self, counts: dict[Req, int], now: float) -> None:
+        """A step's tokens, one `TokenStreams` per router: request -> its new tokens' count.
+        NOTE: per request every step: locals, no property calls, columns in a tuple."""
+        if self.ready_at:
+            for req in counts:
+                ready = self.ready_at.pop(req.req_id, None)
+                if ready is not None:
+                    self.metrics.kv_exposed_seconds.observe(now - ready)
+        batches: dict[str, tuple] = {}  # router -> this step's columns for it
+        reply_tos, finished = self.reply_to, ReqStatus.FINISHED
+        for req, n in counts.items():
+            req_id = req.req_id
+            reply_to = reply_tos.get(req_id)
+            if reply_to is None:
+                continue
+            cols = batches.get(reply_to)
+            if cols is None:
+                cols = batches[reply_to] = ([], [], [], [], [], [], [])
+            ids, ns, tokens, prompts, outputs, ended, logprobs = cols
+            i = len(ids)
+            ids.append(req_id)
+            ns.append(n)
+            all_ids, prompt_len = req.token_ids, len(req.prompt_token_ids)
+            if n == 1:
+                tokens.append(all_ids[-1])
+            else:
+                tokens += all_ids[-n:]
+            prompts.append(prompt_len)
+            outputs.append(len(all_ids) - prompt_len)
+            if req.params.logprobs is not None:
+                logprobs.append([i, req.output_logprobs[-n:], [
+                    [list(p) for p in top] for top in req.output_top_logprobs[-n:]]])
+            if req.status is finished:
+                ended.append([i, req.finish_reason.value])
+                del reply_tos[req_id]
+        for reply_to, cols in batches.items():
+            self.events.send(reply_to, m.TokenStreams(*cols))
 
     def stream(self, reply_to: str, req: Req, n: int, finish_reason: str | None) -> None:
         """Send the request's last n tokens (with logprobs when asked) to the router."""

@@ -1,9 +1,12 @@
 """Host buffers reused step after step instead of allocated per step (page-locked on CUDA, where
 an allocation per step costs host time and the copies from them must not block): `HostRing`
 for a step's fixed-shape buffers, `to_device` for small host data of any size (the sampler's
-indices and parameters, a grammar's masks)."""
+indices and parameters, a grammar's masks), `copy_async` for a step's copies between a ring's
+buffer and the device."""
 
 from __future__ import annotations
+
+import functools
 
 import torch
 
@@ -67,3 +70,33 @@ def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     if device.type != "cuda":
         return t
     return _STAGING.to_device(t.contiguous(), device)
+
+
+@functools.cache
+def _runtime():
+    """CuPy's CUDA runtime bindings, or None (no cupy: torch's copies)."""
+    try:
+        import cupy  # noqa: PLC0415 (deferred: CPU machines have no cupy)
+
+        return cupy.cuda.runtime
+    except Exception:  # ImportError, or a CUDA runtime cupy cannot load
+        return None
+
+
+def copy_async(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """`dst.copy_(src, non_blocking=True)` between a page-locked host buffer that its owner
+    keeps (a `HostRing`'s: never freed, refilled only once the copy that read it is done) and
+    the device, on the current stream: one cudaMemcpyAsync where cupy is there. Torch's copy
+    cost 8 us of host (H2D) and 5 us (D2H) on the H100 machine against 2 and 3 for the raw
+    call: its dispatch, and the event its host allocator records for the buffer. Both
+    contiguous and of one dtype; `dst` may be longer (1-D: its first src.numel() elements)."""
+    rt = _runtime()
+    if rt is None or not (src.is_contiguous() and dst.is_contiguous()):
+        if dst.numel() != src.numel():
+            dst = dst[:src.numel()]
+        dst.copy_(src, non_blocking=True)
+        return
+    dev = dst if dst.is_cuda else src
+    rt.memcpyAsync(dst.data_ptr(), src.data_ptr(), src.numel() * src.element_size(),
+                   1 if dst.is_cuda else 2,  # cudaMemcpyHostToDevice, DeviceToHost
+                   torch._C._cuda_getCurrentRawStream(dev.device.index))

@@ -128,15 +128,19 @@ class Req:
             self.output_top_logprobs.extend(tops)
 
     def check_stop(self, max_model_len: int) -> FinishReason | None:
-        """The stop condition after the last appended token, or None to go on."""
-        params, last, num_out = self.params, self.token_ids[-1], self.num_output_tokens
+        """The stop condition after the last appended token, or None to go on.
+        NOTE: called per request every decode step: no property calls."""
+        params, ids = self.params, self.token_ids
+        num_tokens = len(ids)
+        num_out = num_tokens - len(self.prompt_token_ids)
         if num_out >= params.min_tokens:
+            last = ids[-1]
             if not params.ignore_eos and (last in self.eos_token_ids or last in params.extra_eos_token_ids):
                 return FinishReason.STOP
             if last in params.stop_token_ids:
                 return FinishReason.STOP
         if self.grammar is not None and self.grammar.terminated:
             return FinishReason.STOP  # the grammar took its stop token (even with ignore_eos)
-        if num_out >= params.max_tokens or self.num_tokens >= max_model_len:
+        if num_out >= params.max_tokens or num_tokens >= max_model_len:
             return FinishReason.LENGTH
         return None

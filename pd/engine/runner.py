@@ -29,7 +29,7 @@ import torch
 from pd.config import EngineConfig, ModelConfig, dtype_name
 from pd.model import parallel
 from pd.model.context import ForwardContext, forward_context, host_context, run_slots
-from pd.engine.host_ring import HostRing, to_device
+from pd.engine.host_ring import HostRing, copy_async, to_device
 from pd.engine.grammar import fill_masks
 from pd.engine.kv_cache import KVCache, num_blocks_for
 from pd.engine.logprobs import MAX_PACKED_VOCAB, prompt_spans, record_prompt_logprobs
@@ -394,9 +394,9 @@ class ModelRunner:
             # greedy argmax of them already (and, where asked, a graph of their logprobs)
             if inp.argmax_only:
                 if not inp.wants_logprobs:
-                    return SamplerOutput(graphs.tokens[:n])
+                    return SamplerOutput(graphs.tokens_of(n))
                 packed = graphs.logprobs(inp.decode_graph[0][0], inp.num_top)
-                return SamplerOutput(graphs.tokens[:n], packed[:n])
+                return SamplerOutput(graphs.tokens_of(n), packed[:n])
             return graphs.logits[:n].float()
         if inp.prefill_graph is not None:
             hidden, last = self.prefill_graphs.launch(inp.prefill_graph[1], inp.prefill_graph[0])
@@ -448,7 +448,7 @@ class ModelRunner:
         if inp.wants_logprobs:
             logprobs = host((num_rows, 2 + 2 * inp.num_top), torch.float32, "logprobs")
         if self.graphs is not None:
-            return self.graphs.tokens[:num_rows], tokens_cpu, logprobs
+            return self.graphs.tokens_of(num_rows), tokens_cpu, logprobs
         return torch.empty(num_rows, dtype=torch.int64, device=self.device), tokens_cpu, logprobs
 
     @torch.inference_mode()
@@ -467,7 +467,10 @@ class ModelRunner:
             return
         if out.token_ids.data_ptr() != next_tokens.data_ptr():  # else the graph wrote them
             next_tokens.copy_(out.token_ids)
-        tokens_cpu.copy_(out.token_ids, non_blocking=True)
+        if out.token_ids.is_cuda:  # into a pinned `HostRing` buffer (`alloc_output`)
+            copy_async(tokens_cpu, out.token_ids)
+        else:
+            tokens_cpu.copy_(out.token_ids, non_blocking=True)
         if logprobs_cpu is not None:
             logprobs_cpu.copy_(out.packed, non_blocking=True)
 
