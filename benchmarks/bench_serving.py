@@ -45,6 +45,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "gpu
 
 from bench_prefix_cache import launch, run_bench  # noqa: E402
 from pd.config import default_model_dir  # noqa: E402
+from pd.service import trace  # noqa: E402
 
 
 def main() -> None:
@@ -91,6 +92,9 @@ def main() -> None:
     p.add_argument("--result-json", default=None, metavar="PATH",
                    help="write the measured run's pd bench result there (per-request TTFTs and "
                         "inter-token gaps)")
+    p.add_argument("--trace", action="store_true",
+                   help="trace each request's way to its first token through every process "
+                        "(PD_TRACE_REQUESTS) and print each hop's p50 / p90 / p99 / max")
     p.add_argument("--no-engine", action="store_true",
                    help="skip the engine-alone run (pd.LLM, batch = --concurrency) it is held against")
     args = p.parse_args()
@@ -107,6 +111,9 @@ def main() -> None:
                                                mtp=False, dtype="bfloat16",
                                                **{**LLAMA_1B, "vocab_size": 512}))
     profile = tempfile.mktemp(suffix=".prof") if args.profile_router else ""
+    trace_dir = tempfile.mkdtemp(prefix="pd-trace-") if args.trace else None
+    if trace_dir:
+        os.environ[trace.ENV] = trace_dir  # the launched processes inherit it
     os.environ["PD_ROUTER_PROFILE"] = profile
     lau = launch(args, "--router-workers", str(args.router_workers), *shlex.split(args.launch_args))
     pids = {"router": lau.proc.pid, **{f"router-{i}": pid for i, pid in enumerate(lau.router_pids)},
@@ -119,6 +126,7 @@ def main() -> None:
                       str(args.concurrency), "--seed", "4")
         first = snapshot(lau)
         lines_before = len(lau.lines)
+        measured_from = time.monotonic()
         before, wall = {k: cpu_seconds(pid) for k, pid in pids.items()}, time.perf_counter()
         own = time.process_time() + children_cpu()
         spies = spy(args.spy, {k: pids[k] for k in (
@@ -235,10 +243,28 @@ def main() -> None:
             f"{n} {kind}" for kind, n in captures.items()), flush=True)
     for t in spies:
         print(t.summary, flush=True)
+    if trace_dir:
+        print_hops(trace.hops(trace_dir, measured_from))
+        shutil.rmtree(trace_dir, ignore_errors=True)
 
     if profile:
         pstats.Stats(profile).sort_stats("tottime").print_stats(args.profile_router)
         os.unlink(profile)
+
+
+def print_hops(hops: dict[str, list[float]]) -> None:
+    """Each hop of the traced requests' way to their first token: p50 / p90 / p99 / max, ms."""
+    n = len(next(iter(hops.values()), []))
+    print(f"a request's way to its first token, hop by hop ({n} requests traced; ms p50 / p90 / "
+          f"p99 / max):", flush=True)
+    for name, seconds in hops.items():
+        s = sorted(seconds) or [0.0]
+
+        def q(f: float) -> float:
+            return 1000 * s[min(len(s) - 1, int(f * len(s)))]
+
+        print(f"  {name:42s} {q(0.5):7.2f} {q(0.9):7.2f} {q(0.99):7.2f} {1000 * s[-1]:7.2f}",
+              flush=True)
 
 
 def children_cpu() -> float:

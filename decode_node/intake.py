@@ -44,6 +44,7 @@ from pd.engine.engine import Engine
 from pd.engine.request import Req
 from pd.service import metrics as node_metrics
 from pd.service.states import Transitions
+from pd.service.trace import trace
 from pd.wire import messages as m
 from pd.wire.geometry import mismatch
 from pd.wire.sampling_params import SamplingParams
@@ -242,6 +243,7 @@ class Intake:
         inc = self.incoming[msg.req_id] = Incoming(req, peer, msg.reply_to, msg.num_blocks,
                                                    deadline, direct=msg.direct)
         self.waiting_blocks.append(inc)
+        trace("decode_meta", msg.req_id)
         self.may_reserve()
 
     def on_first_token(self, inc: Incoming, rec: FirstTokenRecord) -> None:
@@ -251,6 +253,7 @@ class Intake:
         self.metrics.first_token_receive_seconds.observe(inc.first_token_at - inc.meta_at)
         # NOTE: the first token goes to the router now; TTFT does not wait for the KV.
         self.owner.stream(inc.reply_to, req, 1, None)
+        trace("decode_first_in", req.req_id)
 
     def on_drafts(self, rec: TokensRecord) -> None:
         inc = self.incoming.get(rec.req_id)

@@ -33,6 +33,7 @@ from pd.engine.request import Req
 from pd.service import metrics as node_metrics
 from pd.service.flags import default
 from pd.service.node import NodeService
+from pd.service.trace import trace
 from pd.wire import messages as m
 from pd.wire.sampling_params import SamplingParams
 from prefill_node.job import AT_DECODE, JOB_STATES, PREFILLING, Job, JobState
@@ -103,6 +104,7 @@ class PrefillNode(NodeService):
             self.events.send(msg.reply_to, m.TokenStream(msg.req_id, [], error=str(e)))
             return
         self.jobs[msg.req_id] = Job(msg, req, time.monotonic() + self.queue_timeout)
+        trace("prefill_admit", msg.req_id)
 
     # -- the step --------------------------------------------------------------------------------
     def has_work(self) -> bool:
@@ -200,6 +202,7 @@ class PrefillNode(NodeService):
     # -- hand-off events (raised by DecodeLink, see prefill_node.link.LinkOwner) ---------------
     def on_first_token_sent(self, job: Job) -> None:
         self.metrics.first_token_send_seconds.observe(time.monotonic() - job.arrival)
+        trace("prefill_first_sent", job.req.req_id)
 
     def on_link_broken(self, link: DecodeLink, reason: str, jobs: list[Job] | None) -> None:
         if jobs is None:

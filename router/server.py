@@ -29,6 +29,7 @@ from typing import Callable, Protocol, Sequence
 
 from aiohttp import web
 
+from pd.service.trace import trace
 from pd.wire.messages import is_invalid, is_timeout
 from router import capacity
 from router.admission import Admission, QueueFull, TooLarge
@@ -331,7 +332,7 @@ class RouterServer:
         return req.max_tokens
 
     async def _generate(self, request: web.Request, parse) -> web.StreamResponse:
-        t_arrival = time.perf_counter()
+        t_arrival, t_traced = time.perf_counter(), time.monotonic()
         req = parse(await self._body(request))
         if req.model is None:
             req.model = self.config.served_model_name
@@ -383,6 +384,7 @@ class RouterServer:
                                       prompt_only=req.echo and req.max_tokens == 0,
                                       tool_parser=parser))
                 greqs.append(GenerateRequest(uuid.uuid4().hex, ids, params))
+                trace("router_arrive", greqs[-1].req_id, t_traced)
         kv_tokens = capacity.kv_tokens([len(g.prompt_ids) for g in greqs], req.max_tokens,
                                        self.backend.kv_blocks())
         h = self.backend.health()
@@ -429,6 +431,7 @@ class RouterServer:
             gen.start()
             try:
                 first = await gen.__anext__()
+                trace("router_first_delta", greqs[first.index].req_id)
             except BackendUnavailable as e:
                 raise unavailable(str(e) or "no healthy prefill or decode node")
             except BackendOverloaded as e:

@@ -22,6 +22,7 @@ from typing import AsyncIterator
 import zmq
 import zmq.asyncio
 
+from pd.service.trace import trace
 from pd.wire import messages as m
 from pd.wire import security
 from pd.wire.refusals import RefusalLog
@@ -208,6 +209,7 @@ class ZmqBackend(Backend):
                     if msg.token_ids and not flight.at_decode:
                         flight.at_decode = True
                         FIRST_TOKEN_NODES.observe(time.perf_counter() - flight.sent_at)
+                        trace("router_first_read", msg.req_id)
                     flight.queue.put_nowait(msg)
             # NOTE: a message already waiting is returned without a pass of the event loop:
             # yield one, so this step's tokens are written before the next step's are read
@@ -243,6 +245,7 @@ class ZmqBackend(Backend):
         blocks = -(-(len(req.prompt_ids) + req.params.max_tokens) // bs)
         self.registry.dispatch(prefill, decode, len(req.prompt_ids), blocks)
         flight.blocks = blocks
+        trace("router_dispatch", node_req_id)
         self._send(prefill.address, m.PrefillRequest(
             node_req_id, req.prompt_ids, req.params.to_dict(), self.kv_addr[decode.address],
             self.reply_to))
