@@ -103,6 +103,8 @@ class IntakeOwner(Protocol):
 
     def refuse(self, source: str, error: Exception) -> None: ...
     def stream(self, reply_to: str, req: Req, n: int, finish_reason: str | None) -> None: ...
+    def send_first_tokens(self, batch: dict[str, list[Req]]) -> None:
+        """First tokens to the routers, one message per router: reply_to -> its requests."""
     def running(self, req_id: str) -> bool: ...
     def join(self, req: Req, reply_to: str) -> None:
         """The request's KV is in: it joins the running batch, streaming to `reply_to`."""
@@ -128,6 +130,8 @@ class Intake:
         self.incoming: dict[str, Incoming] = {}
         self.waiting_blocks: deque[Incoming] = deque()
         self.landing: deque[Incoming] = deque()  # LANDING, in KVDone order
+        # first tokens read and not yet sent on: reply_to -> requests (`flush_first_tokens`)
+        self.first_tokens: dict[str, list[Req]] = {}
 
     def on_socket(self) -> None:
         """Read and apply what the prefill nodes sent (the node calls this on the socket and
@@ -135,14 +139,26 @@ class Intake:
         t = time.perf_counter()
         num_records = self.num_kv_records
         for peer, item in self.receiver.recv(timeout=0):
+            if self.first_tokens and isinstance(item, (AbortRecord, PeerGone)):
+                self.flush_first_tokens()  # a request's first token before its end
             try:
                 self.dispatch(peer, item)
             except m.MessageError as e:
                 self.owner.refuse("kv", e)
+        self.flush_first_tokens()
         # NOTE: while nothing decodes, wait for the records' copies here, so their requests
         # join now (while decoding, `land` joins them once the copies are done, between steps)
         self.land(wait=self.num_kv_records != num_records and not self.owner.loop.has_work)
         self.owner.loop.times.add("intake", t)
+
+    def flush_first_tokens(self) -> None:
+        """Send the first tokens read since the last flush, one message per router: a burst of
+        prefills (a batch of arrivals) reaches each router as one message, not one each, which
+        the router read one per pass of its event loop (the first tokens' p99 from this node
+        to the router was 78 ms at concurrency 64 on the H100)."""
+        if self.first_tokens:
+            batch, self.first_tokens = self.first_tokens, {}
+            self.owner.send_first_tokens(batch)
 
     def land(self, wait: bool = False) -> None:
         """Join the LANDING requests whose copies have completed (in KVDone order), and give
@@ -251,8 +267,13 @@ class Intake:
         req.append_token(rec.token_id, rec.logprob, rec.rank, [tuple(p) for p in rec.top])
         inc.first_token_at = time.perf_counter()
         self.metrics.first_token_receive_seconds.observe(inc.first_token_at - inc.meta_at)
-        # NOTE: the first token goes to the router now; TTFT does not wait for the KV.
-        self.owner.stream(inc.reply_to, req, 1, None)
+        # NOTE: the first token goes to the router now (at the end of this read of the
+        # socket, `flush_first_tokens`); TTFT does not wait for the KV. Prompt logprobs travel
+        # in a message of their own.
+        if req.params.prompt_logprobs is None:
+            self.first_tokens.setdefault(inc.reply_to, []).append(req)
+        else:
+            self.owner.stream(inc.reply_to, req, 1, None)
         trace("decode_first_in", req.req_id)
 
     def on_drafts(self, rec: TokensRecord) -> None:

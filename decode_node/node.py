@@ -166,6 +166,16 @@ class DecodeNode(NodeService):
         for reply_to, cols in batches.items():
             self.events.send(reply_to, m.TokenStreams(*cols))
 
+    def send_first_tokens(self, batch: dict[str, list[Req]]) -> None:
+        """First tokens (the prefill node's), one `TokenStreams` per router."""
+        for reply_to, reqs in batch.items():
+            logprobs = [[i, req.output_logprobs[-1:], [[list(p) for p in req.output_top_logprobs[-1]]]]
+                        for i, req in enumerate(reqs) if req.params.logprobs is not None]
+            self.events.send(reply_to, m.TokenStreams(
+                [r.req_id for r in reqs], [1] * len(reqs), [r.token_ids[-1] for r in reqs],
+                [len(r.prompt_token_ids) for r in reqs], [r.num_output_tokens for r in reqs], [],
+                logprobs))
+
     def stream(self, reply_to: str, req: Req, n: int, finish_reason: str | None) -> None:
         """Send the request's last n tokens (with logprobs when asked) to the router."""
         self.events.send(reply_to, self.token_stream(req, n, finish_reason))

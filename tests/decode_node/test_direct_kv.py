@@ -1,7 +1,7 @@
 """The decode node's intake of direct KV (the CUDA IPC tier), on the CPU: which peers are offered
 the cache, what KVAccept names, and that a direct request dropped after its KVAccept keeps its
 blocks until the prefill node answers (KVDone, KVReleased) or is gone, since the prefill node
-may be writing them. A real decode node and engine on the tiny model; its messages are driven
+may be writing them; and how first tokens read together go on to their router. A real decode node and engine on the tiny model; its messages are driven
 through its intake's `dispatch` and the replies collected instead of sent (this machine has no GPU to export
 a cache from, so the offer is a stand-in the test never opens)."""
 
@@ -163,3 +163,30 @@ def test_an_announced_request_times_out_waiting_for_its_first_token(node):
     node.intake.incoming["r"].deadline = 0.0
     node.tick(1.0)
     assert "waiting for the first token" in replies(node, RING_PEER, m.KVRefuse)[0].reason
+
+
+def test_first_tokens_read_together_reach_their_router_in_one_message(node):
+    """First tokens read in one pass over the socket go out as one TokenStreams per router at
+    its end (`Intake.flush_first_tokens`), with the first token's logprobs where asked; one
+    asking prompt logprobs goes in a TokenStream of its own, at once."""
+    sink = zmq.Context.instance().socket(zmq.PULL)
+    node.reply = f"tcp://127.0.0.1:{sink.bind_to_random_port('tcp://127.0.0.1')}"
+    node.intake.dispatch(RING_PEER, m.to_dict(m.Hello("prefill-test", node.intake.geometry)))
+    for req_id, extra in (("a", {}), ("b", {"logprobs": 1}), ("c", {}), ("p", {"prompt_logprobs": 0})):
+        params = SamplingParams(max_tokens=4, temperature=0.0, **extra).to_dict()
+        node.intake.dispatch(RING_PEER, m.to_dict(m.RequestMeta(
+            req_id, PROMPT, params, node.reply, num_blocks=3, direct=False,
+            prompt_logprobs=[None] + [[]] * (len(PROMPT) - 1) if req_id == "p" else None)))
+        top = [[7, -0.5]] if req_id == "b" else []
+        node.intake.dispatch(RING_PEER, FirstTokenRecord(req_id, 7, -0.5, 1, top))
+    assert set(node.intake.first_tokens[node.reply]) == {node.intake.incoming[r].req for r in "abc"}
+    node.intake.flush_first_tokens()
+    assert not node.intake.first_tokens
+    got = [m.unpack_streams(m.decode(sink.recv())) for _ in range(2)]
+    sink.close(linger=0)
+    alone, batch = sorted(got, key=len)
+    assert [s.req_id for s in alone] == ["p"] and alone[0].prompt_logprobs is not None
+    assert [(s.req_id, s.token_ids, s.num_output_tokens) for s in batch] == [
+        ("a", [7], 1), ("b", [7], 1), ("c", [7], 1)]
+    assert batch[1].logprobs == [-0.5] and batch[1].top_logprobs == [[[7, -0.5]]]
+    assert batch[0].logprobs is None
