@@ -85,39 +85,40 @@ def test_twin_reads_ids_in_groups_and_writes_into_a_view():
         token_logprob(x, result[:, :4], out=out)  # float32 pairs into int32
 
 
-def test_kernel_reads_ids_in_groups_and_writes_into_a_view_interpreted():
-    run_interpreted(GROUPS_SCRIPT)
+def test_kernel_reads_ids_in_groups_and_writes_into_a_view():
+    """On a CUDA machine the compiled kernel; elsewhere triton's interpreter runs it (CPU)."""
+    if CUDA:
+        check_groups("cuda")
+    else:
+        run_interpreted("from tests.kernels.test_token_logprob import check_groups\n"
+                        "check_groups('cpu')\nprint('ok')")
 
 
-GROUPS_SCRIPT = """
-import torch
-from kernels.token_logprob import token_logprob
-from tests.kernels.test_token_logprob import rows
-for num_slots, k1, vocab in ((1, 4, 8192), (16, 2, 700)):  # cut into segments, then whole rows
-    x, ids = rows(num_slots * k1, vocab, vocab)
-    result = torch.full((num_slots, 9), -1, dtype=torch.int64)
-    result[:, :k1] = ids.view(num_slots, k1)
-    result[0, k1 - 1] = -1
-    for int_ranks in (True, False):
-        if int_ranks:
-            buffer = torch.zeros(num_slots, 9 + k1, dtype=torch.int64)
-            out = buffer[:, 9:].view(torch.int32).view(num_slots, k1, 2)
-        else:
-            buffer = torch.zeros(num_slots, 9 + 2 * k1, dtype=torch.float32)
-            out = buffer[:, 9:].view(num_slots, k1, 2)
-        token_logprob(x, result[:, :k1], use_kernel=True, int_ranks=int_ranks, out=out)
-        want = token_logprob(x, result[:, :k1].clamp(min=0).reshape(-1), use_kernel=False,
-                             int_ranks=int_ranks)
-        got = out.reshape(-1, 2)
-        if int_ranks:
+def check_groups(device: str) -> None:
+    """The kernel reading an MTP step's accepted columns in place (ids [G, g], a negative id
+    reading column 0) and writing its pairs into a view of a larger buffer, against the twin."""
+    for num_slots, k1, vocab in ((1, 4, 8192), (16, 2, 700)):  # cut into segments, then whole rows
+        x, ids = (t.to(device) for t in rows(num_slots * k1, vocab, vocab))
+        result = torch.full((num_slots, 9), -1, dtype=torch.int64, device=device)
+        result[:, :k1] = ids.view(num_slots, k1)
+        result[0, k1 - 1] = -1
+        for int_ranks in (True, False):
+            if int_ranks:
+                buffer = torch.zeros(num_slots, 9 + k1, dtype=torch.int64, device=device)
+                out = buffer[:, 9:].view(torch.int32).view(num_slots, k1, 2)
+            else:
+                buffer = torch.zeros(num_slots, 9 + 2 * k1, dtype=torch.float32, device=device)
+                out = buffer[:, 9:].view(num_slots, k1, 2)
+            token_logprob(x, result[:, :k1], use_kernel=True, int_ranks=int_ranks, out=out)
+            want = token_logprob(x, result[:, :k1].clamp(min=0).reshape(-1), use_kernel=False,
+                                 int_ranks=int_ranks)
+            got = out.reshape(-1, 2)
             assert torch.equal(got[:, 1], want[:, 1]), (got, want)
-            lp, lp_want = got[:, 0].view(torch.float32), want[:, 0].view(torch.float32)
-        else:
-            assert torch.equal(got[:, 1], want[:, 1]), (got, want)
-            lp, lp_want = got[:, 0], want[:, 0]
-        assert torch.allclose(lp, lp_want, atol=2e-5, rtol=0), (lp - lp_want).abs().max()
-        assert not buffer[:, :9].any()
-    plain = token_logprob(x, ids, use_kernel=True)  # the flat form as before
-    assert torch.equal(plain[:, 1], token_logprob(x, ids, use_kernel=False)[:, 1])
-print("ok")
-"""
+            if int_ranks:
+                lp, lp_want = got[:, 0].view(torch.float32), want[:, 0].view(torch.float32)
+            else:
+                lp, lp_want = got[:, 0], want[:, 0]
+            assert torch.allclose(lp, lp_want, atol=2e-5, rtol=0), (lp - lp_want).abs().max()
+            assert not buffer[:, :9].any()
+        plain = token_logprob(x, ids, use_kernel=True)  # the flat form as before
+        assert torch.equal(plain[:, 1], token_logprob(x, ids, use_kernel=False)[:, 1])
