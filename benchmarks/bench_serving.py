@@ -95,6 +95,10 @@ def main() -> None:
     p.add_argument("--trace", action="store_true",
                    help="trace each request's way to its first token through every process "
                         "(PD_TRACE_REQUESTS) and print each hop's p50 / p90 / p99 / max")
+    p.add_argument("--slow-ms", type=float, default=0, metavar="MS",
+                   help="the nodes warn of each turn of their loop over MS ms with its phases "
+                        "(PD_LOG_SLOW_STEPS_MS); the measured run's warnings are counted by node "
+                        "and the slowest printed")
     p.add_argument("--no-engine", action="store_true",
                    help="skip the engine-alone run (pd.LLM, batch = --concurrency) it is held against")
     args = p.parse_args()
@@ -114,6 +118,8 @@ def main() -> None:
     trace_dir = tempfile.mkdtemp(prefix="pd-trace-") if args.trace else None
     if trace_dir:
         os.environ[trace.ENV] = trace_dir  # the launched processes inherit it
+    if args.slow_ms:
+        os.environ["PD_LOG_SLOW_STEPS_MS"] = str(args.slow_ms)
     os.environ["PD_ROUTER_PROFILE"] = profile
     lau = launch(args, "--router-workers", str(args.router_workers), *shlex.split(args.launch_args))
     pids = {"router": lau.proc.pid, **{f"router-{i}": pid for i, pid in enumerate(lau.router_pids)},
@@ -127,6 +133,7 @@ def main() -> None:
         first = snapshot(lau)
         lines_before = len(lau.lines)
         measured_from = time.monotonic()
+        logs_at = {n["log"]: os.path.getsize(n["log"]) for n in lau.nodes.values() if n.get("log")}
         before, wall = {k: cpu_seconds(pid) for k, pid in pids.items()}, time.perf_counter()
         own = time.process_time() + children_cpu()
         spies = spy(args.spy, {k: pids[k] for k in (
@@ -139,9 +146,11 @@ def main() -> None:
                       "--random-range-ratio", str(args.range_ratio),
                       "--client-processes", str(args.client_processes))
         wall = time.perf_counter() - wall
-        # NOTE: counted from the nodes' log lines, so only with --launch-args '--log-level info'
+        # the measured run's lines of pd launch and of the nodes' logs
+        lines = lau.lines[lines_before:] + node_log_lines(logs_at)
+        # NOTE: the nodes log their captures at info: --launch-args '--log-level info'
         captures = Counter(line.split("captured a ")[1].split(" CUDA graph")[0]
-                           for line in lau.lines[lines_before:] if "captured a " in line)
+                           for line in lines if "captured a " in line)
         if args.result_json:
             with open(args.result_json, "w") as f:
                 json.dump(r, f)
@@ -246,10 +255,33 @@ def main() -> None:
     if trace_dir:
         print_hops(trace.hops(trace_dir, measured_from))
         shutil.rmtree(trace_dir, ignore_errors=True)
+    if args.slow_ms:
+        print_slow(lines)
 
     if profile:
         pstats.Stats(profile).sort_stats("tottime").print_stats(args.profile_router)
         os.unlink(profile)
+
+
+def node_log_lines(since: dict[str, int]) -> list[str]:
+    """The lines the nodes' log files got past the given sizes: {path: bytes}."""
+    out = []
+    for path, size in since.items():
+        with open(path, errors="replace") as f:
+            f.seek(size)
+            out += f.readlines()
+    return out
+
+
+def print_slow(lines: list[str], top: int = 6) -> None:
+    """The nodes' slow-step warnings of the measured run: how many per node, the slowest."""
+    slow = [(float(m.group(2)), m.group(1), line[m.start():].strip()) for line in lines
+            if (m := re.search(r"(\w+ node \S+): slow step, ([\d.]+) ms", line))]
+    counts = Counter(node for _, node, _ in slow)
+    print("slow steps: " + (", ".join(f"{node} {n}" for node, n in counts.items()) or "none"),
+          flush=True)
+    for _, _, line in sorted(slow, reverse=True)[:top]:
+        print(f"  {line[:200]}", flush=True)
 
 
 def print_hops(hops: dict[str, list[float]]) -> None:

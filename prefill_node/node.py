@@ -25,10 +25,12 @@ of a request's KV goes, `kv_sends.py`'s; a request's states, `job.py`'s.
 from __future__ import annotations
 
 import logging
+import os
 import time
 
 from pd.engine.engine import Engine
 from pd.engine.grammar import GrammarError
+from pd.engine.loop_stats import HostTimes, SlowSteps
 from pd.engine.request import Req
 from pd.service import metrics as node_metrics
 from pd.service.flags import default
@@ -43,6 +45,10 @@ from shm_ipc.kv import prepare as prepare_kv_copies
 
 log = logging.getLogger(__name__)
 
+
+# a step's phases, for a slow step's warning: KV sends (the direct copies done, the parts
+# beside the step), scheduling (and announcing), the step on the device, hand-offs
+PHASES = ("sends", "schedule", "run", "hand_off")
 
 class PrefillNode(NodeService):
     role = "prefill"
@@ -68,6 +74,8 @@ class PrefillNode(NodeService):
         self.kv_sends = KVSends(self.jobs, engine.config.block_size,
                                 engine.runner.device.type == "cuda", self.metrics)
         self.prompt_tokens_computed = 0
+        self.times = HostTimes(PHASES)  # for PD_LOG_SLOW_STEPS_MS (`SlowSteps`)
+        self.slow = SlowSteps(self.times, os.environ)
 
     # -- intake --------------------------------------------------------------------------------
     def on_control(self, identity: bytes, msg) -> None:
@@ -111,17 +119,21 @@ class PrefillNode(NodeService):
         return self.scheduler.has_work or any(link.writes for link in self.links.values())
 
     def step(self) -> None:
+        t = time.perf_counter()
         for link in self.links.values():
             link.finish_writes()  # KVDone for the direct KV copies done
+        t = self.times.add("sends", t)
         batch = self.scheduler.schedule()
         if batch is None:
             return
         self.announce(batch)
+        t = self.times.add("schedule", t)
         self.kv_sends.send_parts()
-        start = time.perf_counter()
+        start = self.times.add("sends", t)
         spec = self.engine.spec
         sampled = (spec.run(batch) if spec is not None
                    else self.engine.runner.run(batch, lambda: self.kv_sends.write_early(batch)))
+        t = self.times.add("run", start)
         self.kv_sends.mark_ready(batch)
         self.metrics.prompt_tokens.inc(batch.num_tokens)
         self.prompt_tokens_computed += batch.num_tokens
@@ -145,7 +157,9 @@ class PrefillNode(NodeService):
         for link in list(self.links.values()):
             if link.deferred:  # replies read during the step
                 link.on_socket()
+        self.times.add("hand_off", t)
         self.may_check_integrity()
+        self.slow.end(log, self.node_id, len(batch.reqs), self.has_work(), role="prefill")
 
     def announce(self, batch) -> None:
         """RequestMeta for the batch's requests whose decode node does not know of them yet: it

@@ -79,6 +79,9 @@ TAIL=24 step prefix_cache python3 benchmarks/bench_prefix_cache.py --device cuda
     --first-turn-len 1024 --routing-prompts 320
 TAIL=7 step serving python3 benchmarks/bench_serving.py --device cuda --synthetic-1b \
     --num-prompts 1024 --router-workers 4 --client-processes 4 --result-json "$OUT/serving.json"
+TAIL=22 step serving_traced python3 benchmarks/bench_serving.py --device cuda --synthetic-1b \
+    --num-prompts 1024 --router-workers 4 --client-processes 4 --no-engine --trace --slow-ms 20 \
+    --launch-args="--log-level info"
 TAIL=6 step serving_one_router python3 benchmarks/bench_serving.py --device cuda --synthetic-1b \
     --num-prompts 1024 --no-engine
 TAIL=7 step serving_256 python3 benchmarks/bench_serving.py --device cuda --synthetic-1b \

@@ -39,13 +39,14 @@ class HostTimes:
     """Host seconds spent in each phase of the decode loop since it started: `schedule` (the
     scheduler builds the batch), `launch` (inputs built and copied, the device work queued),
     `wait` (for a step's results), `process` (tokens appended, stop checks); the node adds
-    `intake` (requests and KV arriving) and `stream` (tokens sent to routers). Set with
-    `t = times.add(phase, t)`, which returns now for the next phase."""
+    `intake` (requests and KV arriving) and `stream` (tokens sent to routers). A prefill
+    node names its own (`prefill_node.node.PHASES`). Set with `t = times.add(phase, t)`, which
+    returns now for the next phase."""
 
     PHASES = ("schedule", "launch", "wait", "process", "intake", "stream")
 
-    def __init__(self) -> None:
-        self.total = dict.fromkeys(self.PHASES, 0.0)
+    def __init__(self, phases: tuple[str, ...] = PHASES) -> None:
+        self.total = dict.fromkeys(phases, 0.0)
 
     def add(self, phase: str, since: float) -> float:
         now = time.perf_counter()
@@ -54,11 +55,12 @@ class HostTimes:
 
 
 class SlowSteps:
-    """A warning for each turn of a decode node's loop (from the end of one step to the end of
-    the next: the sockets' poll and handlers, then the step) longer than `threshold_ms`
-    (env PD_LOG_SLOW_STEPS_MS; unset: off), with where its time went by `HostTimes` phase,
-    the rest being the loop's own ("loop": polls, handlers, timers): what names the source of
-    a stall that every stream sees."""
+    """A warning for each turn of a node's loop (from the end of one step to the end of the
+    next: the sockets' poll and handlers, then the step) longer than `threshold_ms` (env
+    PD_LOG_SLOW_STEPS_MS; unset: off), with where its time went by `HostTimes` phase, the rest
+    being the loop's own ("loop": polls, handlers, timers): what names the source of a stall
+    that every stream sees (a decode node), or that holds arriving requests unread (a prefill
+    node)."""
 
     ENV = "PD_LOG_SLOW_STEPS_MS"
 
@@ -70,7 +72,7 @@ class SlowSteps:
         self.before = dict(times.total)
         self.more = False  # the last step left work: this turn is timed
 
-    def end(self, log, node_id: str, batch_size: int, more: bool) -> None:
+    def end(self, log, node_id: str, batch_size: int, more: bool, role: str = "decode") -> None:
         """A step just ended; `more`: the loop has work left (it comes straight back, so the
         next turn is timed; not after an idle wait)."""
         if self.threshold is None:
@@ -81,7 +83,7 @@ class SlowSteps:
         if self.more and took > self.threshold:
             phases = {k: total[k] - self.before[k] for k in total}
             phases["loop"] = took - sum(phases.values())
-            log.warning("decode node %s: slow step, %.1f ms at batch %d: %s", node_id,
+            log.warning("%s node %s: slow step, %.1f ms at batch %d: %s", role, node_id,
                         took * 1e3, batch_size, ", ".join(
                             f"{k} {v * 1e3:.2f}" for k, v in phases.items() if v >= 5e-5))
         self.before, self.more = dict(total), more

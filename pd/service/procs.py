@@ -162,11 +162,12 @@ class Launch:
         def read():
             for line in self.proc.stdout:
                 self.lines.append(line)
-                m = re.match(r"node (\S+) pid (\d+) control (\S+)(?: kv (\S+))?(?: metrics (\S+))?",
-                             line)
+                m = re.match(r"node (\S+) pid (\d+) control (\S+)(?: kv (\S+))?(?: metrics (\S+))?"
+                             r"(?: log (\S+))?", line)
                 if m:
                     self.nodes[m.group(1)] = {"pid": int(m.group(2)), "control": m.group(3),
-                                              "kv": m.group(4), "metrics": m.group(5)}
+                                              "kv": m.group(4), "metrics": m.group(5),
+                                              "log": m.group(6)}
                 m = re.match(r"router workers: \d+, pids ([\d ]+)", line)
                 if m:
                     self.router_pids = [int(p) for p in m.group(1).split()]

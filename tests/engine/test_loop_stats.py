@@ -49,3 +49,13 @@ def test_off_unless_asked():
     turn(times, "wait", 0.01)
     slow.end(log, "d", 1, more=True)
     assert log.lines == []
+
+
+def test_a_node_of_another_role_names_its_own_phases():
+    times, log = HostTimes(("sends", "run")), Log()
+    slow = SlowSteps(times, {"PD_LOG_SLOW_STEPS_MS": "1"})
+    slow.end(log, "p", 2, more=True, role="prefill")
+    turn(times, "run", 0.005)
+    slow.end(log, "p", 2, more=True, role="prefill")
+    assert len(log.lines) == 1 and log.lines[0].startswith("prefill node p: slow step")
+    assert "run " in log.lines[0] and "wait" not in log.lines[0]

@@ -326,3 +326,21 @@ def test_an_accept_that_comes_during_the_last_step_queues_the_kv_behind_it(pair)
     assert cache.writes == [(job.req.block_ids[:3], [5, 6, 7], False, None)]
     assert job.accept is None and job.kv_started  # KVDone once its first token has gone
     link.peer_cache = None
+
+
+def test_slow_steps_are_logged_with_the_prefill_phases(pair, caplog):
+    """PD_LOG_SLOW_STEPS_MS (here 0: every timed turn) names a prefill node's slow turn and its
+    phases: a two-chunk prefill's second turn."""
+    from pd.engine.loop_stats import SlowSteps
+
+    node, decode, addr, reply = pair
+    pair_up(node, decode, addr, reply)
+    node.slow = SlowSteps(node.times, {"PD_LOG_SLOW_STEPS_MS": "0"})
+    admit(node, "r", addr, reply)
+    with caplog.at_level("WARNING", logger="prefill_node.node"):
+        node.step()  # the first chunk: work is left, so the next turn is timed
+        node.step()
+    lines = [r.getMessage() for r in caplog.records if "slow step" in r.getMessage()]
+    assert len(lines) == 1 and lines[0].startswith("prefill node prefill-announce: slow step")
+    phases = dict(p.rsplit(" ", 1) for p in lines[0].split(": ", 2)[2].split(", "))
+    assert float(phases["run"]) > 0 and set(phases) <= {"sends", "schedule", "run", "hand_off", "loop"}
