@@ -47,8 +47,8 @@ def _round_up(n: int, sizes) -> int:
 class DecodeGraphs:
     """Decode graphs per (padded batch, padded width). A step's inputs are built on the host
     straight into a pinned buffer in the graph's layout (`pd.engine.decode_inputs`: whole, or
-    advanced from the step before's for the same requests) and reach the device in one copy into a staging buffer shared by every graph, which the
-    graph reads at its start (stream order keeps a step's copy behind the replay before it).
+    advanced from the step before's for the same requests) and reach the device in one copy
+    into a staging buffer shared by every graph, which the graph reads at its start (stream order keeps a step's copy behind the replay before it).
     The ids of future rows are gathered inside the graph from `tokens`, the previous step's
     tokens (its argmax, or what the sampler drew, copied there by `ModelRunner.execute`)."""
 

@@ -128,8 +128,3 @@ class DecodeInputs:
         self.flat = flat.copy()
         self.layout, self.reqs, self.lists = layout, list(reqs), lists
         self.filled += 1
-
-    def forget(self) -> None:
-        """Fill the next step whole (its buffers were written by someone else)."""
-        self.layout = None
-        self.reqs = self.lists = []

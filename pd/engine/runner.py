@@ -185,7 +185,8 @@ class ModelRunner:
         grammars' masks out of the rows (a deferred sampling rebuilds them, `sampling_rows`)."""
         # NOTE: a decode step of one token per request, each sampling (`ScheduledBatch.samples`),
         # checked without a call per request
-        if (self.graphs is not None and batch.num_tokens == len(batch.reqs)
+        counts = batch.num_new_tokens
+        if (self.graphs is not None and max(counts) == 1 and sum(counts) == len(counts)
                 and all(r.num_computed_tokens + 1 >= len(r.token_ids) for r in batch.reqs)):
             key = self.graphs.key(len(batch.reqs), max(len(r.block_ids) for r in batch.reqs))
             if key is not None:

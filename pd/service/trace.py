@@ -4,9 +4,10 @@ node, decode node) appends one line per event of a request's way to its first to
 DIR/PID.trace. The events, in their order: router_arrive (the HTTP request, as its sequence
 was made), router_dispatch (PrefillRequest sent), prefill_admit (read by the prefill node),
 decode_meta (RequestMeta read: sent as the prefill starts, or with the first token),
-prefill_first_sent (FIRST_TOKEN to the decode node), decode_first_in (FIRST_TOKEN read, and sent on to the router), router_first_read (read off the
-router's event socket), router_first_delta (its text ready for the client). Unset: nothing is
-done beyond one check per event. `hops` reads a directory back (`benchmarks/bench_serving.py
+prefill_first_sent (FIRST_TOKEN to the decode node), decode_first_in (FIRST_TOKEN read; sent on
+to the router at the end of that read), router_first_read (read off the router's event socket),
+router_first_delta (its text ready for the client). Unset: nothing is done beyond one check
+per event. `hops` reads a directory back (`benchmarks/bench_serving.py
 --trace`)."""
 
 from __future__ import annotations
