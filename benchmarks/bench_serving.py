@@ -168,6 +168,7 @@ def main() -> None:
             return 1000 * delta(role, name + "_sum") / max(delta(role, name + "_count"), 1.0)
 
         step = mean("decode", "pd_step_duration_seconds")
+        device_step = mean("decode", "pd_decode_step_device_seconds")
         batch = mean("decode", "pd_batch_size") / 1000
         life = {name: mean(role, metric) for name, role, metric in (
             ("router admission queue", "router", "pd_request_queue_time_seconds"),
@@ -221,11 +222,12 @@ def main() -> None:
           f"{args.output_len} out, concurrency {args.concurrency}: "
           f"{r['output_throughput']:.0f} output tok/s, TPOT p50 {r['median_tpot_ms']:.2f} ms, "
           f"ITL p50 / p99 {r['median_itl_ms']:.2f} / {r['p99_itl_ms']:.2f} ms; decode node: "
-          f"step {step:.2f} ms, batch {batch:.1f}", flush=True)
+          f"step {step:.2f} ms (on the device {device_step:.2f}), batch {batch:.1f}", flush=True)
     if not args.no_engine:
-        alone = engine_alone(args)
+        alone, alone_step = engine_alone(args)
         print(f"engine alone ({args.device}, batch {args.concurrency}, {args.output_len} out): "
-              f"{alone:.0f} tok/s; served / engine = {r['output_throughput'] / alone:.2f}", flush=True)
+              f"{alone:.0f} tok/s, decode step on the device {alone_step:.2f} ms; served / engine "
+              f"= {r['output_throughput'] / alone:.2f}", flush=True)
     print(f"TTFT p50 / p99 {r['median_ttft_ms']:.1f} / {r['p99_ttft_ms']:.1f} ms; " + gaps(r["itls"]),
           flush=True)
     print("a request's way in, means (ms): " + ", ".join(f"{k} {v:.2f}" for k, v in life.items()),
@@ -377,9 +379,10 @@ def summarize_spy(path: str, possible: float, top: int = 18, focus: str = "") ->
     return "\n".join(lines)
 
 
-def engine_alone(args) -> float:
+def engine_alone(args) -> tuple[float, float]:
     """Output tokens/s of pd.LLM on the same model, `concurrency` prompts of `input_len` random
-    ids decoding `output_len` tokens at once (the figure serving is held against)."""
+    ids decoding `output_len` tokens at once (the figure serving is held against), and the mean
+    device time of that run's decode steps in ms (its loop's CUDA events)."""
     import random
 
     from pd.engine.llm import LLM
@@ -391,13 +394,17 @@ def engine_alone(args) -> float:
     prompts = [[rng.randrange(vocab) for _ in range(args.input_len)] for _ in range(args.concurrency)]
     params = SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True)
     llm.generate(prompts[:2], SamplingParams(max_tokens=4, temperature=0.0))  # warm-up
-    best = 0.0
+    best, device = 0.0, 0.0
+    busy = llm.engine.loop.busy
     for _ in range(2):
+        busy.clear()
         t0 = time.perf_counter()
         outs = llm.generate(prompts, params)
-        best = max(best, sum(len(o.token_ids) for o in outs) / (time.perf_counter() - t0))
+        rate = sum(len(o.token_ids) for o in outs) / (time.perf_counter() - t0)
+        if rate > best:
+            best, device = rate, 1000 * sum(busy) / max(1, len(busy))
     llm.engine.close()
-    return best
+    return best, device
 
 
 def gaps(itls: list[list[float]]) -> str:

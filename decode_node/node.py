@@ -66,6 +66,7 @@ class DecodeNode(NodeService):
         fallback = {"on": True, "off": False}.get(spec_fallback, engine.runner.device.type == "cuda")
         self.loop = make_decode_loop(engine.runner, self.scheduler, overlap,
                                      on_gap=self.metrics.step_gap_seconds.observe, spec=engine.spec,
+                                     on_busy=self.metrics.step_device_seconds.observe,
                                      spec_fallback=fallback)
         self.spec_seen = SpecStats()  # MTP counters already exported
         self.slow = SlowSteps(self.loop.times, os.environ)  # PD_LOG_SLOW_STEPS_MS

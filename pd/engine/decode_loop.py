@@ -74,7 +74,8 @@ class InFlight(NamedTuple):
 class DecodeLoop:
     def __init__(self, runner: ModelRunner, scheduler: Scheduler, *, overlap: bool = True,
                  executor=None, on_gap: Callable[[float], None] | None = None,
-                 spec=None, spec_fallback: bool = False) -> None:
+                 spec=None, spec_fallback: bool = False,
+                 on_busy: Callable[[float], None] | None = None) -> None:
         self.runner = runner
         self.spec = spec
         # with MTP: plain steps where they measure faster for the batch size (`SpecChoice`)
@@ -90,7 +91,7 @@ class DecodeLoop:
         self.prev_done: ForwardOutput | None = None  # the last processed step, for its end time
         self.gaps = StepGaps()
         self.busy: deque[float] = deque(maxlen=4096)  # device time of each step, for benchmarks
-        self.on_gap = on_gap
+        self.on_gap, self.on_busy = on_gap, on_busy
         self.num_syncs = 0  # overlap steps that had to wait for the previous one first
         self.num_ahead = 0  # steps launched while the previous one was still unprocessed
         self.num_deferred = 0  # of those, steps whose sampler waited for the previous one's tokens
@@ -324,7 +325,10 @@ class DecodeLoop:
         t = time.perf_counter()
         f.out.copy_done.wait()
         t = self.times.add("wait", t)
-        self.busy.append(self.executor.busy_seconds(f.out))
+        busy = self.executor.busy_seconds(f.out)
+        self.busy.append(busy)
+        if self.on_busy is not None:
+            self.on_busy(busy)
         if self.prev_done is not None:
             gap = self.executor.gap_seconds(self.prev_done, f.out)
             self.gaps.add(gap)
@@ -394,7 +398,10 @@ class DecodeLoop:
         t = self.times.add("wait", t)
         results = self.spec.collect(f)
         if f.start is not None:
-            self.busy.append(f.start.elapsed_time(f.end) / 1000.0)
+            busy = f.start.elapsed_time(f.end) / 1000.0
+            self.busy.append(busy)
+            if self.on_busy is not None:
+                self.on_busy(busy)
             if self.prev_done is not None:
                 gap = max(0.0, self.prev_done.elapsed_time(f.start) / 1000.0)
                 self.gaps.add(gap)
@@ -451,9 +458,10 @@ class DecodeLoop:
 
 def make_decode_loop(runner: ModelRunner, scheduler: Scheduler, overlap: bool,
                      on_gap: Callable[[float], None] | None = None, spec=None,
-                     spec_fallback: bool = False) -> DecodeLoop:
+                     spec_fallback: bool = False,
+                     on_busy: Callable[[float], None] | None = None) -> DecodeLoop:
     loop = DecodeLoop(runner, scheduler, overlap=overlap, on_gap=on_gap, spec=spec,
-                      spec_fallback=spec_fallback)
+                      spec_fallback=spec_fallback, on_busy=on_busy)
     log.info("decode loop: overlap %s (executor %s)", "on" if overlap else "off", loop.executor.name)
     return loop
 

@@ -61,6 +61,10 @@ _EXPOSED = Histogram("pd_kv_exposed_seconds",
                      LABELS, buckets=TIME_BUCKETS)
 _BATCH = Histogram("pd_batch_size", "Requests in one engine step", LABELS,
                    buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024))
+_STEP_DEVICE = Histogram("pd_decode_step_device_seconds",
+                         "Device time of one decode step (CUDA events from its start to its "
+                         "results copied to the host; on CPU the worker's wall time)", LABELS,
+                         buckets=TIME_BUCKETS)
 _STEP_GAP = Histogram("pd_decode_step_gap_seconds",
                       "Device idle time between two decode steps (the overlap scheduler's gap)",
                       LABELS, buckets=TIME_BUCKETS)
@@ -180,6 +184,7 @@ def for_node(role: str, node_id: str) -> SimpleNamespace:
         first_token_receive_seconds=_FIRST_RECV.labels(**lab), join_seconds=_JOIN.labels(**lab),
         kv_exposed_seconds=_EXPOSED.labels(**lab),
         batch_size=_BATCH.labels(**lab), step_gap_seconds=_STEP_GAP.labels(**lab),
+        step_device_seconds=_STEP_DEVICE.labels(**lab),
         spec_drafts=_DRAFTS.labels(**lab), spec_draft_tokens=_DRAFT_TOKENS.labels(**lab),
         spec_accepted_tokens=_ACCEPTED.labels(**lab),
         count_spec_plain_steps=_mirror(_SPEC_PLAIN.labels(**lab)),
