@@ -139,8 +139,6 @@ class Intake:
         t = time.perf_counter()
         num_records = self.num_kv_records
         for peer, item in self.receiver.recv(timeout=0):
-            if self.first_tokens and isinstance(item, (AbortRecord, PeerGone)):
-                self.flush_first_tokens()  # a request's first token before its end
             try:
                 self.dispatch(peer, item)
             except m.MessageError as e:
@@ -400,6 +398,7 @@ class Intake:
     def fail(self, inc: Incoming, error: str, tell_peer: bool = True) -> None:
         log.warning("request %s failed: %s", inc.req.req_id, error)
         self.metrics.refused("failed").inc()
+        self.flush_first_tokens()  # its first token, if read, goes to the router before this
         self.owner.events.send(inc.reply_to, m.TokenStream(inc.req.req_id, [], error=error))
         if tell_peer:
             self.receiver.send_control(inc.peer, m.to_dict(m.KVRefuse(inc.req.req_id, error)))

@@ -190,3 +190,17 @@ def test_first_tokens_read_together_reach_their_router_in_one_message(node):
         ("a", [7], 1), ("b", [7], 1), ("c", [7], 1)]
     assert batch[1].logprobs == [-0.5] and batch[1].top_logprobs == [[[7, -0.5]]]
     assert batch[0].logprobs is None
+
+
+def test_a_failure_goes_after_the_first_token_read_before_it(node):
+    """A request that fails in the pass that read its first token (its KV incomplete at KVDone)
+    reaches the router as its first token, then its error."""
+    sink = zmq.Context.instance().socket(zmq.PULL)
+    node.reply = f"tcp://127.0.0.1:{sink.bind_to_random_port('tcp://127.0.0.1')}"
+    hand_over(node, RING_PEER, "r", direct=False)  # first token read, not yet sent on
+    node.intake.dispatch(RING_PEER, m.to_dict(m.KVDone("r", 2)))  # two records, none came
+    node.intake.flush_first_tokens()
+    got = [s for _ in range(2) for s in m.unpack_streams(m.decode(sink.recv()))]
+    sink.close(linger=0)
+    assert [(s.req_id, s.token_ids, s.error is None) for s in got] == [("r", [7], True), ("r", [], False)]
+    assert "incomplete" in got[1].error
