@@ -170,7 +170,8 @@ class DecodeNode(NodeService):
     def send_first_tokens(self, batch: dict[str, list[Req]]) -> None:
         """First tokens (the prefill node's), one `TokenStreams` per router."""
         for reply_to, reqs in batch.items():
-            logprobs = [[i, req.output_logprobs[-1:], [[list(p) for p in req.output_top_logprobs[-1]]]]
+            logprobs = [[i, req.output_logprobs[-1:],
+                         [[list(p) for p in req.output_top_logprobs[-1]]]]
                         for i, req in enumerate(reqs) if req.params.logprobs is not None]
             self.events.send(reply_to, m.TokenStreams(
                 [r.req_id for r in reqs], [1] * len(reqs), [r.token_ids[-1] for r in reqs],

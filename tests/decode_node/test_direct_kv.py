@@ -1,9 +1,10 @@
 """The decode node's intake of direct KV (the CUDA IPC tier), on the CPU: which peers are offered
 the cache, what KVAccept names, and that a direct request dropped after its KVAccept keeps its
 blocks until the prefill node answers (KVDone, KVReleased) or is gone, since the prefill node
-may be writing them; and how first tokens read together go on to their router. A real decode node and engine on the tiny model; its messages are driven
-through its intake's `dispatch` and the replies collected instead of sent (this machine has no GPU to export
-a cache from, so the offer is a stand-in the test never opens)."""
+may be writing them; and how first tokens read together go on to their router (one message,
+before any error of theirs). A real decode node and engine on the tiny model; its messages are
+driven through its intake's `dispatch` and the replies collected instead of sent (this machine
+has no GPU to export a cache from, so the offer is a stand-in the test never opens)."""
 
 from __future__ import annotations
 
@@ -202,5 +203,6 @@ def test_a_failure_goes_after_the_first_token_read_before_it(node):
     node.intake.flush_first_tokens()
     got = [s for _ in range(2) for s in m.unpack_streams(m.decode(sink.recv()))]
     sink.close(linger=0)
-    assert [(s.req_id, s.token_ids, s.error is None) for s in got] == [("r", [7], True), ("r", [], False)]
+    assert [(s.req_id, s.token_ids, s.error is None) for s in got] == [
+        ("r", [7], True), ("r", [], False)]
     assert "incomplete" in got[1].error
