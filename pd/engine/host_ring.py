@@ -96,7 +96,9 @@ def copy_async(dst: torch.Tensor, src: torch.Tensor) -> None:
             dst = dst[:src.numel()]
         dst.copy_(src, non_blocking=True)
         return
-    dev = dst if dst.is_cuda else src
+    index = (dst if dst.is_cuda else src).device.index or 0
+    if rt.getDevice() != index:  # cupy's current device, for a node on another GPU than 0
+        rt.setDevice(index)
     rt.memcpyAsync(dst.data_ptr(), src.data_ptr(), src.numel() * src.element_size(),
                    1 if dst.is_cuda else 2,  # cudaMemcpyHostToDevice, DeviceToHost
-                   torch._C._cuda_getCurrentRawStream(dev.device.index))
+                   torch._C._cuda_getCurrentRawStream(index))
