@@ -39,6 +39,32 @@ log = logging.getLogger(__name__)
 GAP_LOG_S = 30.0  # how often the step-gap quantiles are logged while decoding
 
 
+def _columns() -> tuple[list, ...]:
+    """Empty `TokenStreams` columns, in its fields' order: req_ids, counts, token_ids,
+    num_prompt_tokens, num_output_tokens, ended, logprobs."""
+    return [], [], [], [], [], [], []
+
+
+def _add_stream(cols: tuple[list, ...], req: Req, n: int) -> int:
+    """Request `req`'s last n tokens (and their logprobs where asked) into `cols`; returns its
+    row. NOTE: per request every step: locals, no property calls."""
+    ids, ns, tokens, prompts, outputs, _, logprobs = cols
+    i = len(ids)
+    ids.append(req.req_id)
+    ns.append(n)
+    all_ids, prompt_len = req.token_ids, len(req.prompt_token_ids)
+    if n == 1:
+        tokens.append(all_ids[-1])
+    else:
+        tokens += all_ids[-n:]
+    prompts.append(prompt_len)
+    outputs.append(len(all_ids) - prompt_len)
+    if req.params.logprobs is not None:
+        logprobs.append([i, req.output_logprobs[-n:], [
+            [list(p) for p in top] for top in req.output_top_logprobs[-n:]]])
+    return i
+
+
 class DecodeNode(NodeService):
     role = "decode"
 
@@ -146,23 +172,10 @@ class DecodeNode(NodeService):
                 continue
             cols = batches.get(reply_to)
             if cols is None:
-                cols = batches[reply_to] = ([], [], [], [], [], [], [])
-            ids, ns, tokens, prompts, outputs, ended, logprobs = cols
-            i = len(ids)
-            ids.append(req_id)
-            ns.append(n)
-            all_ids, prompt_len = req.token_ids, len(req.prompt_token_ids)
-            if n == 1:
-                tokens.append(all_ids[-1])
-            else:
-                tokens += all_ids[-n:]
-            prompts.append(prompt_len)
-            outputs.append(len(all_ids) - prompt_len)
-            if req.params.logprobs is not None:
-                logprobs.append([i, req.output_logprobs[-n:], [
-                    [list(p) for p in top] for top in req.output_top_logprobs[-n:]]])
+                cols = batches[reply_to] = _columns()
+            i = _add_stream(cols, req, n)
             if req.status is finished:
-                ended.append([i, req.finish_reason.value])
+                cols[5].append([i, req.finish_reason.value])  # the `ended` column
                 del reply_tos[req_id]
         for reply_to, cols in batches.items():
             self.events.send(reply_to, m.TokenStreams(*cols))
@@ -170,13 +183,10 @@ class DecodeNode(NodeService):
     def send_first_tokens(self, batch: dict[str, list[Req]]) -> None:
         """First tokens (the prefill node's), one `TokenStreams` per router."""
         for reply_to, reqs in batch.items():
-            logprobs = [[i, req.output_logprobs[-1:],
-                         [[list(p) for p in req.output_top_logprobs[-1]]]]
-                        for i, req in enumerate(reqs) if req.params.logprobs is not None]
-            self.events.send(reply_to, m.TokenStreams(
-                [r.req_id for r in reqs], [1] * len(reqs), [r.token_ids[-1] for r in reqs],
-                [len(r.prompt_token_ids) for r in reqs], [r.num_output_tokens for r in reqs], [],
-                logprobs))
+            cols = _columns()
+            for req in reqs:
+                _add_stream(cols, req, 1)
+            self.events.send(reply_to, m.TokenStreams(*cols))
 
     def stream(self, reply_to: str, req: Req, n: int, finish_reason: str | None) -> None:
         """Send the request's last n tokens (with logprobs when asked) to the router."""
@@ -195,7 +205,6 @@ class DecodeNode(NodeService):
             req.req_id, req.token_ids[-n:], finish_reason=finish_reason,
             num_prompt_tokens=req.num_prompt_tokens, num_output_tokens=req.num_output_tokens, **extra)
 
-    # -- endings -------------------------------------------------------------------------------
     # -- the intake's owner (`decode_node.intake.IntakeOwner`) -----------------------------------
     def running(self, req_id: str) -> bool:
         return req_id in self.reply_to

@@ -259,16 +259,16 @@ class ModelRunner:
         step are that step's: such a row stays one (greedy, unprocessed, past min_tokens), and
         nothing reads its count then (a steady greedy batch's every step)."""
         last_reqs, last = self.graphed_rows
+        graph = (key, self.graphs.host_inputs(batch.reqs, key))
         if (last is not None and last.argmax_only and len(batch.reqs) == len(last_reqs)
                 and all(map(is_, batch.reqs, last_reqs))):
-            inp = last._replace(decode_graph=(key, self.graphs.host_inputs(batch.reqs, key)))
+            inp = last._replace(decode_graph=graph)
         else:
             rows = self.sampling_rows(batch.reqs, masks)
             asked = [r.params.logprobs for r in rows if r.params.logprobs is not None]
             inp = ForwardInput(None, None, None, None, list(range(len(rows))), rows,
                                num_top=min(max(asked, default=0), self.model_config.vocab_size),
-                               decode_graph=(key, self.graphs.host_inputs(batch.reqs, key)),
-                               wants_logprobs=bool(asked),
+                               decode_graph=graph, wants_logprobs=bool(asked),
                                argmax_only=all(r.takes_argmax for r in rows))
         self.graphed_rows = (list(batch.reqs), inp)
         return inp
