@@ -5,7 +5,7 @@ Greedy decoding takes it over a batch's logits [B, V] every step. torch's reduct
 block to a row, so one row of a 128k vocabulary takes ~28 us on an H100; here the first kernel
 splits each row into chunks of `CHUNK` columns (one program each: the chunk's max and its
 column), the second picks each row's best chunk, the leftmost among equals, so ties still go
-to the lowest column. NaN is not ordered (logits hold none). On the current stream, capturable
+to the lowest column; a row of one chunk (a small vocabulary) is the first kernel's alone. NaN is not ordered (logits hold none). On the current stream, capturable
 in a CUDA graph. `triton` is imported on first use; CPU machines run the twin.
 """
 
@@ -26,23 +26,26 @@ def _kernels():
     import triton.language as tl
 
     @triton.jit
-    def argmax_chunk_kernel(x_ptr, val_ptr, col_ptr, stride_x, n_cols, num_chunks,
-                            CHUNK: tl.constexpr):
+    def argmax_chunk_kernel(x_ptr, val_ptr, col_ptr, out_ptr, stride_x, stride_out, n_cols,
+                            num_chunks, CHUNK: tl.constexpr, DIRECT: tl.constexpr):
         row, c = tl.program_id(0).to(tl.int64), tl.program_id(1)
         cols = c * CHUNK + tl.arange(0, CHUNK)
         x = tl.load(x_ptr + row * stride_x + cols, mask=cols < n_cols, other=float("-inf"))
         best, at = tl.max(x.to(tl.float32), 0, return_indices=True,
                           return_indices_tie_break_left=True)
-        tl.store(val_ptr + row * num_chunks + c, best)
-        tl.store(col_ptr + row * num_chunks + c, c * CHUNK + at)
+        if DIRECT:  # one chunk per row: its column is the row's
+            tl.store(out_ptr + row * stride_out, at.to(tl.int64))
+        else:
+            tl.store(val_ptr + row * num_chunks + c, best)
+            tl.store(col_ptr + row * num_chunks + c, c * CHUNK + at)
 
     @triton.jit
-    def argmax_row_kernel(val_ptr, col_ptr, out_ptr, num_chunks, CP: tl.constexpr):
+    def argmax_row_kernel(val_ptr, col_ptr, out_ptr, stride_out, num_chunks, CP: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         j = tl.arange(0, CP)
         vals = tl.load(val_ptr + row * num_chunks + j, mask=j < num_chunks, other=float("-inf"))
         _, best = tl.max(vals, 0, return_indices=True, return_indices_tie_break_left=True)
-        tl.store(out_ptr + row, tl.load(col_ptr + row * num_chunks + best).to(tl.int64))
+        tl.store(out_ptr + row * stride_out, tl.load(col_ptr + row * num_chunks + best).to(tl.int64))
 
     return argmax_chunk_kernel, argmax_row_kernel
 
@@ -55,7 +58,8 @@ def argmax_ref(x: torch.Tensor) -> torch.Tensor:
 def argmax(x: torch.Tensor, out: torch.Tensor | None = None,
            use_kernel: bool | None = None) -> torch.Tensor:
     """Each row's argmax of x [B, V] (float32, bfloat16 or float16) -> [B] int64, written into
-    `out` when given: the kernels on CUDA, else the twin."""
+    `out` when given (any stride: a column of a wider result): the kernels on CUDA (one where a
+    row is one chunk), else the twin."""
     if x.dim() != 2 or x.shape[1] == 0:
         raise ValueError(f"argmax takes [rows, columns], got {tuple(x.shape)}")
     if out is not None and (out.shape != x.shape[:1] or out.dtype != torch.int64):
@@ -69,12 +73,16 @@ def argmax(x: torch.Tensor, out: torch.Tensor | None = None,
         raise ValueError("argmax needs contiguous rows")
     rows, cols = x.shape
     num_chunks = -(-cols // CHUNK)
-    vals = torch.empty(rows, num_chunks, dtype=torch.float32, device=x.device)
-    at = torch.empty(rows, num_chunks, dtype=torch.int32, device=x.device)
     out = torch.empty(rows, dtype=torch.int64, device=x.device) if out is None else out
     chunk_kernel, row_kernel = _kernels()
-    chunk_kernel[(rows, num_chunks)](x, vals, at, x.stride(0), cols, num_chunks, CHUNK=CHUNK,
-                                     num_warps=8)
-    row_kernel[(rows,)](vals, at, out, num_chunks, CP=max(16, 1 << (num_chunks - 1).bit_length()),
-                        num_warps=1)
+    if num_chunks == 1:
+        chunk_kernel[(rows, 1)](x, out, out, out, x.stride(0), out.stride(0), cols, 1,
+                                CHUNK=CHUNK, DIRECT=True, num_warps=8)
+        return out
+    vals = torch.empty(rows, num_chunks, dtype=torch.float32, device=x.device)
+    at = torch.empty(rows, num_chunks, dtype=torch.int32, device=x.device)
+    chunk_kernel[(rows, num_chunks)](x, vals, at, out, x.stride(0), out.stride(0), cols,
+                                     num_chunks, CHUNK=CHUNK, DIRECT=False, num_warps=8)
+    row_kernel[(rows,)](vals, at, out, out.stride(0), num_chunks,
+                        CP=max(16, 1 << (num_chunks - 1).bit_length()), num_warps=1)
     return out

@@ -24,7 +24,32 @@ from kernels.launch import check, launch, use_kernels
 
 DECODE, PREFILL, CHUNK = 0, 1, 2
 
-SOURCE = r"""
+# NOTE: one slot's MTP ids (returning its drafting row) and a chained position's cache slot as
+# device functions, which `kernels.accept_step` calls too
+DEVICE = r"""
+__device__ long long mtp_rows(int kind, long long s, long long q, const long long* acc,
+                              long long n, const long long* input_ids, long long* mtp_ids)
+{
+    if (kind == 0) {
+        n = n < 1 ? 1 : (n > q ? q : n);
+        for (long long j = 0; j < q; ++j) mtp_ids[s + j] = acc[j < n - 1 ? j : n - 1];
+        return s + n - 1;
+    }
+    for (long long j = 0; j + 1 < q; ++j) mtp_ids[s + j] = input_ids[s + j + 1];
+    mtp_ids[s + q - 1] = acc[0];
+    return s + q - 1;
+}
+
+__device__ long long chain_slot(int kind, long long p, const long long* table, int max_blocks,
+                                int block_size)
+{
+    long long blk = p / block_size;
+    if (kind == 2 || blk >= max_blocks) return -1;
+    return table[blk] * block_size + p % block_size;
+}
+"""
+
+SOURCE = DEVICE + r"""
 extern "C" __global__ void draft_preprocess(
     const long long* slot_index, const long long* cu_seqlens, const long long* input_ids,
     const long long* positions, const long long* accepted_ids, const int* num_accepted,
@@ -35,29 +60,15 @@ extern "C" __global__ void draft_preprocess(
     int b = blockIdx.x * blockDim.x + threadIdx.x;
     if (b >= num_slots || slot_index[b] < 0) return;
     long long s = cu_seqlens[b], q = cu_seqlens[b + 1] - s;
-    const long long* acc = accepted_ids + (long long)b * k1;
     int kind = slot_kind[b];
-    long long row;
-    if (kind == 0) {
-        long long n = num_accepted[b] < 1 ? 1 : num_accepted[b];
-        if (n > q) n = q;
-        for (long long j = 0; j < q; ++j) mtp_ids[s + j] = acc[j < n - 1 ? j : n - 1];
-        row = s + n - 1;
-    } else {
-        for (long long j = 0; j + 1 < q; ++j) mtp_ids[s + j] = input_ids[s + j + 1];
-        mtp_ids[s + q - 1] = acc[0];
-        row = s + q - 1;
-    }
+    long long row = mtp_rows(kind, s, q, accepted_ids + (long long)b * k1, num_accepted[b],
+                             input_ids, mtp_ids);
     draft_rows[b] = row;
     long long pos = positions[row] + 1;
     chain_positions[b] = pos;
-    for (int m = 0; m < num_chain; ++m) {
-        long long p = pos + m, blk = p / block_size;
-        long long slot = -1;
-        if (kind != 2 && blk < max_blocks)
-            slot = block_tables[(long long)b * max_blocks + blk] * block_size + p % block_size;
-        chain_slots[(long long)b * num_chain + m] = slot;
-    }
+    for (int m = 0; m < num_chain; ++m)
+        chain_slots[(long long)b * num_chain + m] = chain_slot(
+            kind, pos + m, block_tables + (long long)b * max_blocks, max_blocks, block_size);
 }
 """
 

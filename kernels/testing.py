@@ -115,3 +115,24 @@ def advance_inputs_inputs(num_slots: int, k: int, vocab: int, seed: int, block_s
                                torch.arange(num_slots)),
     )
     return {n: t.to(device) for n, t in out.items()}
+
+
+def accept_step_inputs(num_slots: int, k: int, vocab: int, seed: int, block_size: int = 4,
+                       device="cpu") -> dict:
+    """A graphed MTP step's inputs (`kernels.accept_step`): the verify inputs' runs and the
+    status inputs' lengths and stops, int64 counts and flags, positions in the graphs' layout
+    (rows past a slot's drafts at position 0) and tables too short for some chained positions."""
+    x, st = verify_inputs(num_slots, k, vocab, seed), status_inputs(num_slots, k, vocab, seed + 1)
+    g = _gen(seed + 2)
+    k1, width = k + 1, 3
+    start = _ints(g, 0, width * block_size, (num_slots,))
+    rows = torch.arange(k1)[None, :]
+    positions = torch.where(rows <= x["num_drafts"][:, None].long(), start[:, None] + rows, 0)
+    out = dict(
+        slot_index=x["slot_index"], num_drafts=x["num_drafts"].long(), draft_ids=x["draft_ids"],
+        target_ids=x["target_ids"], target_probs=x["target_probs"], uniforms=x["uniforms"],
+        greedy=x["greedy"].long(), seq_lens=st["seq_lens"], num_outputs=st["num_outputs"],
+        max_seq_lens=st["max_seq_lens"], min_tokens=st["min_tokens"], stop_ids=st["stop_ids"],
+        positions=positions, block_tables=_ints(g, 1, 10_000, (num_slots, width)),
+    )
+    return {n: t.to(device) for n, t in out.items()}

@@ -20,7 +20,31 @@ from kernels.launch import check, launch, use_kernels
 
 RUNNING, STOP, LENGTH = 0, 1, 2
 
-SOURCE = r"""
+# NOTE: the run's stop checks as a device function, which `kernels.accept_step` calls too:
+# advances *len and *outs by the tokens taken, cuts *kept, returns the flag
+DEVICE = r"""
+__device__ int stop_in_run(const long long* acc, int* kept, long long* len, long long* outs,
+                           long long max_len, long long min_tokens, const long long* stop_ids,
+                           int num_stop)
+{
+    int n = *kept, flag = 0;
+    for (int j = 0; j < n; ++j) {
+        long long tok = acc[j];
+        *len += 1; *outs += 1;
+        if (*outs >= min_tokens) {
+            for (int s = 0; s < num_stop; ++s) {
+                long long sid = stop_ids[s];
+                if (sid >= 0 && sid == tok) { flag = 1; break; }
+            }
+        }
+        if (flag == 0 && *len >= max_len) flag = 2;
+        if (flag != 0) { *kept = j + 1; break; }
+    }
+    return flag;
+}
+"""
+
+SOURCE = DEVICE + r"""
 extern "C" __global__ void update_status(
     const long long* slot_index, const long long* accepted_ids, int* num_accepted,
     long long* seq_lens, long long* num_outputs, const long long* max_seq_lens,
@@ -29,21 +53,10 @@ extern "C" __global__ void update_status(
 {
     int b = blockIdx.x * blockDim.x + threadIdx.x;
     if (b >= num_slots || slot_index[b] < 0 || stop_flags[b] != 0) return;
-    int n = num_accepted[b];
+    int kept = num_accepted[b];
     long long len = seq_lens[b], outs = num_outputs[b];
-    int flag = 0, kept = n;
-    for (int j = 0; j < n; ++j) {
-        long long tok = accepted_ids[(long long)b * k1 + j];
-        len += 1; outs += 1;
-        if (outs >= min_tokens[b]) {
-            for (int s = 0; s < num_stop; ++s) {
-                long long sid = stop_ids[(long long)b * num_stop + s];
-                if (sid >= 0 && sid == tok) { flag = 1; break; }
-            }
-        }
-        if (flag == 0 && len >= max_seq_lens[b]) flag = 2;
-        if (flag != 0) { kept = j + 1; break; }
-    }
+    int flag = stop_in_run(accepted_ids + (long long)b * k1, &kept, &len, &outs, max_seq_lens[b],
+                           min_tokens[b], stop_ids + (long long)b * num_stop, num_stop);
     num_accepted[b] = kept;
     seq_lens[b] = len;
     num_outputs[b] = outs;

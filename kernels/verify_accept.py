@@ -19,7 +19,25 @@ import torch
 
 from kernels.launch import check, launch, use_kernels
 
-SOURCE = r"""
+# NOTE: the run of one slot as a device function, which `kernels.accept_step` calls too;
+# draft_probs may be null there (every draft probability 1)
+DEVICE = r"""
+__device__ int accept_run(int n, const long long* d, const long long* t, const float* dp,
+                          const float* tp, const float* u, bool greedy, long long* out, int k)
+{
+    int a = 0;
+    for (; a < n; ++a) {
+        bool ok = greedy ? (d[a] == t[a]) : (u[a] * (dp ? dp[a] : 1.0f) < tp[a]);
+        if (!ok) break;
+        out[a] = d[a];
+    }
+    out[a] = t[a];
+    for (int j = a + 1; j <= k; ++j) out[j] = -1;
+    return a + 1;
+}
+"""
+
+SOURCE = DEVICE + r"""
 extern "C" __global__ void verify_accept(
     const long long* slot_index, const int* num_drafts, const long long* draft_ids,
     const long long* target_ids, const float* draft_probs, const float* target_probs,
@@ -28,20 +46,10 @@ extern "C" __global__ void verify_accept(
 {
     int b = blockIdx.x * blockDim.x + threadIdx.x;
     if (b >= num_slots || slot_index[b] < 0) return;
-    int n = num_drafts[b];
-    const long long* d = draft_ids + (long long)b * k;
-    const long long* t = target_ids + (long long)b * (k + 1);
-    long long* out = accepted_ids + (long long)b * (k + 1);
-    int a = 0;
-    for (; a < n; ++a) {
-        long long idx = (long long)b * k + a;
-        bool ok = greedy[b] ? (d[a] == t[a]) : (uniforms[idx] * draft_probs[idx] < target_probs[idx]);
-        if (!ok) break;
-        out[a] = d[a];
-    }
-    out[a] = t[a];
-    for (int j = a + 1; j <= k; ++j) out[j] = -1;
-    num_accepted[b] = a + 1;
+    long long o = (long long)b * k, t = (long long)b * (k + 1);
+    num_accepted[b] = accept_run(num_drafts[b], draft_ids + o, target_ids + t, draft_probs + o,
+                                 target_probs + o, uniforms + o, greedy[b] != 0,
+                                 accepted_ids + t, k);
 }
 """
 

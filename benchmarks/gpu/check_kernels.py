@@ -14,12 +14,20 @@ import sys
 import torch
 
 from kernels import draft_preprocess, update_status, verify_accept
+from kernels.accept_step import accept_step
 from kernels.advance_inputs import advance_inputs
-from kernels.testing import advance_inputs_inputs, preprocess_inputs, status_inputs, verify_inputs
+from kernels.testing import (accept_step_inputs, advance_inputs_inputs, preprocess_inputs,
+                             status_inputs, verify_inputs)
 
 KS = (1, 2, 3, 4)
 BATCHES = (1, 3, 64, 200, 512)
 SEEDS = (0, 1, 2)
+
+
+def accept_step_written(**kw):
+    """`accept_step`'s outputs but the result's draft columns (the draft chain's to write)."""
+    result, *rest = accept_step(**kw)
+    return (result[:, :(result.shape[1] + 4) // 2], *rest)
 
 
 def both(fn, x: dict, **kw):
@@ -46,6 +54,7 @@ def check_all() -> int:
         (update_status, status_inputs, lambda k: {}),
         (draft_preprocess, preprocess_inputs, lambda k: {"block_size": 4, "num_chain": k - 1}),
         (advance_inputs, advance_inputs_inputs, lambda k: {"block_size": 4, "spare_slot": 28}),
+        (accept_step_written, accept_step_inputs, lambda k: {"block_size": 4, "spare_slot": 28}),
     ):
         cases = 0
         for k in KS:
@@ -90,6 +99,7 @@ def timings() -> None:
         (update_status, status_inputs, lambda k: {}),
         (draft_preprocess, preprocess_inputs, lambda k: {"block_size": 4, "num_chain": k - 1}),
         (advance_inputs, advance_inputs_inputs, lambda k: {"block_size": 4, "spare_slot": 28}),
+        (accept_step_written, accept_step_inputs, lambda k: {"block_size": 4, "spare_slot": 28}),
     ):
         for k in (1, 4):
             for b in (1, 64, 512):
@@ -108,6 +118,8 @@ def no_host_wait() -> bool:
           (draft_preprocess, preprocess_inputs(64, 3, 64, 5, device="cuda"),
            {"block_size": 4, "num_chain": 2}),
           (advance_inputs, advance_inputs_inputs(64, 3, 64, 5, device="cuda"),
+           {"block_size": 4, "spare_slot": 28}),
+          (accept_step, accept_step_inputs(64, 3, 64, 5, device="cuda"),
            {"block_size": 4, "spare_slot": 28})]
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")

@@ -38,6 +38,8 @@ def main() -> None:
     p.add_argument("--no-overlap", action="store_true")
     p.add_argument("--torch", action="store_true", help="torch.profiler instead of cProfile")
     p.add_argument("--kernels", action="store_true", help="the kernels of each graph's replay")
+    p.add_argument("--timeline", action="store_true",
+                   help="with --kernels: one replay's kernels in order, with the gaps between them")
     p.add_argument("--logprobs", type=int, default=None, help="top_logprobs width (default: none)")
     p.add_argument("--sort", default="tottime", choices=("tottime", "cumulative"),
                    help="cProfile's order: own time, or time with callees")
@@ -56,7 +58,7 @@ def main() -> None:
         torch_profile(llm, prompts, params, args.top)
         return
     if args.kernels:
-        graph_kernels(llm, args.top)
+        graph_kernels(llm, args.top, timeline=args.timeline)
         return
     prof = cProfile.Profile()
     t0 = time.perf_counter()
@@ -101,7 +103,7 @@ def torch_profile(llm: LLM, prompts: list[str], params: SamplingParams, top: int
 
 
 @torch.inference_mode()
-def graph_kernels(llm: LLM, top: int, replays: int = 20) -> None:
+def graph_kernels(llm: LLM, top: int, replays: int = 20, timeline: bool = False) -> None:
     """Kernels per replay of each graph of the first captured MTP key, and of the plain decode
     graph with as many rows."""
     from torch.profiler import ProfilerActivity, profile
@@ -133,6 +135,23 @@ def graph_kernels(llm: LLM, top: int, replays: int = 20) -> None:
         for e in sorted(kernels, key=lambda e: -e.self_device_time_total)[:top]:
             print(f"  {e.count / replays:4.0f} x {e.self_device_time_total / e.count:7.2f} us  "
                   f"{e.key[:90]}")
+        if timeline:
+            print_timeline(prof, round(count))
+
+
+def print_timeline(prof, per_replay: int) -> None:
+    """The last replay's kernels in launch order: start (us from the first), duration, the gap
+    before each, and the replay's span."""
+    events = sorted((e for e in prof.events() if e.device_type.name == "CUDA"
+                     and e.device_time_total > 0), key=lambda e: e.time_range.start)
+    last = events[-per_replay:]
+    t0, end = last[0].time_range.start, last[0].time_range.start
+    for e in last:
+        start = e.time_range.start
+        print(f"    {start - t0:7.1f} {e.time_range.elapsed_us():6.2f} gap {start - end:5.2f}  "
+              f"{e.name[:80]}")
+        end = e.time_range.end
+    print(f"    span {end - t0:.1f} us, kernels {sum(e.time_range.elapsed_us() for e in last):.1f}")
 
 
 if __name__ == "__main__":

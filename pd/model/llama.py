@@ -24,6 +24,7 @@ from contextlib import nullcontext
 import torch
 from torch import nn
 
+from kernels.rms_norm import rms_norm
 from kernels.skinny_linear import skinny_linear
 from pd.config import ModelConfig
 from pd.model.attention import rope_cache_attention
@@ -180,6 +181,28 @@ class CausalLM(nn.Module):
             logits = parallel.gather_vocab(skinny_linear(self.model.norm(hidden), self.head_weight),
                                            self.config.vocab_size)
         return logits if out is None else out.copy_(logits)
+
+    def mtp_logits(self, input_ids: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor,
+                   rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """`mtp_forward` and the LM head at its output's `rows` (every row when None): (those
+        rows' pre-norm output [R, H], what a chained pass reads; their logits [R, V] in the
+        model's dtype, enough for an argmax). One rank: the embedding lookup is `enorm`'s
+        gather, the two norms write the halves of `eh_proj`'s input, and the layer's last
+        residual add is the final norm's, over `rows` only: the same values in fewer kernels.
+        Under tensor parallelism, `mtp_forward` then `head_logits`."""
+        if parallel.group().size > 1:
+            out = self.mtp_forward(input_ids, positions, hidden)
+            out = out if rows is None else out[rows]
+            return out, self.head_logits(out)
+        mtp, h = self.mtp, hidden.shape[1]
+        self.rotary.reset()
+        x = torch.empty(input_ids.shape[0], 2 * h, dtype=hidden.dtype, device=hidden.device)
+        rms_norm(self.model.embed_tokens.weight, mtp.enorm.weight, mtp.enorm.eps, rows=input_ids,
+                 out=x[:, :h])
+        rms_norm(hidden, mtp.hnorm.weight, mtp.hnorm.eps, out=x[:, h:])
+        x, residual = mtp.layer(positions, mtp.eh_proj(x))
+        normed, out = rms_norm(x, self.model.norm.weight, self.model.norm.eps, residual, rows=rows)
+        return out, skinny_linear(normed, self.head_weight)
 
     def mtp_forward(self, input_ids: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         """One MTP entry per token: input_ids are the *next* tokens, hidden the states they follow."""

@@ -10,11 +10,12 @@ attention kernel as a plain decode step (`kernels.paged_decode`), and no mask.
 Graphs per (padded slot count, padded block-table width; no narrower than MIN_WIDTH_TOKENS),
 sharing the decode graphs' memory pool:
 - verify: target forward, logits of every row, the greedy target (argmax) of every row;
-- draft: acceptance (`kernels.verify_accept`), stops inside the accepted run
-  (`kernels.update_status`), the MTP layer's inputs (`kernels.draft_preprocess`), its pass over
-  the step's rows and the k - 1 chained single-token passes, each with its argmax, and one
-  packed int64 result [S, 2k + 4] (accepted ids, kept count, verified count, stop flag, drafts)
-  that the host copies back in one transfer;
+- draft: acceptance, stops inside the accepted run and the MTP layer's inputs in one kernel
+  (`kernels.accept_step`), the layer's pass over the step's rows and the k - 1 chained
+  single-token passes, each with the LM head at the slots' drafting rows and its argmax
+  (`CausalLM.mtp_logits`), and one packed int64 result [S, 2k + 4] (accepted ids, kept count,
+  verified count, stop flag, drafts; every part written in place) that the host copies back
+  in one transfer;
 - advance: the next step's inputs from that result, on the device, for a step launched before
   the host has read this one (`kernels.advance_inputs`, one kernel; the overlap loop);
 - chain: advance, verify and draft in one graph, for such a step when no logprobs are asked;
@@ -40,7 +41,8 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from kernels import draft_preprocess, update_status, verify_accept
+from kernels import update_status, verify_accept
+from kernels.accept_step import accept_step
 from kernels.advance_inputs import INPUTS as ADVANCED, advance_inputs
 from kernels.argmax import argmax
 from kernels.token_logprob import token_logprob
@@ -124,7 +126,7 @@ class StepGraphs:
         self.layout = owner.layout(key)
         host, _ = owner.host_inputs(key)
         self.inputs = host.to(owner.device)
-        self.views = self.layout.views(self.inputs)
+        self.views = {**self.layout.views(self.inputs), **owner.constants(num_slots)}
         self.p_draft = torch.zeros(num_slots, owner.k, device=owner.device)
         self.uniforms = torch.zeros(num_slots, owner.k, device=owner.device)
         self.graphs = None
@@ -351,17 +353,24 @@ class SpecGraphs:
         flat[:] = layout.template
         return host, layout.views(flat)
 
+    def constants(self, num_slots: int) -> dict[str, torch.Tensor]:
+        """Index tensors of an S-slot step that never change (made before a capture, so that no
+        replay computes them): "slots" 0 .. S - 1, "rows" 0 .. S (k + 1) - 1, "row_slot" each
+        row's slot."""
+        rows = torch.arange(num_slots * (self.k + 1), device=self.device)
+        return {"slots": torch.arange(num_slots, device=self.device), "rows": rows,
+                "row_slot": rows // (self.k + 1)}
+
     # -- device --------------------------------------------------------------------------------
     def _verify(self, v: dict[str, torch.Tensor], width: int) -> Verified:
         num_slots = v["slot_index"].shape[0]
         k1 = self.k + 1
         rows = num_slots * k1
-        token_slot = torch.arange(rows, device=self.device) // k1
         ctx = ForwardContext(
             slot_mapping=v["slot_mapping"].reshape(rows),
-            block_tables=v["block_tables"][token_slot],
+            block_tables=v["block_tables"][v["row_slot"]],
             context_lens=v["context_lens"].reshape(rows),
-            padded_index=torch.arange(rows, device=self.device),
+            padded_index=v["rows"],
             attn_mask=None, max_q_len=1, max_kv_len=width * self.block_size)
         with forward_context(ctx):
             hidden = self.model(v["input_ids"].reshape(rows), v["positions"].reshape(rows))
@@ -370,16 +379,26 @@ class SpecGraphs:
 
     def _draft(self, v: dict[str, torch.Tensor], ver: Verified, p_draft: torch.Tensor,
                uniforms: torch.Tensor, width: int) -> torch.Tensor:
+        """The step's result [S, 2k + 4]: acceptance, stops and the MTP layer's inputs in one
+        kernel (`kernels.accept_step`), then the draft chain writing the drafts' columns."""
         k, dev = self.k, self.device
-        accepted, num_kept, num_verified, stop_flags = self.accept(v, ver.target, p_draft, uniforms)
+        result, mtp_ids, draft_rows, chain_pos, chain_slots = accept_step(
+            v["slot_index"], v["num_drafts"], v["draft_ids"], ver.target, p_draft, uniforms,
+            v["greedy"], v["seq_lens"], v["num_outputs"], v["max_seq_lens"], v["min_tokens"],
+            v["stop_ids"], v["positions"], v["block_tables"], block_size=self.block_size,
+            spare_slot=self.dummy_block * self.block_size)
+        drafts = result[:, k + 4:]
         if self.oracle is None or not self.oracle_only:
-            drafts = self._mtp_drafts(v, ver, accepted, num_verified, width)
+            with forward_context(ver.context):
+                prev, logits = self.model.mtp_logits(mtp_ids, v["positions"].reshape(-1),
+                                                     ver.hidden, rows=draft_rows)
+            self.chain_drafts(prev, logits, chain_pos, chain_slots, v["block_tables"], width,
+                              drafts, v["slots"])
         if self.oracle is not None:  # the benchmark's perfect drafter
-            done = v["num_outputs"] + num_kept.long()
+            done = v["num_outputs"] + result[:, k + 1]
             index = done[:, None] + torch.arange(k, device=dev)[None, :]
-            drafts = self.oracle[index.clamp(max=self.oracle.shape[0] - 1)]
-        counts = torch.stack([num_kept, num_verified, stop_flags], dim=1).long()
-        return torch.cat([accepted, counts, drafts], dim=1)
+            drafts.copy_(self.oracle[index.clamp(max=self.oracle.shape[0] - 1)])
+        return result
 
     def accept(self, v: dict[str, torch.Tensor], target: torch.Tensor, p_draft: torch.Tensor,
                uniforms: torch.Tensor):
@@ -395,45 +414,31 @@ class SpecGraphs:
                       v["max_seq_lens"], v["min_tokens"], v["stop_ids"], stop_flags)
         return accepted, num_kept, num_verified, stop_flags
 
-    def _mtp_drafts(self, v: dict[str, torch.Tensor], ver: Verified, accepted: torch.Tensor,
-                    num_verified: torch.Tensor, width: int) -> torch.Tensor:
-        """The MTP layer's pass over the step's rows, then its k - 1 chained passes: [S, k]."""
-        k, model, dev = self.k, self.model, self.device
-        num_slots = v["slot_index"].shape[0]
-        cu = torch.arange(num_slots + 1, device=dev) * (k + 1)
-        positions = v["positions"].reshape(-1)
-        mtp_ids, draft_rows, chain_pos, chain_slots = draft_preprocess(
-            v["slot_index"], cu, v["input_ids"].reshape(-1), positions, accepted, num_verified,
-            torch.zeros(num_slots, dtype=torch.int32, device=dev), v["block_tables"],
-            self.block_size, k - 1)
-        with forward_context(ver.context):
-            out = model.mtp_forward(mtp_ids, positions, ver.hidden)
-        return self.chain_drafts(out[draft_rows], chain_pos, chain_slots, v["block_tables"], width)
-
-    def chain_drafts(self, prev: torch.Tensor, chain_pos: torch.Tensor, chain_slots: torch.Tensor,
-                     block_tables: torch.Tensor, width: int) -> torch.Tensor:
-        """The drafts [S, k] from the MTP layer's output at each slot's drafting row `prev`
-        [S, H]: its argmax, then k - 1 chained single-token passes at `chain_pos` + m, writing
-        the MTP layer's KV at `chain_slots` [S, k - 1] (negative: the spare block)."""
-        k, model, dev = self.k, self.model, self.device
-        num_slots = prev.shape[0]
-        drafts = [argmax(model.head_logits(prev))]
-        # NOTE: padding slots, and chained positions past the table, write the spare block;
-        # every chained pass's slots and positions at once (rows m), not a few small kernels
-        # per pass
-        chain_slots = torch.where(chain_slots < 0, self.dummy_block * self.block_size, chain_slots)
-        slots_by_pass = chain_slots.t().contiguous()  # [k - 1, S]
-        chain = chain_pos[None, :] + torch.arange(k, device=dev)[:, None]  # [k, S]
-        rows = torch.arange(num_slots, device=dev)
-        for m in range(k - 1):
+    def chain_drafts(self, prev: torch.Tensor, logits: torch.Tensor, chain_pos: torch.Tensor,
+                     chain_slots: torch.Tensor, block_tables: torch.Tensor, width: int,
+                     drafts: torch.Tensor, slots: torch.Tensor) -> None:
+        """The drafts [S, k] into `drafts` (the result's columns) from the MTP layer's output
+        at each slot's drafting row, `prev` [S, H] and its `logits`: their argmax, then k - 1
+        chained single-token passes, pass m at positions `chain_pos[m]` [k, S] writing the MTP
+        layer's KV at `chain_slots[m]` [k - 1, S] (`kernels.accept_step`'s layout, or
+        `by_pass`'); `slots`: 0 .. S - 1."""
+        argmax(logits, out=drafts[:, 0])
+        for m in range(self.k - 1):
             ctx = ForwardContext(
-                slot_mapping=slots_by_pass[m], block_tables=block_tables,
-                context_lens=chain[m + 1], padded_index=rows,
+                slot_mapping=chain_slots[m], block_tables=block_tables,
+                context_lens=chain_pos[m + 1], padded_index=slots,
                 attn_mask=None, max_q_len=1, max_kv_len=width * self.block_size)
             with forward_context(ctx):
-                prev = model.mtp_forward(drafts[-1], chain[m], prev)
-            drafts.append(argmax(model.head_logits(prev)))
-        return torch.stack(drafts, dim=1)
+                prev, logits = self.model.mtp_logits(drafts[:, m], chain_pos[m], prev)
+            argmax(logits, out=drafts[:, m + 1])
+
+    def by_pass(self, chain_pos: torch.Tensor, chain_slots: torch.Tensor):
+        """`kernels.draft_preprocess`' chained positions [S] and cache slots [S, k - 1] (-1:
+        none) laid out as `chain_drafts` reads them: [k, S] positions, [k - 1, S] slots (the
+        spare slot for none)."""
+        spare = self.dummy_block * self.block_size
+        positions = chain_pos[None, :] + torch.arange(self.k, device=self.device)[:, None]
+        return positions, torch.where(chain_slots < 0, spare, chain_slots).t().contiguous()
 
     def _advance(self, v: dict[str, torch.Tensor], result: torch.Tensor) -> None:
         """Step N + 1's device-dependent inputs from step N's `result`, for the same slots, in

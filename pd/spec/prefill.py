@@ -249,10 +249,13 @@ class SpecPrefill:
             torch.cat([num_verified, num_verified.new_ones(extra)]), kinds, tables,
             self.block_size, k - 1)
         with forward_context(ctx):
-            out = self.model.mtp_forward(mtp_ids, positions, hidden_all)
-        drafts = graphs.chain_drafts(out[draft_rows[:num_slots]], chain_pos[:num_slots],
-                                     chain_slots[:num_slots], v["block_tables"],
-                                     v["block_tables"].shape[1])
+            prev, draft_logits = self.model.mtp_logits(mtp_ids, positions, hidden_all,
+                                                       rows=draft_rows[:num_slots])
+        drafts = torch.empty(num_slots, k, dtype=torch.int64, device=self.device)
+        graphs.chain_drafts(prev, draft_logits, *graphs.by_pass(chain_pos[:num_slots],
+                                                          chain_slots[:num_slots]),
+                            v["block_tables"], v["block_tables"].shape[1], drafts,
+                            torch.arange(num_slots, device=self.device))
         counts = torch.stack([num_kept, num_verified, stop_flags], dim=1).long()
         result = torch.cat([accepted, counts, drafts], dim=1)
         if top is None:

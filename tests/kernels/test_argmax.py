@@ -31,6 +31,9 @@ def test_twin_writes_out_and_refuses_bad_shapes():
     out = torch.full((5,), -7, dtype=torch.int64)
     assert argmax(x, out=out) is out
     assert torch.equal(out, x.argmax(dim=-1))
+    wide = torch.full((5, 4), -7, dtype=torch.int64)
+    argmax(x, out=wide[:, 2])  # a column of a wider result
+    assert torch.equal(wide[:, 2], x.argmax(dim=-1)) and (wide[:, [0, 1, 3]] == -7).all()
     with pytest.raises(ValueError, match="rows, columns"):
         argmax(x[0])
     with pytest.raises(ValueError, match="does not fit"):
@@ -52,3 +55,6 @@ def test_kernel_equals_twin(dtype, num_rows, vocab):
     assert torch.equal(out, x.argmax(dim=-1)), (out, x.argmax(dim=-1))
     sliced = x[:, : max(1, vocab - 3)]  # a row stride wider than the row
     assert torch.equal(argmax(sliced, use_kernel=True), sliced.argmax(dim=-1))
+    wide = torch.full((num_rows, 3), -5, dtype=torch.int64, device="cuda")
+    argmax(x, out=wide[:, 1], use_kernel=True)  # a column of a wider result
+    assert torch.equal(wide[:, 1], x.argmax(dim=-1)) and (wide[:, [0, 2]] == -5).all()

@@ -63,6 +63,20 @@ def test_rms_norm_twin_matches_float64(residual):
     assert rel(out, ref) < 1e-6
 
 
+def test_rms_norm_twin_rows_and_out():
+    """Given rows (a column of a wider index, repeats allowed) and a given output (a half of
+    wider rows): the rows' norms, as if gathered first, written there."""
+    x, r, w = norm_inputs(9, 32, torch.float32, "cpu", 4)
+    index = torch.tensor([[5, 0], [2, 0], [5, 0], [8, 0]])
+    rows = index[:, 0]
+    wide = torch.full((4, 64), -3.0)
+    assert rms_norm_ref(x, w, 1e-6, rows=rows, out=wide[:, 32:]) is not None
+    assert torch.equal(wide[:, 32:], rms_norm_ref(x[rows], w, 1e-6)) and (wide[:, :32] == -3).all()
+    out, h = rms_norm(x, w, 1e-6, r, rows=rows)
+    want, want_h = rms_norm_ref(x[rows], w, 1e-6, r[rows])
+    assert torch.equal(out, want) and torch.equal(h, want_h)
+
+
 def test_rope_and_cache_twin_matches_float64_and_skips_invalid_slots():
     q, k, v, cos, sin, slots, nb, bs = rope_inputs(12, 4, 2, 32, torch.float32, "cpu", 1)
     k_cache, v_cache = poisoned_caches(nb, bs, 2, 32, torch.float32, "cpu")
@@ -113,6 +127,23 @@ def test_rms_norm_kernel_matches_twin(dtype, rows, cols):
             assert torch.equal(h, h_ref)
         assert not out.isnan().any()
         assert rel(out, ref) < TOL[dtype] / 10
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_kernel_rows_and_out(dtype):
+    """Rows gathered by the kernel (an embedding lookup's table among them) give the same bits
+    as the kernel on the gathered rows; a given output gets them, its other columns untouched."""
+    x, r, w = norm_inputs(300, 256, dtype, "cuda", 5)
+    index = torch.randint(0, 300, (17, 3), device="cuda")
+    rows = index[:, 1]  # strided
+    wide = torch.full((17, 512), -3.0, dtype=dtype, device="cuda")
+    rms_norm(x, w, 1e-5, rows=rows, out=wide[:, :256], use_kernel=True)
+    assert torch.equal(wide[:, :256], rms_norm(x[rows], w, 1e-5, use_kernel=True))
+    assert (wide[:, 256:] == -3).all()
+    out, h = rms_norm(x, w, 1e-5, r, rows=rows, use_kernel=True)
+    want, want_h = rms_norm(x[rows].contiguous(), w, 1e-5, r[rows].contiguous(), use_kernel=True)
+    assert torch.equal(out, want) and torch.equal(h, want_h)
 
 
 @needs_cuda

@@ -8,8 +8,10 @@ import pytest
 import torch
 
 from kernels import draft_preprocess, update_status, verify_accept
+from kernels.accept_step import accept_step
 from kernels.advance_inputs import advance_inputs
-from kernels.testing import advance_inputs_inputs, preprocess_inputs, status_inputs, verify_inputs
+from kernels.testing import (accept_step_inputs, advance_inputs_inputs, preprocess_inputs,
+                             status_inputs, verify_inputs)
 
 CASES = [(k, b, seed) for k in (1, 2, 3, 4) for b, seed in ((1, 0), (7, 1), (64, 2))]
 
@@ -127,6 +129,54 @@ def test_advance_inputs(k, num_slots, seed):
         assert int(x["num_outputs"][b]) == before["num_outputs"][b] + kept
         assert int(x["slot_index"][b]) == (before["slot_index"][b] if live else -1)
     assert live_seen or num_slots < 7
+
+
+@pytest.mark.parametrize("k,num_slots,seed", CASES)
+def test_accept_step(k, num_slots, seed):
+    bs, spare = 4, 9 * 4
+    x = accept_step_inputs(num_slots, k, vocab=6, seed=seed, block_size=bs)
+    before = {n: t.clone() for n, t in x.items()}
+    result, ids, rows, pos, slots = accept_step(**x, block_size=bs, spare_slot=spare)
+    assert all(torch.equal(x[n], before[n]) for n in x)  # the inputs are left as they were
+    k1, flags = k + 1, set()
+    for b in range(num_slots):
+        s = b * k1
+        got_slots = slots[:, b].tolist()
+        if x["slot_index"][b] < 0:
+            assert result[b, :k1 + 3].tolist() == [-1] * k1 + [0, 0, 0]
+            assert ids[s:s + k1].tolist() == [0] * k1 and int(rows[b]) == 0
+            assert pos[:, b].tolist() == list(range(k)) and got_slots == [spare] * (k - 1)
+            continue
+        d, t = x["draft_ids"][b].tolist(), x["target_ids"][b].tolist()
+        a = 0
+        while a < int(x["num_drafts"][b]):
+            if x["greedy"][b]:
+                ok = d[a] == t[a]
+            else:
+                ok = float(x["uniforms"][b, a]) < float(x["target_probs"][b, a])
+            if not ok:
+                break
+            a += 1
+        run = d[:a] + [t[a]]
+        stops = [v for v in x["stop_ids"][b].tolist() if v >= 0]
+        length, outs, kept, flag = int(x["seq_lens"][b]), int(x["num_outputs"][b]), len(run), 0
+        for j, tok in enumerate(run):
+            length, outs = length + 1, outs + 1
+            flag = 1 if outs >= int(x["min_tokens"][b]) and tok in stops else (
+                2 if length >= int(x["max_seq_lens"][b]) else 0)
+            if flag:
+                kept = j + 1
+                break
+        flags.add(flag)
+        assert result[b, :k1 + 3].tolist() == run + [-1] * (k - a) + [kept, a + 1, flag], b
+        assert ids[s:s + k1].tolist() == [run[min(j, a)] for j in range(k1)]
+        assert int(rows[b]) == s + a
+        p0 = int(x["positions"][b, a]) + 1
+        assert pos[:, b].tolist() == [p0 + m for m in range(k)]
+        table = x["block_tables"][b].tolist()
+        assert got_slots == [table[(p0 + m) // bs] * bs + (p0 + m) % bs
+                             if (p0 + m) // bs < len(table) else spare for m in range(k - 1)]
+    assert {1, 2} <= flags or num_slots < 64  # both kinds of stop in the large cases
 
 
 def test_wrappers_refuse_bad_inputs():
