@@ -46,7 +46,8 @@ def main(args: argparse.Namespace) -> int:
         args.node_id or f"prefill-{args.port or os.getpid()}", engine, host=args.host,
         port=args.port, metrics_port=args.metrics_port, transport=args.transport,
         max_queue=args.max_queue, queue_timeout=args.queue_timeout,
-        handoff_timeout=args.handoff_timeout, drain_timeout=args.drain_timeout)
+        handoff_timeout=args.handoff_timeout, drain_timeout=args.drain_timeout,
+        capture_graphs_tokens=args.cuda_graph_prefill_tokens)
     announce("prefill", node.node_id, port=node.port,
              metrics_port=node.probe.port if node.probe else None)
     log.info("prefill node %s serving on %s:%d", node.node_id, args.host, node.port)

@@ -135,22 +135,22 @@ def graph_kernels(llm: LLM, top: int, replays: int = 20, timeline: bool = False)
         for e in sorted(kernels, key=lambda e: -e.self_device_time_total)[:top]:
             print(f"  {e.count / replays:4.0f} x {e.self_device_time_total / e.count:7.2f} us  "
                   f"{e.key[:90]}")
-        if timeline:
-            print_timeline(prof, round(count))
+        print_timeline(prof, round(count), lines=timeline)
 
 
-def print_timeline(prof, per_replay: int) -> None:
-    """The last replay's kernels in launch order: start (us from the first), duration, the gap
-    before each, and the replay's span."""
+def print_timeline(prof, per_replay: int, lines: bool) -> None:
+    """The last replay's span (first kernel's start to last one's end) and with `lines` its
+    kernels in launch order: start (us from the first), duration, the gap before each."""
     events = sorted((e for e in prof.events() if e.device_type.name == "CUDA"
                      and e.device_time_total > 0), key=lambda e: e.time_range.start)
     last = events[-per_replay:]
     t0, end = last[0].time_range.start, last[0].time_range.start
     for e in last:
         start = e.time_range.start
-        print(f"    {start - t0:7.1f} {e.time_range.elapsed_us():6.2f} gap {start - end:5.2f}  "
-              f"{e.name[:80]}")
-        end = e.time_range.end
+        if lines:
+            print(f"    {start - t0:7.1f} {e.time_range.elapsed_us():6.2f} gap {start - end:5.2f}  "
+                  f"{e.name[:80]}")
+        end = max(end, e.time_range.end)
     print(f"    span {end - t0:.1f} us, kernels {sum(e.time_range.elapsed_us() for e in last):.1f}")
 
 

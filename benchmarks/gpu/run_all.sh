@@ -20,6 +20,7 @@
 #                                                 tensor parallelism's PD test, parity and step;
 #                                                 6: the skinny product on 8B layers, whole
 #                                                 and as one of two ranks holds them)
+#     ONLY=name,name bash benchmarks/gpu/run_all.sh [part]   runs only the steps so named
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-out}
@@ -28,6 +29,7 @@ export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 status=0
 step() {  # step NAME CMD...: run one part, keep its log, remember a failure
     local name=$1; shift
+    if [[ -n ${ONLY:-} && " ${ONLY//,/ } " != *" $name "* ]]; then return; fi
     echo "=== $name: $*"
     "$@" > "$OUT/$name.log" 2>&1 || { echo "FAILED ($?): $name"; status=1; }
     tail -n "${TAIL:-25}" "$OUT/$name.log"
@@ -66,7 +68,7 @@ TAIL=24 step mtp_eager python3 benchmarks/bench_mtp.py --device cuda --enforce-e
 TAIL=36 step mtp_mechanism python3 benchmarks/gpu/bench_mtp_mechanism.py
 TAIL=11 step token_logprob python3 benchmarks/gpu/bench_token_logprob.py
 TAIL=14 step profile_mtp python3 benchmarks/gpu/profile_mtp.py --k 3 --batch 16 --top 8
-TAIL=40 step mtp_kernels python3 benchmarks/gpu/profile_mtp.py --k 3 --batch 1 --kernels --top 10 \
+TAIL=44 step mtp_kernels python3 benchmarks/gpu/profile_mtp.py --k 3 --batch 1 --kernels --top 10 \
     --max-tokens 64
 TAIL=7 step structured python3 benchmarks/bench_structured.py --device cuda --synthetic-1b \
     --batch 1 32 --max-tokens 128 --repeats 2

@@ -245,12 +245,24 @@ class PrefillGraphs:
         with forward_context(self.context(size)):
             return self.model(ids, positions)
 
-    def _capture(self, size: int) -> tuple[Graph, torch.Tensor]:
+    @torch.inference_mode()
+    def capture_up_to(self, max_tokens: int) -> int:
+        """Capture the graphs of every size up to the one holding `max_tokens` now (captured on
+        first use instead, each stalls the node's requests); returns how many were new."""
+        if not self.enabled or self.decode is None:
+            return 0
+        top = _round_up(min(max_tokens, self.sizes[-1]), self.sizes)
+        new = [s for s in self.sizes if s <= top and s not in self.graphs]
+        for size in new:
+            self.graphs[size] = self._capture(size, level=logging.DEBUG)
+        return len(new)
+
+    def _capture(self, size: int, level: int = logging.INFO) -> tuple[Graph, torch.Tensor]:
         self.staging[:size].zero_()
         self.staging[size:2 * size].copy_(torch.arange(size, device=self.device))
         self.staging[2 * size:3 * size].fill_(self.spare_slot)
         graph, out = capture(lambda: self._forward(size), self.decode, self.device)
-        log.info("captured a prefill CUDA graph: %d tokens", size)
+        log.log(level, "captured a prefill CUDA graph: %d tokens", size)
         return graph, out
 
     @torch.inference_mode()
@@ -338,11 +350,24 @@ class VarlenPrefillGraphs:
         n, k, b = ctx.slot_mapping.shape[0], ctx.kv_slots.shape[0], ctx.num_seqs
         return _round_up(n, self.tokens), _pow2(k), _round_up(b, self.seqs)
 
-    def _capture(self, key: tuple[int, int, int]) -> tuple[Graph, torch.Tensor]:
+    @torch.inference_mode()
+    def capture_up_to(self, max_tokens: int) -> int:
+        """Capture now the graphs of steps of up to `max_tokens` tokens (rounded up) with no
+        cached prefix beyond them: each token size with the least keys that hold it and every
+        sequence count up to its tokens. Returns how many were new."""
+        top = _round_up(min(max_tokens, self.tokens[-1]), self.tokens)
+        keys = [(t, _pow2(t), s) for t in self.tokens if t <= top and _pow2(t) <= self.max_keys
+                for s in self.seqs if s <= t]
+        new = [key for key in keys if key not in self.graphs]
+        for key in new:
+            self.graphs[key] = self._capture(key, level=logging.DEBUG)
+        return len(new)
+
+    def _capture(self, key: tuple[int, int, int], level: int = logging.INFO) -> tuple[Graph, torch.Tensor]:
         tokens, keys, seqs = key
         self._fill(0, 0, tokens, keys, seqs, 0)
         graph, out = capture(lambda: self._forward(key), self.decode, self.device)
-        log.info("captured a varlen prefill CUDA graph: %d tokens, %d keys, %d sequences", *key)
+        log.log(level, "captured a varlen prefill CUDA graph: %d tokens, %d keys, %d sequences", *key)
         return graph, out
 
     def _fill(self, n: int, k: int, tokens: int, keys: int, seqs: int, b: int) -> None:

@@ -156,6 +156,10 @@ NODE_FLAGS = (
              "graphs of every batch size for sequences of up to this many tokens (longer ones "
              "are captured when first met, a stall of the running batch); 0 = capture each on "
              "first use (default: %(default)s)", ("decode",), int),
+    NodeFlag("cuda_graph_prefill_tokens", 256, "CUDA: before serving, capture the prefill "
+             "step graphs of steps of up to this many prompt tokens (one prompt, or several "
+             "together); larger steps are captured when first met, a stall of the waiting "
+             "requests; 0 = capture each on first use (default: %(default)s)", ("prefill",), int),
     NodeFlag("spec_fallback", "auto", "with MTP: run plain decode steps for batch sizes where "
              "they measure faster than MTP steps (auto: on CUDA; on, off) (default: %(default)s)",
              ("decode",), choices=("auto", "on", "off")),

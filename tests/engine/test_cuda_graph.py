@@ -198,6 +198,24 @@ def test_prefill_graph_inputs_layout():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
+def test_prefill_start_up_capture_then_short_prompts_capture_nothing_new(tiny_model_dir):
+    """The prefill node's start-up capture (`capture_up_to`): short prompts, alone or several
+    per step, then replay graphs captured at start."""
+    engine = Engine(EngineConfig(model=str(tiny_model_dir), device="cuda", dtype="bfloat16",
+                                 num_blocks=512, max_num_seqs=24))
+    lone, varlen = engine.runner.prefill_graphs, engine.runner.varlen_graphs
+    assert lone.capture_up_to(128) == 1 and varlen.capture_up_to(128) > 4
+    assert lone.capture_up_to(128) == 0 and varlen.capture_up_to(128) == 0  # all there
+    before = set(lone.graphs), set(varlen.graphs)
+    rng = random.Random(5)
+    prompts = [[rng.randrange(3, 200) for _ in range(rng.randrange(2, 20))] for _ in range(7)]
+    params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    engine.generate(prompts[:1], [params])
+    engine.generate(prompts[1:], [params] * (len(prompts) - 1))
+    assert varlen.graphs and (set(lone.graphs), set(varlen.graphs)) == before
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
 def test_varlen_prefill_graphs_match_eager_bfloat16(tiny_model_dir):
     """Steps of several prompts, prompts continuing a cached prefix and long prompts' later
     chunks replay the varlen prefill graphs (16 bits: flash attention): each prompt's first
