@@ -93,7 +93,7 @@ class GraphedSteps:
         v["num_outputs"][:num_slots] = [r.num_output_tokens for r in reqs]
         start_event = self._event()
         g.inputs.copy_(host, non_blocking=True)
-        g.known = None  # a chained step after this one writes its known part
+        g.known = KnownPart(list(range(num_slots)), reqs, host.numpy(), g.layout)
         g.verify()
         plain = [self.plain_greedy(r) for r in reqs]
         if not all(plain):
@@ -119,13 +119,17 @@ class GraphedSteps:
         reqs = prev.batch.reqs
         g, tail = prev.graphs, prev.graphs.layout.tail
         start_event = self._event()
-        # NOTE: the known part changes only when a slot stopped or a request got a block
-        known = (tuple(prev.rows),
-                 tuple((r.req_id, len(r.block_ids), r.block_ids[-1:]) for r in reqs))
-        if known != g.known:
+        # NOTE: the known part changes only when a slot stopped or a request got a block: the
+        # blocks got are patched into the host copy, a stopped slot builds it again
+        known = g.known
+        if known is None or not known.patch(reqs, prev.rows):
             host, _ = self._host_inputs(reqs, prev.key, prev.rows)
             g.inputs[tail:].copy_(host[tail:], non_blocking=True)
-            g.known = known
+            g.known = KnownPart(list(prev.rows), reqs, host.numpy(), g.layout)
+        elif known.changed:
+            host = g.rings.get((g.layout.size - tail,), name="known")
+            host.numpy()[:] = known.flat[tail:]
+            g.inputs[tail:].copy_(host, non_blocking=True)
         top = prev.top  # the same requests
         if top is None or top == 0:
             packed = g.chain(lp0=top == 0)
@@ -196,6 +200,37 @@ class GraphedSteps:
         return self.results(batch_index, reqs, [r[:k + 1] for r in rows], [r[k + 1] for r in rows],
                             [r[k + 2] for r in rows], [r[k + 3] for r in rows],
                             [r[k + 4:] for r in rows], lp, lp_slots, lp_cols)
+
+
+class KnownPart:
+    """The known part of a `StepGraphs`' inputs (`Layout.tail` on) as last written: the slot
+    rows and the block lists it was built for (their lengths then) and a host copy of it."""
+
+    __slots__ = ("rows", "blocks", "lengths", "flat", "tables", "changed")
+
+    def __init__(self, rows: list[int], reqs: list[Req], flat: np.ndarray, layout) -> None:
+        self.rows, self.flat = rows, flat.copy()
+        self.blocks = [r.block_ids for r in reqs]
+        self.lengths = [len(b) for b in self.blocks]
+        self.tables = layout.views(self.flat)["block_tables"]
+        self.changed = False
+
+    def patch(self, reqs: list[Req], rows: list[int]) -> bool:
+        """Write the blocks `reqs` got since into the host copy (`changed`: some did); False
+        where it cannot stand for them (another slot set, a request's block list replaced or
+        shorter: build it again)."""
+        self.changed = False
+        if rows != self.rows or len(reqs) != len(self.blocks):
+            return False
+        for b, req in enumerate(reqs):
+            ids, n = req.block_ids, self.lengths[b]
+            if ids is not self.blocks[b] or len(ids) < n:
+                return False
+            if len(ids) > n:
+                self.tables[b, n:len(ids)] = ids[n:]
+                self.lengths[b] = len(ids)
+                self.changed = True
+        return True
 
 
 class SpecFlight(NamedTuple):

@@ -135,9 +135,8 @@ class StepGraphs:
         self.chain_lp0: tuple[Graph, torch.Tensor] | None = None  # `chain(lp0)`
         self.verified: Verified | None = None
         self.result: torch.Tensor | None = None  # [S, 2k + 4] int64
-        # what the known part of `inputs` (`Layout.tail` on) was last written for: (slot rows,
-        # (request id, blocks, last block) per slot), or None (`SpecDecoder.launch_chained`)
-        self.known: tuple | None = None
+        # the known part of `inputs` (`Layout.tail` on) as last written (`pd.spec.graphed.KnownPart`)
+        self.known = None
         self.rings = HostRing(pin=owner.device.type == "cuda")  # `host_buffer`'s
         if capture:
             self._capture()

@@ -9,11 +9,13 @@ from __future__ import annotations
 import os
 from contextlib import contextmanager
 
+import numpy as np
 import pytest
 import torch
 
 from pd.engine.llm import LLM
 from pd.engine.runner import SPEC_LAYOUT_ENV
+from pd.spec import graphed
 from pd.spec.graphs import StepGraphs
 from pd.wire.sampling_params import SamplingParams
 from tests.spec.test_mtp import assert_same, mixed_params, prompts
@@ -73,6 +75,35 @@ def test_layout_top_logprobs_0_rides_with_the_result(tiny_model_dir, monkeypatch
     monkeypatch.setattr(StepGraphs, "draft", watched)
     assert_same(llm.generate(batch, params), ref)
     assert any(folded), "no step folded its logprobs into the draft step's output"
+
+
+def test_chained_steps_patch_the_known_part(tiny_model_dir, monkeypatch):
+    """A chained step writes the blocks its requests got into the known part's host copy
+    (`KnownPart.patch`) instead of building it again: after every chained launch the copy
+    equals a full build; patches with new blocks and full builds (a slot stopped) both occur,
+    and the tokens equal plain decoding's."""
+    seen = {"patched": 0, "rebuilt": 0}
+    launch = graphed.GraphedSteps.launch_chained
+
+    def checked(self, prev):
+        was = prev.graphs.known
+        flight = launch(self, prev)
+        g = prev.graphs
+        kind = "rebuilt" if g.known is not was else "patched" if was.changed else "unchanged"
+        seen[kind] = seen.get(kind, 0) + 1
+        host, _ = self._host_inputs(prev.batch.reqs, prev.key, prev.rows)
+        assert np.array_equal(g.known.flat[g.layout.tail:], host.numpy()[g.layout.tail:])
+        return flight
+
+    monkeypatch.setattr(graphed.GraphedSteps, "launch_chained", checked)
+    batch = prompts(11, seed=5)
+    params = [SamplingParams(max_tokens=40 + 3 * i, temperature=0.0, ignore_eos=i % 2 == 0)
+              for i in range(len(batch))]
+    ref = LLM(tiny_model_dir, num_blocks=256).generate(batch, params)
+    with spec_layout():
+        llm = LLM(tiny_model_dir, num_blocks=256, num_speculative_tokens=3, overlap=True)
+    assert_same(llm.generate(batch, params), ref)
+    assert seen["patched"] > 5 and seen["rebuilt"] > 0, seen
 
 
 def test_layout_sampling_equals_eager_step(tiny_model_dir):
