@@ -110,10 +110,16 @@ class DecoderModel(nn.Module):
             for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                normed: bool = False):
+        """The last layer's output before the final norm [T, H]; with `normed`, (that, the
+        final norm of it): the last residual add is the norm's."""
         x, residual = parallel.embed(self.embed_tokens.weight, input_ids), None
         for layer in self.layers:
             x, residual = layer(positions, x, residual)
+        if normed:
+            out, hidden = self.norm(x, residual)
+            return hidden, out
         return x + residual
 
 
@@ -166,6 +172,17 @@ class CausalLM(nn.Module):
         with self._mirrored("forward", input_ids, positions):
             self.rotary.reset()
             return self.model(input_ids, positions)
+
+    def forward_logits(self, input_ids: torch.Tensor,
+                       positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`forward` and `compute_logits` of every row: (hidden [T, H], float32 logits [T, V]),
+        the last residual add fused into the final norm on one rank."""
+        if parallel.group().size > 1:
+            hidden = self.forward(input_ids, positions)
+            return hidden, self.compute_logits(hidden)
+        self.rotary.reset()
+        hidden, normed = self.model(input_ids, positions, normed=True)
+        return hidden, skinny_linear(normed, self.head_weight).float()
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Pre-norm hidden states [N, H] -> float32 logits [N, V]."""

@@ -372,8 +372,8 @@ class SpecGraphs:
             padded_index=v["rows"],
             attn_mask=None, max_q_len=1, max_kv_len=width * self.block_size)
         with forward_context(ctx):
-            hidden = self.model(v["input_ids"].reshape(rows), v["positions"].reshape(rows))
-        logits = self.model.compute_logits(hidden)
+            hidden, logits = self.model.forward_logits(v["input_ids"].reshape(rows),
+                                                       v["positions"].reshape(rows))
         return Verified(hidden, logits, argmax(logits).view(num_slots, k1), ctx)
 
     def _draft(self, v: dict[str, torch.Tensor], ver: Verified, p_draft: torch.Tensor,
@@ -423,10 +423,13 @@ class SpecGraphs:
         `by_pass`'); `slots`: 0 .. S - 1."""
         argmax(logits, out=drafts[:, 0])
         for m in range(self.k - 1):
+            # NOTE: one row per slot, none reading another's new key: a plain decode step's
+            # context, so on CUDA rotary, cache write and attention are one kernel
             ctx = ForwardContext(
                 slot_mapping=chain_slots[m], block_tables=block_tables,
                 context_lens=chain_pos[m + 1], padded_index=slots,
-                attn_mask=None, max_q_len=1, max_kv_len=width * self.block_size)
+                attn_mask=None, max_q_len=1, max_kv_len=width * self.block_size,
+                plain_decode=True)
             with forward_context(ctx):
                 prev, logits = self.model.mtp_logits(drafts[:, m], chain_pos[m], prev)
             argmax(logits, out=drafts[:, m + 1])
