@@ -175,14 +175,14 @@ class CausalLM(nn.Module):
 
     def forward_logits(self, input_ids: torch.Tensor,
                        positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """`forward` and `compute_logits` of every row: (hidden [T, H], float32 logits [T, V]),
-        the last residual add fused into the final norm on one rank."""
+        """`forward` and `head_logits` of every row: (hidden [T, H], logits [T, V] in the
+        model's dtype), the last residual add fused into the final norm on one rank."""
         if parallel.group().size > 1:
             hidden = self.forward(input_ids, positions)
-            return hidden, self.compute_logits(hidden)
+            return hidden, self.head_logits(hidden)
         self.rotary.reset()
         hidden, normed = self.model(input_ids, positions, normed=True)
-        return hidden, skinny_linear(normed, self.head_weight).float()
+        return hidden, skinny_linear(normed, self.head_weight)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Pre-norm hidden states [N, H] -> float32 logits [N, V]."""

@@ -98,7 +98,7 @@ class GraphedSteps:
         plain = [self.plain_greedy(r) for r in reqs]
         if not all(plain):
             rows = [row for r in reqs for row in self.sampling_rows(r)]
-            target, p_draft = self._targets(g.verified.logits[:num_slots * (k + 1)], rows,
+            target, p_draft = self._targets(g.verified.logits[:num_slots * (k + 1)].float(), rows,
                                             g.views["draft_ids"][:num_slots],
                                             g.views["num_drafts"][:num_slots],
                                             g.views["greedy"][:num_slots])

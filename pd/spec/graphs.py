@@ -9,7 +9,8 @@ attention kernel as a plain decode step (`kernels.paged_decode`), and no mask.
 
 Graphs per (padded slot count, padded block-table width; no narrower than MIN_WIDTH_TOKENS),
 sharing the decode graphs' memory pool:
-- verify: target forward, logits of every row, the greedy target (argmax) of every row;
+- verify: target forward, logits of every row (in the model's dtype: the argmax and the token
+  logprobs read them as they are, a sampler widens them), the greedy target (argmax) of every row;
 - draft: acceptance, stops inside the accepted run and the MTP layer's inputs in one kernel
   (`kernels.accept_step`), the layer's pass over the step's rows and the k - 1 chained
   single-token passes, each with the LM head at the slots' drafting rows and its argmax
@@ -110,7 +111,7 @@ class Layout(FlatLayout):
 
 class Verified(NamedTuple):
     hidden: torch.Tensor  # [T, H]
-    logits: torch.Tensor  # [T, V] float32
+    logits: torch.Tensor  # [T, V] in the model's dtype (widened where a sampler or logprobs need it)
     target: torch.Tensor  # [S, k + 1] int64 (argmax; overwritten for sampled rows)
     context: ForwardContext  # the rows as one-query sequences
 
@@ -222,7 +223,7 @@ class StepGraphs:
         (`LOGPROB_GRAPH_ELEMENTS`). With no top columns, `kernels.token_logprob`'s one kernel."""
         def packed() -> torch.Tensor:
             accepted = self.result[:, :self.owner.k + 1].clamp(min=0).reshape(-1)
-            return packed_logprobs(self.verified.logits, accepted, num_top)
+            return packed_logprobs(self.verified.logits.float(), accepted, num_top)
 
         if self.graphs is None or self.verified.logits.numel() > LOGPROB_GRAPH_ELEMENTS:
             return packed()
@@ -423,13 +424,10 @@ class SpecGraphs:
         `by_pass`'); `slots`: 0 .. S - 1."""
         argmax(logits, out=drafts[:, 0])
         for m in range(self.k - 1):
-            # NOTE: one row per slot, none reading another's new key: a plain decode step's
-            # context, so on CUDA rotary, cache write and attention are one kernel
             ctx = ForwardContext(
                 slot_mapping=chain_slots[m], block_tables=block_tables,
                 context_lens=chain_pos[m + 1], padded_index=slots,
-                attn_mask=None, max_q_len=1, max_kv_len=width * self.block_size,
-                plain_decode=True)
+                attn_mask=None, max_q_len=1, max_kv_len=width * self.block_size)
             with forward_context(ctx):
                 prev, logits = self.model.mtp_logits(drafts[:, m], chain_pos[m], prev)
             argmax(logits, out=drafts[:, m + 1])
