@@ -16,6 +16,20 @@ from kernels.testing import (accept_step_inputs, advance_inputs_inputs, preproce
 CASES = [(k, b, seed) for k in (1, 2, 3, 4) for b, seed in ((1, 0), (7, 1), (64, 2))]
 
 
+def _accepted(x: dict, b: int, draft_probs: torch.Tensor | None = None) -> int:
+    """Slot b's accepted drafts, draft by draft: a greedy slot's while they equal the target's,
+    a sampled slot's while u * q < p (q 1 without `draft_probs`)."""
+    d, t = x["draft_ids"][b].tolist(), x["target_ids"][b].tolist()
+    a = 0
+    while a < int(x["num_drafts"][b]):
+        q = 1.0 if draft_probs is None else draft_probs[b, a]
+        if not (d[a] == t[a] if x["greedy"][b]
+                else float(x["uniforms"][b, a] * q) < float(x["target_probs"][b, a])):
+            break
+        a += 1
+    return a
+
+
 @pytest.mark.parametrize("k,num_slots,seed", CASES)
 def test_verify_accept(k, num_slots, seed):
     x = verify_inputs(num_slots, k, vocab=7, seed=seed)
@@ -25,15 +39,7 @@ def test_verify_accept(k, num_slots, seed):
             assert num[b] == 0 and (acc[b] == -1).all()
             continue
         d, t = x["draft_ids"][b].tolist(), x["target_ids"][b].tolist()
-        a = 0
-        while a < int(x["num_drafts"][b]):
-            if x["greedy"][b]:
-                ok = d[a] == t[a]
-            else:
-                ok = float(x["uniforms"][b, a] * x["draft_probs"][b, a]) < float(x["target_probs"][b, a])
-            if not ok:
-                break
-            a += 1
+        a = _accepted(x, b, x["draft_probs"])
         want = d[:a] + [t[a]] + [-1] * (k - a)
         assert acc[b].tolist() == want and int(num[b]) == a + 1
 
@@ -148,15 +154,7 @@ def test_accept_step(k, num_slots, seed):
             assert pos[:, b].tolist() == list(range(k)) and got_slots == [spare] * (k - 1)
             continue
         d, t = x["draft_ids"][b].tolist(), x["target_ids"][b].tolist()
-        a = 0
-        while a < int(x["num_drafts"][b]):
-            if x["greedy"][b]:
-                ok = d[a] == t[a]
-            else:
-                ok = float(x["uniforms"][b, a]) < float(x["target_probs"][b, a])
-            if not ok:
-                break
-            a += 1
+        a = _accepted(x, b)  # every draft probability 1
         run = d[:a] + [t[a]]
         stops = [v for v in x["stop_ids"][b].tolist() if v >= 0]
         length, outs, kept, flag = int(x["seq_lens"][b]), int(x["num_outputs"][b]), len(run), 0
