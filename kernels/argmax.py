@@ -5,8 +5,9 @@ Greedy decoding takes it over a batch's logits [B, V] every step. torch's reduct
 block to a row, so one row of a 128k vocabulary takes ~28 us on an H100; here the first kernel
 splits each row into chunks of `CHUNK` columns (one program each: the chunk's max and its
 column), the second picks each row's best chunk, the leftmost among equals, so ties still go
-to the lowest column; a row of one chunk (a small vocabulary) is the first kernel's alone. NaN is not ordered (logits hold none). On the current stream, capturable
-in a CUDA graph. `triton` is imported on first use; CPU machines run the twin.
+to the lowest column; a row of one chunk (a small vocabulary) is the first kernel's alone. NaN
+is not ordered (logits hold none). On the current stream, capturable in a CUDA graph. `triton`
+is imported on first use; CPU machines run the twin.
 """
 
 from __future__ import annotations

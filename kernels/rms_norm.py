@@ -3,10 +3,10 @@ kernel with a torch twin.
 
 out = weight * (h / sqrt(mean(h^2) + eps)) with h = x (or x + residual, which is also returned as
 the new residual stream), of every row or of given rows (a gather, an embedding lookup among
-them), into a new tensor or given rows. Rounding follows the model's torch reference step by step: the sum is
-rounded to x's dtype, the statistics are float32, the normalized row is rounded to x's dtype
-before the weight multiplies it. One program per row; on the current stream, capturable in a
-CUDA graph. `triton` is imported on first use; CPU machines run the twin.
+them), into a new tensor or given rows. Rounding follows the model's torch reference step by
+step: the sum is rounded to x's dtype, the statistics are float32, the normalized row is rounded
+to x's dtype before the weight multiplies it. One program per row; on the current stream,
+capturable in a CUDA graph. `triton` is imported on first use; CPU machines run the twin.
 """
 
 from __future__ import annotations
