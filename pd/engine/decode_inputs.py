@@ -90,6 +90,23 @@ def fill_decode_inputs(flat: np.ndarray, layout: DecodeLayout, reqs, block_size:
     return widths
 
 
+def write_new_blocks(tables: np.ndarray, lists: list, old_lists: list,
+                     old_widths: np.ndarray) -> np.ndarray | None:
+    """Into `tables` (rows written for the block lists `old_lists`, `old_widths` of each), the
+    blocks each of `lists` got since; returns the new widths, or None where the rows cannot be
+    kept: another list in a row (another request; a request's list is replaced, never
+    rewritten, when its blocks are freed) or a shorter one. Then the caller writes them whole."""
+    if len(lists) != len(old_lists) or not all(map(is_, lists, old_lists)):
+        return None
+    widths = np.fromiter(map(len, lists), np.int64, len(lists))
+    grown = np.flatnonzero(widths != old_widths).tolist()  # a few rows a step, or none
+    if any(widths[i] < old_widths[i] for i in grown):
+        return None
+    for i in grown:
+        tables[i, old_widths[i]:widths[i]] = lists[i][old_widths[i]:]
+    return widths
+
+
 class DecodeInputs:
     """Fills decode steps' inputs (`fill`), advancing the last step's where it can: that step
     had the same layout and the same requests in the same order, with the same block lists
@@ -110,19 +127,17 @@ class DecodeInputs:
 
     def fill(self, out: np.ndarray, layout: DecodeLayout, reqs: list) -> None:
         """Step inputs for `reqs` into `out` (a buffer of at least layout.size int64)."""
-        n = len(reqs)
         lists = [r.block_ids for r in reqs]
-        if (layout == self.layout and n == len(self.reqs) and all(map(is_, reqs, self.reqs))
-                and all(map(is_, lists, self.lists))):
+        if (layout == self.layout and len(reqs) == len(self.reqs)
+                and all(map(is_, reqs, self.reqs))):
             cols, tables = _split(self.flat, layout)
-            widths = np.fromiter(map(len, lists), np.int64, n)
-            for i in np.flatnonzero(widths != self.widths).tolist():  # blocks got since
-                tables[i, self.widths[i]:widths[i]] = lists[i][self.widths[i]:]
-            _fill_columns(cols, tables, *_starts_and_ids(reqs), self.block_size)
-            self.widths = widths
-            out[:layout.size] = self.flat
-            self.advanced += 1
-            return
+            widths = write_new_blocks(tables, lists, self.lists, self.widths)
+            if widths is not None:
+                _fill_columns(cols, tables, *_starts_and_ids(reqs), self.block_size)
+                self.widths = widths
+                out[:layout.size] = self.flat
+                self.advanced += 1
+                return
         flat = out[:layout.size]
         self.widths = fill_decode_inputs(flat, layout, reqs, self.block_size, self.dummy_block)
         self.flat = flat.copy()

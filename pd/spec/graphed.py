@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, NamedTuple
 import numpy as np
 import torch
 
+from pd.engine.decode_inputs import write_new_blocks
 from pd.engine.request import Req
 from pd.engine.sampler import GREEDY_EPS
 from pd.engine.scheduler import ScheduledBatch
@@ -121,14 +122,14 @@ class GraphedSteps:
         start_event = self._event()
         # NOTE: the known part changes only when a slot stopped or a request got a block: the
         # blocks got are patched into the host copy, a stopped slot builds it again
-        known = g.known
-        if known is None or not known.patch(reqs, prev.rows):
+        changed = None if g.known is None else g.known.patch(reqs, prev.rows)
+        if changed is None:
             host, _ = self._host_inputs(reqs, prev.key, prev.rows)
             g.inputs[tail:].copy_(host[tail:], non_blocking=True)
             g.known = KnownPart(list(prev.rows), reqs, host.numpy(), g.layout)
-        elif known.changed:
+        elif changed:
             host = g.rings.get((g.layout.size - tail,), name="known")
-            host.numpy()[:] = known.flat[tail:]
+            host.numpy()[:] = g.known.flat[tail:]
             g.inputs[tail:].copy_(host, non_blocking=True)
         top = prev.top  # the same requests
         if top is None or top == 0:
@@ -206,31 +207,26 @@ class KnownPart:
     """The known part of a `StepGraphs`' inputs (`Layout.tail` on) as last written: the slot
     rows and the block lists it was built for (their lengths then) and a host copy of it."""
 
-    __slots__ = ("rows", "blocks", "lengths", "flat", "tables", "changed")
+    __slots__ = ("rows", "blocks", "lengths", "flat", "tables")
 
     def __init__(self, rows: list[int], reqs: list[Req], flat: np.ndarray, layout) -> None:
         self.rows, self.flat = rows, flat.copy()
         self.blocks = [r.block_ids for r in reqs]
-        self.lengths = [len(b) for b in self.blocks]
+        self.lengths = np.fromiter(map(len, self.blocks), np.int64, len(self.blocks))
         self.tables = layout.views(self.flat)["block_tables"]
-        self.changed = False
 
-    def patch(self, reqs: list[Req], rows: list[int]) -> bool:
-        """Write the blocks `reqs` got since into the host copy (`changed`: some did); False
-        where it cannot stand for them (another slot set, a request's block list replaced or
-        shorter: build it again)."""
-        self.changed = False
-        if rows != self.rows or len(reqs) != len(self.blocks):
-            return False
-        for b, req in enumerate(reqs):
-            ids, n = req.block_ids, self.lengths[b]
-            if ids is not self.blocks[b] or len(ids) < n:
-                return False
-            if len(ids) > n:
-                self.tables[b, n:len(ids)] = ids[n:]
-                self.lengths[b] = len(ids)
-                self.changed = True
-        return True
+    def patch(self, reqs: list[Req], rows: list[int]) -> bool | None:
+        """Write the blocks `reqs` got since into the host copy (`write_new_blocks`): whether
+        some did; None where it cannot stand for them (another slot set, a request's block
+        list replaced or shorter: build it again)."""
+        if rows != self.rows:
+            return None
+        lengths = write_new_blocks(self.tables, [r.block_ids for r in reqs], self.blocks,
+                                   self.lengths)
+        if lengths is None:
+            return None
+        changed, self.lengths = not np.array_equal(lengths, self.lengths), lengths
+        return changed
 
 
 class SpecFlight(NamedTuple):
