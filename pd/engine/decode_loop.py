@@ -316,6 +316,12 @@ class DecodeLoop:
             members[batch.reqs[i]] = row
         return InFlight(batch, inp, out, list(inp.sample_reqs), members, [])
 
+    def record_busy(self, seconds: float) -> None:
+        """A processed step's device time (`busy`, and the node's metric where it gave one)."""
+        self.busy.append(seconds)
+        if self.on_busy is not None:
+            self.on_busy(seconds)
+
     def process(self, f: InFlight, nxt: InFlight | None, masks=None) -> list[Req]:
         """Wait for step f's results and apply them; `nxt` is the step launched after it.
         `masks` (a `ModelRunner.mask_buffer` of nxt's rows): fill there the grammar masks of
@@ -325,10 +331,7 @@ class DecodeLoop:
         t = time.perf_counter()
         f.out.copy_done.wait()
         t = self.times.add("wait", t)
-        busy = self.executor.busy_seconds(f.out)
-        self.busy.append(busy)
-        if self.on_busy is not None:
-            self.on_busy(busy)
+        self.record_busy(self.executor.busy_seconds(f.out))
         if self.prev_done is not None:
             gap = self.executor.gap_seconds(self.prev_done, f.out)
             self.gaps.add(gap)
@@ -398,10 +401,7 @@ class DecodeLoop:
         t = self.times.add("wait", t)
         results = self.spec.collect(f)
         if f.start is not None:
-            busy = f.start.elapsed_time(f.end) / 1000.0
-            self.busy.append(busy)
-            if self.on_busy is not None:
-                self.on_busy(busy)
+            self.record_busy(f.start.elapsed_time(f.end) / 1000.0)
             if self.prev_done is not None:
                 gap = max(0.0, self.prev_done.elapsed_time(f.start) / 1000.0)
                 self.gaps.add(gap)
