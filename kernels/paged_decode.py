@@ -116,14 +116,14 @@ def _kernel():
     # new length never waits for a compile
     @triton.jit(do_not_specialize=["stride_bt"])
     def decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, acc_ptr, m_ptr, l_ptr, count_ptr,
-                      out_ptr, kn_ptr, vn_ptr, cos_ptr, sin_ptr, slot_ptr, scale,
-                      stride_qb, stride_qh, stride_kn, stride_kt, stride_kh, stride_bt,
+                      out_ptr, kn_ptr, vn_ptr, cos_ptr, sin_ptr, index_ptr, slot_ptr, scale,
+                      table_rows, stride_qb, stride_qh, stride_kn, stride_kt, stride_kh, stride_bt,
                       stride_ab, stride_ah, stride_as, stride_mb, stride_mh, stride_ob, stride_oh,
                       stride_knb, stride_knh, stride_vnb, stride_vnh, stride_cb,
                       G: tl.constexpr, GP: tl.constexpr, BLOCK: tl.constexpr, D: tl.constexpr,
                       TILE: tl.constexpr, SUB: tl.constexpr, STAGES: tl.constexpr,
                       IEEE: tl.constexpr, WHOLE: tl.constexpr, ROPE: tl.constexpr,
-                      PDL: tl.constexpr):
+                      HAS_INDEX: tl.constexpr, PDL: tl.constexpr):
         if PDL:  # see kernels.triton_support.pdl_options
             gdc_wait()
             gdc_launch_dependents()
@@ -134,7 +134,8 @@ def _kernel():
         row_ok = rows < G
         heads = h * G + rows
         if ROPE:  # q, k, v as the projection left them: rotary and the cache write here
-            cos_row, sin_row = cos_ptr + b * stride_cb, sin_ptr + b * stride_cb
+            c = tl.load(index_ptr + b).to(tl.int64) if HAS_INDEX else b  # its table row
+            cos_row, sin_row = cos_ptr + c * stride_cb, sin_ptr + c * stride_cb
             q = _rotated(q_ptr + b * stride_qb, heads * stride_qh, row_ok, cos_row, sin_row, D)
             slot = tl.load(slot_ptr + b)
             # NOTE: the program whose split holds the step's own token (the last) writes it,
@@ -146,7 +147,7 @@ def _kernel():
         else:
             q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + cols[None, :],
                         mask=row_ok[:, None], other=0.0)
-        bt_row = bt_ptr + b * stride_bt
+        bt_row = bt_ptr + (b // table_rows) * stride_bt  # its sequence's table
         out = out_ptr + b * stride_ob + heads[:, None] * stride_oh + cols[None, :]
         splits = tl.cdiv(n, TILE)
         top = tl.full([GP], float("-inf"), tl.float32)
@@ -272,14 +273,17 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  use_kernel: bool | None = None, num_warps: int | None = None,
                  sub_tokens: int | None = None, stages: int | None = None,
                  split_tokens: int = SPLIT_TOKENS, whole: bool | None = None,
-                 rope: tuple | None = None) -> torch.Tensor:
+                 rope: tuple | None = None, table_rows: int = 1) -> torch.Tensor:
     """Decode attention (see the module docstring); the kernel on CUDA, else the twin.
     Every sequence must have context_lens >= 1 and block_tables wide enough for it.
     `rope` = (k, v, cos, sin, slot_mapping), one row per sequence (a plain decode step, where no
     row reads another row's new key): q, k and v are the projection's, unrotated; the kernel
     rotates q and k (as `kernels.rope_cache` does, to the bit) and writes k and v to the cache
     at each row's slot (none where it is negative) before it reads them: one kernel for what
-    was two.
+    was two. `rope` may carry a sixth element, each row's index into cos and sin [P, D] (the
+    rotary position cache: the gather is the kernel's). `table_rows`: each table of
+    `block_tables` serves that many consecutive rows (an MTP verify step's k + 1 rows of one
+    sequence), read in place.
     For the benchmark's sweep: `num_warps` overrides the warps per program, `sub_tokens` (a
     power of two, 16 up to the split) the keys loaded at once, `stages` the software
     pipelining of those loads (of the splits, with `whole` and a split loaded at once; 1, or
@@ -292,9 +296,11 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         use_kernel = can_use_kernel(q, k_cache)
     if not use_kernel:
         if rope is not None:
-            k, v, cos, sin, slots = rope
+            k, v, cos, sin, slots, *index = rope
             q = rope_and_cache_ref(q, k, v, cos, sin, k_cache, v_cache, slots,
-                                   torch.nonzero(slots >= 0).flatten())
+                                   torch.nonzero(slots >= 0).flatten(), *index)
+        if table_rows > 1:
+            block_tables = block_tables.repeat_interleave(table_rows, 0)
         return paged_decode_ref(q, k_cache, v_cache, block_tables, context_lens, scale)
     num_seqs, num_heads, head_dim = q.shape
     num_blocks, block, kv_heads, kd = k_cache.shape
@@ -303,7 +309,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                          f"{tuple(v_cache.shape)}")
     if q.dtype != k_cache.dtype or v_cache.dtype != k_cache.dtype:
         raise ValueError(f"dtypes differ: q {q.dtype}, k {k_cache.dtype}, v {v_cache.dtype}")
-    if block_tables.shape[0] != num_seqs or context_lens.shape != (num_seqs,):
+    if block_tables.shape[0] * table_rows != num_seqs or context_lens.shape != (num_seqs,):
         raise ValueError(f"block_tables {tuple(block_tables.shape)} / context_lens "
                          f"{tuple(context_lens.shape)} do not match {num_seqs} sequences")
     if q.stride(2) != 1 or k_cache.stride(3) != 1 or v_cache.stride() != k_cache.stride():
@@ -331,10 +337,14 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         m = torch.empty(num_seqs, num_heads, splits, dtype=torch.float32, device=q.device)
         s = torch.empty_like(m)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    index = None
     if rope is not None:
-        k, v, cos, sin, slots = rope
+        k, v, cos, sin, slots, *index = rope
+        index = index[0] if index else None
         if (k.shape != (num_seqs, kv_heads, head_dim) or v.shape != k.shape
-                or cos.shape != (num_seqs, head_dim) or sin.stride() != cos.stride()
+                or cos.shape != (num_seqs if index is None else cos.shape[0], head_dim)
+                or (index is not None and index.shape != (num_seqs,))
+                or sin.stride() != cos.stride()
                 or slots.shape != (num_seqs,) or k.stride(2) != 1 or v.stride(2) != 1
                 or cos.stride(1) != 1 or head_dim % 2):
             raise ValueError(f"rope: k {tuple(k.shape)}, v {tuple(v.shape)}, cos "
@@ -344,7 +354,8 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         k = v = cos = sin = slots = q  # unread
     _kernel()[(num_seqs, kv_heads, 1 if whole else splits)](
         q, k_cache, v_cache, block_tables, context_lens, acc, m, s,
-        _counts(q.device, num_seqs * kv_heads), out, k, v, cos, sin, slots, scale,
+        _counts(q.device, num_seqs * kv_heads), out, k, v, cos, sin,
+        index if index is not None else slots, slots, scale, table_rows,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0), acc.stride(0), acc.stride(1), acc.stride(2), m.stride(0), m.stride(1),
         out.stride(0), out.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
@@ -352,6 +363,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         G=group, GP=max(16, 1 << (group - 1).bit_length()), BLOCK=block, D=head_dim,
         TILE=per_split * block, SUB=sub_tokens or per_split * block, STAGES=stages,
         IEEE=q.dtype == torch.float32, WHOLE=whole, ROPE=rope is not None,
+        HAS_INDEX=index is not None,
         num_warps=num_warps or (4 if per_split * block * head_dim <= 8192 else 8),
         enable_fp_fusion=False,  # NOTE: no fma, so the fold rounds alike in memory and registers
         **pdl_options(q))

@@ -2,7 +2,9 @@
 and values into the paged KV cache, as one Triton kernel with a torch twin.
 
 q [T, Hq, D], k and v [T, Hkv, D] (strided views of the QKV projection are fine), cos and sin
-[T, D] in q's dtype (the rotary tables of this forward, `pd.model.layers.RotaryEmbedding`).
+[T, D] in q's dtype (the rotary tables of this forward, `pd.model.layers.RotaryEmbedding`), or
+tables [P, D] and each token's row in them (the position cache and the positions: the gather
+is the kernel's).
 Non-interleaved (rotate-half) RoPE: out = x * cos + cat(-x2, x1) * sin, each product rounded to
 the dtype before the sum as the torch reference does. Rotated q is returned; rotated k and v go
 to cache slot `slot_mapping[t]` (caches [num_blocks, block_size, Hkv, D]; a negative slot is
@@ -42,20 +44,22 @@ def _kernel():
         return o1, o2, h, mask
 
     @triton.jit
-    def rope_cache_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, slot_ptr, qo_ptr, kc_ptr, vc_ptr,
-                          stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+    def rope_cache_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, index_ptr, slot_ptr, qo_ptr,
+                          kc_ptr, vc_ptr, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
                           stride_ct, stride_ot, stride_oh, stride_cs, stride_ch,
                           HQ: tl.constexpr, HKV: tl.constexpr, HQ_P2: tl.constexpr,
-                          HKV_P2: tl.constexpr, HALF: tl.constexpr, PDL: tl.constexpr):
+                          HKV_P2: tl.constexpr, HALF: tl.constexpr, HAS_INDEX: tl.constexpr,
+                          PDL: tl.constexpr):
         if PDL:  # see kernels.triton_support.pdl_options
             gdc_wait()
             gdc_launch_dependents()
         t = tl.program_id(0).to(tl.int64)
         offs = tl.arange(0, HALF)
-        c1 = tl.load(cos_ptr + t * stride_ct + offs).to(tl.float32)[None, :]
-        c2 = tl.load(cos_ptr + t * stride_ct + HALF + offs).to(tl.float32)[None, :]
-        s1 = tl.load(sin_ptr + t * stride_ct + offs).to(tl.float32)[None, :]
-        s2 = tl.load(sin_ptr + t * stride_ct + HALF + offs).to(tl.float32)[None, :]
+        c = tl.load(index_ptr + t).to(tl.int64) if HAS_INDEX else t  # the token's table row
+        c1 = tl.load(cos_ptr + c * stride_ct + offs).to(tl.float32)[None, :]
+        c2 = tl.load(cos_ptr + c * stride_ct + HALF + offs).to(tl.float32)[None, :]
+        s1 = tl.load(sin_ptr + c * stride_ct + offs).to(tl.float32)[None, :]
+        s2 = tl.load(sin_ptr + c * stride_ct + HALF + offs).to(tl.float32)[None, :]
         o1, o2, h, mask = _rotate(q_ptr + t * stride_qt, stride_qh, HQ, c1, c2, s1, s2, offs,
                                   HALF, HQ_P2)
         out = qo_ptr + t * stride_ot + h * stride_oh + offs[None, :]
@@ -85,9 +89,12 @@ def rotate_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 def rope_and_cache_ref(q, k, v, cos, sin, k_cache, v_cache, slot_mapping,
-                       write_index: torch.Tensor | None = None) -> torch.Tensor:
+                       write_index: torch.Tensor | None = None,
+                       cos_index: torch.Tensor | None = None) -> torch.Tensor:
     """The torch twin. `write_index` (the tokens whose slot is not negative, or None for all)
     lets the caller skip the negative slots without a device-to-host sync."""
+    if cos_index is not None:
+        cos, sin = cos[cos_index], sin[cos_index]
     q, k = rotate_ref(q, cos, sin), rotate_ref(k, cos, sin)
     slots = slot_mapping
     if write_index is not None:
@@ -98,18 +105,25 @@ def rope_and_cache_ref(q, k, v, cos, sin, k_cache, v_cache, slot_mapping,
 
 
 def rope_and_cache(q, k, v, cos, sin, k_cache, v_cache, slot_mapping,
-                   write_index: torch.Tensor | None = None, use_kernel: bool | None = None):
-    """See the module docstring: the kernel on CUDA, else the twin. Returns rotated q."""
+                   write_index: torch.Tensor | None = None, use_kernel: bool | None = None,
+                   cos_index: torch.Tensor | None = None):
+    """See the module docstring: the kernel on CUDA, else the twin. Returns rotated q. With
+    `cos_index` [T] (int64), cos and sin are tables [P, D] and token t's rows are
+    `cos_index[t]` (the gather is the kernel's)."""
     if use_kernel is None:
         use_kernel = triton_usable(q)
     if not use_kernel:
-        return rope_and_cache_ref(q, k, v, cos, sin, k_cache, v_cache, slot_mapping, write_index)
+        return rope_and_cache_ref(q, k, v, cos, sin, k_cache, v_cache, slot_mapping, write_index,
+                                  cos_index)
     tokens, num_heads, head_dim = q.shape
     kv_heads = k.shape[1]
     if k.shape != (tokens, kv_heads, head_dim) or v.shape != k.shape:
         raise ValueError(f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} do not fit")
-    if cos.shape != (tokens, head_dim) or sin.shape != cos.shape or cos.stride() != sin.stride():
-        raise ValueError(f"cos/sin {tuple(cos.shape)} must be [{tokens}, {head_dim}], alike")
+    table_rows = tokens if cos_index is None else cos.shape[0]
+    if (cos.shape != (table_rows, head_dim) or sin.shape != cos.shape or cos.stride() != sin.stride()
+            or (cos_index is not None and cos_index.shape != (tokens,))):
+        raise ValueError(f"cos/sin {tuple(cos.shape)} must be [{tokens}, {head_dim}] (or a table "
+                         f"with an index of {tokens} rows), alike")
     if k_cache.shape[2:] != (kv_heads, head_dim) or v_cache.stride() != k_cache.stride():
         raise ValueError(f"caches {tuple(k_cache.shape)} do not fit k {tuple(k.shape)}")
     if head_dim % 2 or (head_dim // 2) & (head_dim // 2 - 1):
@@ -119,10 +133,11 @@ def rope_and_cache(q, k, v, cos, sin, k_cache, v_cache, slot_mapping,
     out = torch.empty(tokens, num_heads, head_dim, dtype=q.dtype, device=q.device)
     p2 = lambda n: 1 << (n - 1).bit_length()  # noqa: E731
     _kernel()[(tokens,)](
-        q, k, v, cos, sin, slot_mapping, out, k_cache, v_cache,
+        q, k, v, cos, sin, cos_index if cos_index is not None else slot_mapping, slot_mapping,
+        out, k_cache, v_cache,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         cos.stride(0), out.stride(0), out.stride(1), k_cache.stride(1), k_cache.stride(2),
         HQ=num_heads, HKV=kv_heads, HQ_P2=p2(num_heads), HKV_P2=p2(kv_heads), HALF=head_dim // 2,
-        num_warps=4 if num_heads * head_dim >= 1024 else 1,
+        HAS_INDEX=cos_index is not None, num_warps=4 if num_heads * head_dim >= 1024 else 1,
         enable_fp_fusion=False, **pdl_options(q))  # NOTE: no fma, so each product rounds as in the twin
     return out

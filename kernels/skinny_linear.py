@@ -16,6 +16,11 @@ a program first asks L2 for the first two steps of its weight rows, which depend
 then waits for the kernel before it (the norm that computes x), so the weight stream starts
 while that kernel finishes.
 
+`norm_linear` reads x through a prologue in place of the norm kernel before the product:
+RMSNorm, after the residual add, of x's rows or of gathered rows (an embedding lookup),
+rounded as `kernels.rms_norm` rounds. Every program recomputes it over whole rows (the norm's
+statistics span all of K), so it serves small K only (`PROLOGUE_SHAPES`).
+
 Used for 16-bit weights where `config_for` has a measured configuration (`SHAPES`, from
 `benchmarks/gpu/bench_skinny.py`); everywhere else cuBLAS. On the current stream, capturable in
 a CUDA graph. `triton` is imported on first use; CPU machines run the twin.
@@ -29,6 +34,7 @@ import os
 import torch
 import torch.nn.functional as F
 
+from kernels.rms_norm import rms_norm
 from kernels.triton_support import pdl_options, triton_usable
 
 MAX_ROWS = 64  # rows of x one program multiplies at most (the largest BM)
@@ -41,8 +47,30 @@ def _kernel():
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait  # noqa: PLC0415
 
     @triton.jit
-    def skinny_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, count_ptr, M, N, K, stride_xm,
-                      stride_wn, stride_ym, HAS_BIAS: tl.constexpr, BM: tl.constexpr,
+    def load_x(x_ptr, r_ptr, g_ptr, src, rm_ok, k_idx, k_ok, stride_xm, stride_rm, rstd,
+               NORM: tl.constexpr, HAS_RES: tl.constexpr):
+        """A [BM, BK] tile of the product's input at columns `k_idx`: x's rows (`src`), after
+        the prologue (the residual add, the norm with row scale `rstd`), rounded as
+        `kernels.rms_norm` rounds."""
+        ok = rm_ok[:, None] & k_ok[None, :]
+        x = tl.load(x_ptr + src[:, None] * stride_xm + k_idx[None, :], mask=ok, other=0.0)
+        if HAS_RES:
+            r = tl.load(r_ptr + src[:, None] * stride_rm + k_idx[None, :], mask=ok, other=0.0)
+            x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
+        if NORM:
+            gw = tl.load(g_ptr + k_idx, mask=k_ok, other=0.0).to(tl.float32)
+            x = ((x.to(tl.float32) * rstd[:, None]).to(x.dtype).to(tl.float32) * gw[None, :]).to(x.dtype)
+        return x
+
+    # NOTE: as in kernels.paged_decode: triton's interpreter runs the kernel with the module's
+    # globals alone
+    globals().update(load_x=load_x)
+
+    @triton.jit
+    def skinny_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, count_ptr, r_ptr, g_ptr, h_ptr,
+                      rows_ptr, M, N, K, stride_xm, stride_wn, stride_ym, stride_rm, stride_hm,
+                      eps, HAS_BIAS: tl.constexpr, NORM: tl.constexpr, HAS_RES: tl.constexpr,
+                      HAS_ROWS: tl.constexpr, BM: tl.constexpr,
                       BN: tl.constexpr, BK: tl.constexpr, SPLITS: tl.constexpr,
                       STAGES: tl.constexpr, PDL: tl.constexpr):
         tile, s = tl.program_id(0), tl.program_id(1)
@@ -69,11 +97,31 @@ def _kernel():
                                       "=r,l", [first], dtype=tl.int32, is_pure=False, pack=1)
             gdc_wait()
             gdc_launch_dependents()
-        x_base = x_ptr + rm[:, None].to(tl.int64) * stride_xm
+        if HAS_ROWS:
+            src = tl.load(rows_ptr + rm, mask=row_ok, other=0).to(tl.int64)
+        else:
+            src = rm.to(tl.int64)
+        rstd = tl.zeros([BM], tl.float32)
+        if NORM:
+            # the rows' statistics over all of K (every program, whatever its slice); the first
+            # program writes the residual stream after the add (or the gathered rows)
+            ss = tl.zeros([BM], tl.float32)
+            for k0 in range(0, K, BK):
+                k_ok = (k0 + rk) < K
+                x = load_x(x_ptr, r_ptr, g_ptr, src, row_ok, k0 + rk, k_ok, stride_xm,
+                           stride_rm, rstd, False, HAS_RES)
+                if HAS_RES or HAS_ROWS:
+                    if (tile == 0) & (s == 0):
+                        tl.store(h_ptr + rm[:, None].to(tl.int64) * stride_hm + (k0 + rk)[None, :],
+                                 x, mask=row_ok[:, None] & k_ok[None, :])
+                xf = x.to(tl.float32)
+                ss += tl.sum(xf * xf, 1)
+            rstd = 1.0 / tl.sqrt(ss / K + eps)
         acc = tl.zeros([BM, BN], tl.float32)
         for k0 in tl.range(k_lo, k_hi, BK, num_stages=STAGES):
             k_ok = (k0 + rk) < k_hi
-            x = tl.load(x_base + (k0 + rk)[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            x = load_x(x_ptr, r_ptr, g_ptr, src, row_ok, k0 + rk, k_ok, stride_xm, stride_rm,
+                       rstd, NORM, HAS_RES)
             w = tl.load(w_base + (k0 + rk)[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
             acc = tl.dot(x, tl.trans(w), acc)  # [BM, BN]
         y = y_ptr + rm[:, None].to(tl.int64) * stride_ym + rn[None, :]
@@ -202,11 +250,97 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     elif out.shape != (m, n) or out.dtype != x.dtype or out.stride(-1) != 1:
         raise ValueError(f"out {tuple(out.shape)} {out.dtype} does not fit [{m}, {n}] {x.dtype}")
+    _launch(x, weight, bias, out, (bn, bk, splits, stages, warps), m, k)
+    return out
+
+
+def _launch(x, weight, bias, out, config, m: int, k: int, *, norm=None, rows=None, h=None):
+    """One launch of the kernel: y = x' W^T (+ b) into `out`, x' the product's input after
+    the prologue (`norm` (weight, eps, residual or None): the norm of x (+ residual), the
+    stream written into `h`; `rows`: x's and the residual's rows to read)."""
+    n = weight.shape[0]
+    bm = row_bucket(m)
+    bn, bk, splits, stages, warps = config
     tiles = -(-n // bn)
     part = (torch.empty(splits, bm, n, dtype=torch.float32, device=x.device) if splits > 1
             else out)
-    _kernel()[(tiles, splits)](x, weight, bias if bias is not None else weight, out, part,
-                               _counts(x.device, tiles), m, n, k, x.stride(0), weight.stride(0),
-                               out.stride(0), HAS_BIAS=bias is not None, BM=bm, BN=bn, BK=bk,
-                               SPLITS=splits, STAGES=stages, num_warps=warps, **pdl_options(x))
-    return out
+    g, eps, r = norm if norm is not None else (weight, 0.0, None)
+    return _kernel()[(tiles, splits)](x, weight, bias if bias is not None else weight, out, part,
+                               _counts(x.device, tiles), r if r is not None else x, g,
+                               h if h is not None else out, rows if rows is not None else x,
+                               m, n, k, x.stride(0), weight.stride(0), out.stride(0),
+                               r.stride(0) if r is not None else 0,
+                               h.stride(0) if h is not None else 0, eps,
+                               HAS_BIAS=bias is not None, NORM=norm is not None,
+                               HAS_RES=r is not None, HAS_ROWS=rows is not None,
+                               BM=bm, BN=bn, BK=bk, SPLITS=splits, STAGES=stages,
+                               num_warps=warps, **pdl_options(x))
+
+
+# (N, K, BM) -> the kernel's configuration with the norm prologue, where one kernel measured
+# faster than the two it replaces (the norm kernel, then the product), each in a CUDA graph of
+# its launches (`benchmarks/gpu/bench_skinny.py --prologues`, rows 1 and 4, H100); any other
+# shape runs the two kernels. Every program recomputes the norm over whole rows: the embedded
+# model's K of 256 costs nothing there, and a launch goes. (SiLU-and-multiply as the down
+# projection's prologue measured 2-2.5x slower than its two kernels, in every configuration
+# tried: not used.)
+PROLOGUE_SHAPES: dict[tuple[int, int, int], tuple[int, int, int, int, int]] = {
+    (512, 256, 16): (16, 256, 1, 2, 4),  # qkv: 2.15-2.32 us against 3.01-3.15
+    (1536, 256, 16): (16, 256, 1, 2, 4),  # gate_up: 2.25-2.40 against 3.18-3.27
+    (4096, 256, 16): (32, 256, 1, 1, 4),  # the LM head: 2.40-2.72 against 4.19-4.30
+}
+
+
+def prologue_config(m: int, weight: torch.Tensor, x: torch.Tensor):
+    """The configuration for `norm_linear` to fuse the norm into the kernel for m rows of x
+    (`PROLOGUE_SHAPES`), or None: two kernels (`PD_PROLOGUE=0`: always)."""
+    if (m > MAX_ROWS or os.environ.get("PD_PROLOGUE", "1") == "0"
+            or x.dtype not in (torch.bfloat16, torch.float16) or weight.dtype != x.dtype
+            or x.stride(-1) != 1 or weight.stride(-1) != 1 or not triton_usable(x)):
+        return None
+    return PROLOGUE_SHAPES.get((*weight.shape, row_bucket(m)))
+
+
+def norm_linear(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
+                bias: torch.Tensor | None = None, residual: torch.Tensor | None = None,
+                rows: torch.Tensor | None = None, use_kernel: bool | None = None,
+                out: torch.Tensor | None = None, config=None):
+    """RMSNorm then the product: (linear(rms_norm(h)), h) with h = x (or x + residual), of x's
+    rows or of `rows` of x and the residual (an embedding lookup, x the table): h is the
+    residual stream after the add, what the next norm adds; the product into `out` when given.
+    One kernel where `prologue_config` has a configuration (or `use_kernel`; `config`
+    overrides), else `kernels.rms_norm` and `skinny_linear`; the same rounding."""
+    m, k = (x.shape[0] if rows is None else rows.shape[0]), x.shape[1]
+    if use_kernel is None:
+        config = config or prologue_config(m, weight, x)
+        use_kernel = (config is not None and weight.shape[1] == k and norm_weight.dtype == x.dtype
+                      and (rows is None or rows.dtype == torch.int64)
+                      and (residual is None or (residual.dtype == x.dtype
+                                                and residual.stride(-1) == 1)))
+    if not use_kernel:
+        return _norm_linear_split(x, norm_weight, eps, weight, bias, residual, rows, out)
+    if rows is not None and (rows.dim() != 1 or rows.dtype != torch.int64):
+        raise ValueError(f"rows {tuple(rows.shape)} {rows.dtype}: expected [N] int64")
+    if m > MAX_ROWS or weight.shape[1] != k:
+        raise ValueError(f"x {tuple(x.shape)} does not fit weight {tuple(weight.shape)} "
+                         f"(at most {MAX_ROWS} rows)")
+    n = weight.shape[0]
+    if out is None:
+        out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    elif out.shape != (m, n) or out.dtype != x.dtype or out.stride(-1) != 1:
+        raise ValueError(f"out {tuple(out.shape)} {out.dtype} does not fit [{m}, {n}] {x.dtype}")
+    h = (torch.empty(m, k, dtype=x.dtype, device=x.device)
+         if residual is not None or rows is not None else None)
+    _launch(x, weight, bias, out, config or config_for(n, k, row_bucket(m)) or DEFAULT_CONFIG, m, k,
+            norm=(norm_weight, eps, residual), rows=rows, h=h)
+    return out, (x if h is None else h)
+
+
+def _norm_linear_split(x, norm_weight, eps, weight, bias, residual, rows, out):
+    """`norm_linear` as two kernels (or their twins)."""
+    if residual is not None:
+        normed, stream = rms_norm(x, norm_weight, eps, residual, rows=rows)
+    else:
+        stream = x if rows is None else x.index_select(0, rows)
+        normed = rms_norm(stream, norm_weight, eps)
+    return skinny_linear(normed, weight, bias, out), stream

@@ -6,7 +6,13 @@ do), inside one CUDA graph, so the figures are HBM streams without launch gaps (
 programmatic dependent launch, with each call's weight prefetch overlapping the call before).
 The closing table is what `SHAPES` takes.
 
+With --prologues instead: the embedded model's products that follow a norm, with the norm as
+the kernel's prologue (`kernels.skinny_linear.norm_linear`) against the two kernels it replaces
+(the norm, then the product), each in a CUDA graph of its launches back to back (the model's
+weights fit in L2, as in its decode step): what `PROLOGUE_SHAPES` takes.
+
     python benchmarks/gpu/bench_skinny.py [--model 1b|8b|8b-tp2] [--rows 1 16 32 64] [--quick]
+    python benchmarks/gpu/bench_skinny.py --prologues [--rows 1 4 16]
 """
 
 from __future__ import annotations
@@ -23,7 +29,8 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_decode import graph_time  # noqa: E402
 
-from kernels.skinny_linear import row_bucket, skinny_linear  # noqa: E402
+from kernels.rms_norm import rms_norm  # noqa: E402
+from kernels.skinny_linear import norm_linear, row_bucket, skinny_linear  # noqa: E402
 
 SHAPES = {"qkv": (3072, 2048), "o_proj": (2048, 2048), "gate_up": (16384, 2048),
           "down": (2048, 8192), "lm_head": (128256, 2048)}
@@ -61,6 +68,34 @@ def grid(n: int, k: int, bm: int, quick: bool) -> list[tuple[int, int, int, int,
     return out
 
 
+# the embedded model's (pd-tiny-code) products after a norm: N, K
+PROLOGUE_PRODUCTS = {"qkv": (512, 256), "gate_up": (1536, 256), "lm_head": (4096, 256)}
+PROLOGUE_CONFIGS = [(16, 256, 1, s, w) for s in (1, 2, 3) for w in (2, 4)] + [
+    (32, 256, 1, 1, 4), (16, 128, 1, 1, 4)]
+
+
+def prologues(rows: list[int]) -> None:
+    launches = 40
+    for name, (n, k) in PROLOGUE_PRODUCTS.items():
+        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * k ** -0.5
+        g = (torch.rand(k, device="cuda") + 0.5).to(torch.bfloat16)
+        for m in rows:
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            r = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            t_two = per_call(lambda i: skinny_linear(rms_norm(x, g, 1e-6, r)[0], w), launches)
+            results = []
+            for cfg in PROLOGUE_CONFIGS:
+                try:
+                    results.append((per_call(lambda i: norm_linear(
+                        x, g, 1e-6, w, None, r, use_kernel=True, config=cfg), launches), cfg))
+                except Exception as e:  # out of registers or shared memory
+                    print(f"  {name} m={m} {cfg}: {type(e).__name__}")
+            t_best, cfg = min(results)
+            print(f"{name:>8} ({n}, {k}) m={m:<2} two kernels {t_two * 1e6:5.2f} us | one "
+                  f"{t_best * 1e6:5.2f} us {cfg} x{t_two / t_best:4.2f} | next: "
+                  + ", ".join(f"{c} {t * 1e6:.2f}" for t, c in sorted(results)[1:3]))
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--rows", type=int, nargs="+", default=[1, 16, 32, 64])
@@ -68,8 +103,13 @@ def main() -> None:
                    help="whose layers: Llama-3.2-1B, Llama-3.1-8B, or one of two TP ranks of it")
     p.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     p.add_argument("--quick", action="store_true", help="fewer configurations")
+    p.add_argument("--prologues", action="store_true",
+                   help="the embedded model's products after a norm, with it as their prologue or not")
     args = p.parse_args()
     print(f"{torch.cuda.get_device_name()}; configurations are (BN, BK, SPLITS, STAGES, warps)")
+    if args.prologues:
+        prologues(args.rows)
+        return
     start, table = time.perf_counter(), []
     for name in args.shapes:
         n, k = MODELS[args.model][name]

@@ -125,8 +125,8 @@ class DecodeGraphs:
             padded_index=torch.arange(batch, device=self.device), attn_mask=mask, max_q_len=1,
             max_kv_len=width * self.block_size, plain_decode=True)
         with forward_context(ctx):
-            hidden = self.model(ids, positions)
-        argmax(self.model.head_logits(hidden, out=self.logits[:batch]), out=self.tokens[:batch])
+            hidden, logits = self.model.forward_logits(ids, positions, out=self.logits[:batch])
+        argmax(logits, out=self.tokens[:batch])
         return hidden
 
     def pad_inputs(self, key: tuple[int, int]) -> None:

@@ -82,16 +82,20 @@ def prefill_per_sequence(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
 
 def rope_cache_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
                          sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                         scale: float, sliding_window: int | None = None) -> torch.Tensor:
-    """A layer's attention from its projected q, k, v [T, H, D] and the step's cos/sin [T, D]:
-    rotary on q and k, the step's keys and values into the cache at their slots, then
-    attention. One kernel in a plain decode step on CUDA (`ForwardContext.plain_decode`: no
-    row reads another row's new key), else `rope_and_cache` then `paged_attention`."""
+                         scale: float, sliding_window: int | None = None,
+                         cos_index: torch.Tensor | None = None) -> torch.Tensor:
+    """A layer's attention from its projected q, k, v [T, H, D] and the step's cos/sin [T, D]
+    (or tables [P, D] and each token's row, `cos_index`): rotary on q and k, the step's keys and
+    values into the cache at their slots, then attention. One kernel in a plain decode step on
+    CUDA (`ForwardContext.plain_decode`: no row reads another row's new key), else
+    `rope_and_cache` then `paged_attention`."""
     ctx = get_context()
     if ctx.plain_decode and q.is_cuda and sliding_window is None and can_use_kernel(q, k_cache):
+        rope = (k, v, cos, sin, ctx.slot_mapping) + (() if cos_index is None else (cos_index,))
         return paged_decode(q, k_cache, v_cache, ctx.block_tables, ctx.context_lens, scale,
-                            use_kernel=True, rope=(k, v, cos, sin, ctx.slot_mapping))
-    q = rope_and_cache(q, k, v, cos, sin, k_cache, v_cache, ctx.slot_mapping, ctx.write_index)
+                            use_kernel=True, rope=rope, table_rows=ctx.table_rows)
+    q = rope_and_cache(q, k, v, cos, sin, k_cache, v_cache, ctx.slot_mapping, ctx.write_index,
+                       cos_index=cos_index)
     return paged_attention(q, k_cache, v_cache, scale, sliding_window)
 
 
@@ -116,7 +120,7 @@ def paged_attention(
     if (ctx.is_decode and q.is_cuda and sliding_window is None
             and can_use_kernel(q, k_cache)):
         return paged_decode(q, k_cache, v_cache, ctx.block_tables, ctx.context_lens, scale,
-                            use_kernel=True)
+                            use_kernel=True, table_rows=ctx.table_rows)
     # NOTE: a fresh prompt alone keeps SDPA's causal kernel, as the prefill graphs run it, so
     # its first token does not depend on which path computed it (MTP prefills eagerly)
     alone = ctx.seq_lens_host is not None and len(ctx.seq_lens_host) == 1 and (
@@ -128,8 +132,9 @@ def paged_attention(
             and ctx.seq_lens_host is not None and num_seqs <= MAX_SEQS_PER_SEQUENCE_PATH):
         return prefill_per_sequence(q, k_cache, v_cache, scale, ctx)
     # [B, max_blocks, block_size, H_kv, D] -> [B, max_blocks * block_size, H_kv, D] -> first max_kv
-    keys = k_cache[ctx.block_tables].flatten(1, 2)[:, :max_kv]
-    values = v_cache[ctx.block_tables].flatten(1, 2)[:, :max_kv]
+    tables = ctx.row_tables()
+    keys = k_cache[tables].flatten(1, 2)[:, :max_kv]
+    values = v_cache[tables].flatten(1, 2)[:, :max_kv]
     if ctx.is_decode:
         q_pad = q.view(num_seqs, 1, num_heads, head_dim)
     else:

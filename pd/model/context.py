@@ -47,6 +47,16 @@ class ForwardContext:
     # new key (an MTP verify step's rows do), so each row's rotary and cache write may run
     # inside the attention kernel (`pd.model.attention.rope_cache_attention`)
     plain_decode: bool = False
+    # NOTE: each table of block_tables serves this many consecutive sequences (rows): an MTP
+    # verify step's k + 1 rows of one request share its table, read in place by the decode
+    # attention kernel (`row_tables` repeats it for the torch paths)
+    table_rows: int = 1
+
+    def row_tables(self) -> torch.Tensor:
+        """[B, max_blocks]: each sequence's table (`table_rows`)."""
+        if self.table_rows == 1:
+            return self.block_tables
+        return self.block_tables.repeat_interleave(self.table_rows, 0)
 
     @property
     def num_seqs(self) -> int:

@@ -15,7 +15,7 @@ from torch import nn
 
 from kernels.activation import silu_and_mul
 from kernels.rms_norm import rms_norm
-from kernels.skinny_linear import skinny_linear
+from kernels.skinny_linear import norm_linear, skinny_linear
 from pd.model import parallel
 from pd.model.context import get_context
 
@@ -43,7 +43,10 @@ class RowLinear(Linear):
 
 class RMSNorm(nn.Module):
     """`forward(x)` -> normed x; `forward(x, residual)` -> (normed x + residual, x + residual),
-    the residual add fused into the norm (`kernels.rms_norm`, a Triton kernel on CUDA)."""
+    the residual add fused into the norm (`kernels.rms_norm`, a Triton kernel on CUDA);
+    `into(linear weight, bias, x, residual, rows)`: the norm and the product after it,
+    (product, residual stream), one kernel where `kernels.skinny_linear.norm_linear` fuses
+    them."""
 
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -54,6 +57,12 @@ class RMSNorm(nn.Module):
         if x.dim() != 2:  # per-head norms (Qwen3's q/k norms): [T, H, D] rows of D
             return rms_norm(x.reshape(-1, x.shape[-1]), self.weight, self.eps).view(x.shape)
         return rms_norm(x, self.weight, self.eps, residual)
+
+    def into(self, weight: torch.Tensor, bias: torch.Tensor | None, x: torch.Tensor,
+             residual: torch.Tensor | None = None, rows: torch.Tensor | None = None,
+             out: torch.Tensor | None = None):
+        """(linear(norm(h)), h) with h = x (+ residual), of x's rows or of `rows` (x a table)."""
+        return norm_linear(x, self.weight, self.eps, weight, bias, residual, rows, out=out)
 
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
@@ -180,19 +189,26 @@ class RotaryEmbedding:
         self.position_cache = torch.cat((cos, sin), dim=-1)
 
     def tables(self, positions: torch.Tensor, dtype: torch.dtype):
-        """cos, sin [T, D] in `dtype` for this forward's positions (once per forward): rows of
-        the position cache where there is one (`cache_positions`), strided views of one gather."""
+        """(cos, sin, index) in `dtype` for this forward's positions (once per forward): on
+        CUDA with a position cache (`cache_positions`), the cache's cos and sin halves [P, D]
+        and the positions as the rows to read (the rotary kernels gather them); on CPU the
+        cache's rows gathered (strided views of one gather), else computed, [T, D], index
+        None."""
         cached = self._cached
         if cached is not None and cached[0] is positions and cached[1] == dtype:
-            return cached[2], cached[3]
+            return cached[2]
         table = self.position_cache
+        index = None
         if table is not None and table.dtype == dtype and table.device == positions.device:
-            rows = table.index_select(0, positions)
+            if table.is_cuda and positions.dtype == torch.int64:
+                rows, index = table, positions
+            else:
+                rows = table.index_select(0, positions)
             cos, sin = rows[:, :self.head_dim], rows[:, self.head_dim:]
         else:
             cos, sin = self._compute(positions, dtype)
-        self._cached = (positions, dtype, cos, sin)
-        return cos, sin
+        self._cached = (positions, dtype, (cos, sin, index))
+        return cos, sin, index
 
     def reset(self) -> None:
         """Forget the tables; called at the start of every forward, since a positions tensor
@@ -224,7 +240,10 @@ class MLP(nn.Module):
         self.down_proj = RowLinear(intermediate_size, hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)
+        return self.down(self.gate_up_proj(x))
+
+    def down(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """The MLP's output from its gate/up projection: the activation, the down projection."""
         if self.act is F.silu:
             return self.down_proj(silu_and_mul(gate_up))
         gate, up = gate_up.split(self.intermediate_size, dim=-1)

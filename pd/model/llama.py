@@ -61,8 +61,11 @@ class Attention(nn.Module):
         self.v_cache: torch.Tensor | None = None
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        num_tokens = x.shape[0]
-        qkv = self.qkv_proj(x)
+        return self.attend(positions, self.qkv_proj(x))
+
+    def attend(self, positions: torch.Tensor, qkv: torch.Tensor) -> torch.Tensor:
+        """The attention's output projected (`o_proj`) from the step's fused projection."""
+        num_tokens = qkv.shape[0]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         # [T, heads * D] -> [T, heads, D], views of qkv
         q = q.view(num_tokens, self.num_heads, self.head_dim)
@@ -70,16 +73,18 @@ class Attention(nn.Module):
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        cos, sin = self.rotary.tables(positions, q.dtype)
+        cos, sin, index = self.rotary.tables(positions, q.dtype)
         out = rope_cache_attention(q, k, v, cos, sin, self.k_cache, self.v_cache, self.scale,
-                                   self.sliding_window)
+                                   self.sliding_window, index)
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
 
 class DecoderLayer(nn.Module):
     """Pre-norm decoder layer over a residual stream carried beside the hidden states, so each
-    residual add is fused into the next norm: `forward(positions, x, residual)` returns
-    (layer output, residual), whose sum is the stream after the layer."""
+    residual add is fused into the next norm, and each norm into the product after it where
+    that is one kernel (`RMSNorm.into`): `forward(positions, x, residual)` returns (layer output, residual), whose sum
+    is the stream after the layer; with `rows`, x is the embedding table and the layer's input
+    those rows of it."""
 
     def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding,
                  sliding_window: int | None = None) -> None:
@@ -90,14 +95,15 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias, cfg.hidden_act)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor,
-                residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            residual, h = x, self.input_layernorm(x)
-        else:
-            h, residual = self.input_layernorm(x, residual)
-        h = self.self_attn(positions, h)
-        h, residual = self.post_attention_layernorm(h, residual)
-        return self.mlp(h), residual
+                residual: torch.Tensor | None = None,
+                rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        attn, mlp = self.self_attn, self.mlp
+        qkv, residual = self.input_layernorm.into(attn.qkv_proj.weight, attn.qkv_proj.bias, x,
+                                                  residual, rows)
+        h = attn.attend(positions, qkv)
+        gate_up, residual = self.post_attention_layernorm.into(
+            mlp.gate_up_proj.weight, mlp.gate_up_proj.bias, h, residual)
+        return mlp.down(gate_up), residual
 
 
 class DecoderModel(nn.Module):
@@ -110,17 +116,23 @@ class DecoderModel(nn.Module):
             for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                normed: bool = False):
-        """The last layer's output before the final norm [T, H]; with `normed`, (that, the
-        final norm of it): the last residual add is the norm's."""
-        x, residual = parallel.embed(self.embed_tokens.weight, input_ids), None
-        for layer in self.layers:
-            x, residual = layer(positions, x, residual)
-        if normed:
-            out, hidden = self.norm(x, residual)
-            return hidden, out
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """The last layer's output before the final norm [T, H]."""
+        x, residual = self.streams(input_ids, positions)
         return x + residual
+
+    def streams(self, input_ids: torch.Tensor,
+                positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The last layer's (output, residual), whose sum `forward` returns. On one rank the
+        embedding lookup is the first layer's (rows of the table)."""
+        x, rows = self.embed_tokens.weight, input_ids.long()
+        if parallel.group().size > 1:
+            x, rows = parallel.embed(x, input_ids), None
+        residual = None
+        for layer in self.layers:
+            x, residual = layer(positions, x, residual, rows)
+            rows = None
+        return x, residual
 
 
 class MTPLayer(nn.Module):
@@ -173,16 +185,18 @@ class CausalLM(nn.Module):
             self.rotary.reset()
             return self.model(input_ids, positions)
 
-    def forward_logits(self, input_ids: torch.Tensor,
-                       positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward_logits(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                       out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """`forward` and `head_logits` of every row: (hidden [T, H], logits [T, V] in the
-        model's dtype), the last residual add fused into the final norm on one rank."""
+        model's dtype, into `out` when given); on one rank the last residual add and the final
+        norm are the LM head's (`RMSNorm.into`)."""
         if parallel.group().size > 1:
             hidden = self.forward(input_ids, positions)
-            return hidden, self.head_logits(hidden)
+            return hidden, self.head_logits(hidden, out=out)
         self.rotary.reset()
-        hidden, normed = self.model(input_ids, positions, normed=True)
-        return hidden, skinny_linear(normed, self.head_weight)
+        x, residual = self.model.streams(input_ids, positions)
+        logits, hidden = self.model.norm.into(self.head_weight, None, x, residual, out=out)
+        return hidden, logits
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Pre-norm hidden states [N, H] -> float32 logits [N, V]."""
@@ -205,7 +219,8 @@ class CausalLM(nn.Module):
         rows' pre-norm output [R, H], what a chained pass reads; their logits [R, V] in the
         model's dtype, enough for an argmax). One rank: the embedding lookup is `enorm`'s
         gather, the two norms write the halves of `eh_proj`'s input, and the layer's last
-        residual add is the final norm's, over `rows` only: the same values in fewer kernels.
+        residual add, the final norm and the LM head are one kernel over `rows` only (where
+        `RMSNorm.into` fuses them): the same values in fewer kernels.
         Under tensor parallelism, `mtp_forward` then `head_logits`."""
         if parallel.group().size > 1:
             out = self.mtp_forward(input_ids, positions, hidden)
@@ -218,8 +233,8 @@ class CausalLM(nn.Module):
                  out=x[:, :h])
         rms_norm(hidden, mtp.hnorm.weight, mtp.hnorm.eps, out=x[:, h:])
         x, residual = mtp.layer(positions, mtp.eh_proj(x))
-        normed, out = rms_norm(x, self.model.norm.weight, self.model.norm.eps, residual, rows=rows)
-        return out, skinny_linear(normed, self.head_weight)
+        logits, out = self.model.norm.into(self.head_weight, None, x, residual, rows)
+        return out, logits
 
     def mtp_forward(self, input_ids: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         """One MTP entry per token: input_ids are the *next* tokens, hidden the states they follow."""

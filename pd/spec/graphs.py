@@ -355,11 +355,9 @@ class SpecGraphs:
 
     def constants(self, num_slots: int) -> dict[str, torch.Tensor]:
         """Index tensors of an S-slot step that never change (made before a capture, so that no
-        replay computes them): "slots" 0 .. S - 1, "rows" 0 .. S (k + 1) - 1, "row_slot" each
-        row's slot."""
-        rows = torch.arange(num_slots * (self.k + 1), device=self.device)
-        return {"slots": torch.arange(num_slots, device=self.device), "rows": rows,
-                "row_slot": rows // (self.k + 1)}
+        replay computes them): "slots" 0 .. S - 1, "rows" 0 .. S (k + 1) - 1."""
+        return {"slots": torch.arange(num_slots, device=self.device),
+                "rows": torch.arange(num_slots * (self.k + 1), device=self.device)}
 
     # -- device --------------------------------------------------------------------------------
     def _verify(self, v: dict[str, torch.Tensor], width: int) -> Verified:
@@ -368,7 +366,7 @@ class SpecGraphs:
         rows = num_slots * k1
         ctx = ForwardContext(
             slot_mapping=v["slot_mapping"].reshape(rows),
-            block_tables=v["block_tables"][v["row_slot"]],
+            block_tables=v["block_tables"], table_rows=k1,
             context_lens=v["context_lens"].reshape(rows),
             padded_index=v["rows"],
             attn_mask=None, max_q_len=1, max_kv_len=width * self.block_size)

@@ -117,12 +117,40 @@ def test_rotary_and_cache_write_inside_equal_the_rope_kernel_first(dtype, whole)
     bt = padded(tables, "cuda", width=max(map(len, tables)) + 4)
     lens_t = torch.tensor(lens, device="cuda")
     k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    k0, v0 = k_cache.clone(), v_cache.clone()
     q_rot = rope_and_cache(q, k, v, cos, sin, k_ref, v_ref, slots,
                            torch.nonzero(slots >= 0).flatten(), use_kernel=True)
     want = paged_decode(q_rot, k_ref, v_ref, bt, lens_t, 64 ** -0.5, use_kernel=True, whole=whole)
     got = paged_decode(q, k_cache, v_cache, bt, lens_t, 64 ** -0.5, use_kernel=True, whole=whole,
                        rope=(k, v, cos, sin, slots))
     assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)
+    assert torch.equal(got, want)
+    # rows read through an index into tables (the position cache): the same bits
+    perm = torch.randperm(50, device="cuda")[:40]
+    cos_t = torch.randn(50, 64, device="cuda").to(dtype)
+    sin_t = torch.randn(50, 64, device="cuda").to(dtype)
+    cos_t[perm], sin_t[perm] = cos, sin
+    k_cache.copy_(k0)
+    v_cache.copy_(v0)
+    got = paged_decode(q, k_cache, v_cache, bt, lens_t, 64 ** -0.5, use_kernel=True, whole=whole,
+                       rope=(k, v, cos_t, sin_t, slots, perm))
+    assert torch.equal(got, want) and torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)
+    k_cache.copy_(k0)
+    v_cache.copy_(v0)
+    mine = rope_and_cache(q, k, v, cos_t, sin_t, k_cache, v_cache, slots,
+                          torch.nonzero(slots >= 0).flatten(), use_kernel=True, cos_index=perm)
+    assert torch.equal(mine, q_rot) and torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the Triton kernel needs a CUDA device")
+def test_rows_sharing_a_table():
+    """`table_rows`: consecutive rows reading their sequence's one table give the bits of each
+    row with its own copy (an MTP verify step's rows)."""
+    q, k_cache, v_cache, tables, lens = case(3, 8, 8, 4, 64, 16, 700, torch.bfloat16, "cuda")
+    bt = padded(tables[:4], "cuda", width=max(map(len, tables)) + 2)
+    lens_t = torch.tensor([min(n, lens[b // 2]) for b, n in enumerate(lens)], device="cuda")
+    want = paged_decode(q, k_cache, v_cache, bt.repeat_interleave(2, 0), lens_t, 0.125, use_kernel=True)
+    got = paged_decode(q, k_cache, v_cache, bt, lens_t, 0.125, use_kernel=True, table_rows=2)
     assert torch.equal(got, want)
 
 
@@ -202,6 +230,18 @@ for whole in (False, True):
     got = pd_.paged_decode(q, k2, v2, bt, lt, 32 ** -0.5, use_kernel=True, whole=whole,
                            rope=(k, v, cos, sin, slots))
     assert torch.equal(k2, k_ref) and torch.equal(v2, v_ref) and torch.equal(got, want), whole
+# the rotary rows read through an index into tables (the position cache), the bits of the rows
+# gathered first
+perm = torch.randperm(12)[:5]
+cos_t, sin_t = torch.randn(12, 32), torch.randn(12, 32)
+cos_t[perm], sin_t[perm] = cos, sin
+k2, v2 = kc.clone(), vc.clone()
+got = pd_.paged_decode(q, k2, v2, bt, lt, 32 ** -0.5, use_kernel=True, rope=(k, v, cos_t, sin_t, slots, perm))
+assert torch.equal(k2, k_ref) and torch.equal(got, want)
+# table_rows: rows sharing their sequence's table, equal to the tables repeated
+grouped = pd_.paged_decode(q[:4], kc, vc, bt[:2], lt[:4], 32 ** -0.5, use_kernel=True, table_rows=2)
+assert torch.equal(grouped, pd_.paged_decode(q[:4], kc, vc, bt[:2].repeat_interleave(2, 0), lt[:4],
+                                             32 ** -0.5, use_kernel=True))
 print("ok")
 """
 

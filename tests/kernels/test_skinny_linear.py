@@ -3,14 +3,17 @@ CPU, where the kernel is never chosen; the kernel's logic (K split in slices, th
 adding them, the counters left at zero) in triton's interpreter on a machine without a GPU; the
 Triton kernel against float64 on fresh random inputs on a CUDA machine, row counts in every
 bucket up to `MAX_ROWS`, ragged shapes, a bias, one slice and several, and batch invariance (a
-row's result is the same in any batch of its row bucket)."""
+row's result is the same in any batch of its row bucket). The norm prologue (`norm_linear`, with
+or without a residual add, of x's rows or of gathered rows) against its two kernels, in the
+interpreter and on the GPU."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from kernels.skinny_linear import MAX_ROWS, row_bucket, skinny_linear, use_skinny
+from kernels.rms_norm import rms_norm
+from kernels.skinny_linear import MAX_ROWS, norm_linear, row_bucket, skinny_linear, use_skinny
 from tests.kernels.interpreter import run_interpreted
 
 CUDA = torch.cuda.is_available()
@@ -94,3 +97,60 @@ def test_kernel_refuses_too_many_rows():
     assert not use_skinny(x, w)
     with pytest.raises(ValueError, match="at most"):
         skinny_linear(x, w, use_kernel=True)
+
+
+PROLOGUES = """
+import torch
+from kernels import skinny_linear as sk
+from kernels.rms_norm import rms_norm_ref
+torch.manual_seed(0)
+for m, n, k in [(1, 96, 200), (5, 100, 300), (20, 64, 130)]:
+    w, g = torch.randn(n, k) / k ** 0.5, torch.rand(k) + 0.5
+    table, rows = torch.randn(50, k), torch.randint(0, 50, (m,))
+    for x, residual, index in [(torch.randn(m, k), None, None), (torch.randn(m, k), torch.randn(m, k), None),
+                               (table, None, rows), (table, torch.randn(50, k), rows)]:
+        y, h = sk.norm_linear(x, g, 1e-6, w, None, residual, index, use_kernel=True)
+        stream = x if index is None else x[index]
+        if residual is not None:
+            stream = stream + (residual if index is None else residual[index])
+        assert torch.equal(h, stream), (m, k)
+        ref = rms_norm_ref(stream, g, 1e-6).double() @ w.double().t()
+        assert (y.double() - ref).norm() / ref.norm() < 1e-5, (m, n, k)
+print("ok")
+"""
+
+
+@pytest.mark.skipif(CUDA, reason="on a CUDA machine the compiled kernel's tests below run instead")
+def test_prologue_in_the_triton_interpreter():
+    """The norm prologue (no residual, a residual, gathered rows, both) against float64 through
+    the twin; the stream returned equal to the add's."""
+    run_interpreted(PROLOGUES)
+
+
+def test_prologue_twins_on_cpu():
+    x, w, _ = inputs(4, 48, 80, torch.float32, "cpu", 3)
+    g, residual = torch.rand(80) + 0.5, torch.randn(4, 80)
+    y, h = norm_linear(x, g, 1e-6, w, None, residual)
+    normed, stream = rms_norm(x, g, 1e-6, residual)
+    assert torch.equal(h, stream) and torch.equal(y, normed @ w.t())
+    rows = torch.tensor([3, 0, 3])
+    y, h = norm_linear(x, g, 1e-6, w, rows=rows)
+    assert torch.equal(h, x[rows]) and torch.equal(y, rms_norm(x[rows], g, 1e-6) @ w.t())
+
+
+@pytest.mark.skipif(not CUDA, reason="the Triton kernel needs a CUDA device")
+@pytest.mark.parametrize("m", [1, 4, 16])
+@pytest.mark.parametrize("n,k", [(512, 256), (4096, 256), (256, 768), (1000, 300)])
+def test_prologue_against_two_kernels(m, n, k):
+    """bf16 on the GPU: the stream bit for bit, the product within the norm statistics'
+    summation order."""
+    x, w, _ = inputs(m, n, k, torch.bfloat16, "cuda", m + n + k)
+    g = (torch.rand(k, device="cuda") + 0.5).to(torch.bfloat16)
+    residual = torch.randn(m, k, device="cuda").to(torch.bfloat16)
+    table = torch.randn(64, k, device="cuda").to(torch.bfloat16)
+    rows = torch.randint(0, 64, (m,), device="cuda")
+    for src, res, index in [(x, None, None), (x, residual, None), (table, None, rows)]:
+        y, h = norm_linear(src, g, 1e-6, w, None, res, index, use_kernel=True)
+        ys, hs = norm_linear(src, g, 1e-6, w, None, res, index, use_kernel=False)
+        assert torch.equal(h, hs)
+        assert (y.float() - ys.float()).abs().max() <= 0.02 * ys.float().abs().max()

@@ -27,7 +27,7 @@ from schemathesis.checks import not_a_server_error
 
 from pd.service.procs import Launch
 
-EXAMPLES = int(os.environ.get("PD_FUZZ_EXAMPLES", "40"))
+EXAMPLES = int(os.environ.get("PD_FUZZ_EXAMPLES", "30"))
 SEED = int(os.environ.get("PD_FUZZ_SEED", "0"))
 MAX_MODEL_LEN = 64
 

@@ -144,10 +144,10 @@ def test_full_vocab_checkpoint_has_a_token_for_every_id(tmp_path):
 
     from pd.testing.tiny import SPECIAL_TOKENS
 
-    path = write_tiny_checkpoint(tmp_path / "m", "llama", vocab_size=2048, full_vocab=True,
+    path = write_tiny_checkpoint(tmp_path / "m", "llama", vocab_size=768, full_vocab=True,
                                  mtp=False)
     tok = PreTrainedTokenizerFast(tokenizer_file=str(path / "tokenizer.json"))
-    assert len(tok) == 2048 == json.loads((path / "config.json").read_text())["vocab_size"]
+    assert len(tok) == 768 == json.loads((path / "config.json").read_text())["vocab_size"]
     assert [tok.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS] == [0, 1, 2]
     assert tok.decode(tok.encode("def f(x):\n    return x")) == "def f(x):\n    return x"
 
