@@ -8,7 +8,7 @@ router's `GET /openapi.json`. Each operation gets a bounded run of schema-confor
 schemathesis' `not_a_server_error` check; afterwards the router's own count of 5xx answers must
 be zero, its log free of tracebacks, the router alive, and a greedy completion the same as
 before the run. The number of cases tried is printed and recorded as the test's
-`fuzz_cases` property. `PD_FUZZ_EXAMPLES` (cases per operation and mode, default 40) and
+`fuzz_cases` property. `PD_FUZZ_EXAMPLES` (cases per operation and mode, default 30) and
 `PD_FUZZ_SEED` (default 0) change the run.
 """
 
