@@ -45,8 +45,8 @@ def _kernel():
 
     @triton.jit
     def rope_cache_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, index_ptr, slot_ptr, qo_ptr,
-                          kc_ptr, vc_ptr, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
-                          stride_ct, stride_ot, stride_oh, stride_cs, stride_ch,
+                          kc_ptr, vc_ptr, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt,
+                          stride_vh, stride_ct, stride_ot, stride_oh, stride_cs, stride_ch,
                           HQ: tl.constexpr, HKV: tl.constexpr, HQ_P2: tl.constexpr,
                           HKV_P2: tl.constexpr, HALF: tl.constexpr, HAS_INDEX: tl.constexpr,
                           PDL: tl.constexpr):
@@ -119,8 +119,8 @@ def rope_and_cache(q, k, v, cos, sin, k_cache, v_cache, slot_mapping,
     kv_heads = k.shape[1]
     if k.shape != (tokens, kv_heads, head_dim) or v.shape != k.shape:
         raise ValueError(f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} do not fit")
-    table_rows = tokens if cos_index is None else cos.shape[0]
-    if (cos.shape != (table_rows, head_dim) or sin.shape != cos.shape or cos.stride() != sin.stride()
+    cos_rows = tokens if cos_index is None else cos.shape[0]
+    if (cos.shape != (cos_rows, head_dim) or sin.shape != cos.shape or cos.stride() != sin.stride()
             or (cos_index is not None and cos_index.shape != (tokens,))):
         raise ValueError(f"cos/sin {tuple(cos.shape)} must be [{tokens}, {head_dim}] (or a table "
                          f"with an index of {tokens} rows), alike")

@@ -59,7 +59,8 @@ def _kernel():
             x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
         if NORM:
             gw = tl.load(g_ptr + k_idx, mask=k_ok, other=0.0).to(tl.float32)
-            x = ((x.to(tl.float32) * rstd[:, None]).to(x.dtype).to(tl.float32) * gw[None, :]).to(x.dtype)
+            normed = (x.to(tl.float32) * rstd[:, None]).to(x.dtype).to(tl.float32)
+            x = (normed * gw[None, :]).to(x.dtype)
         return x
 
     # NOTE: as in kernels.paged_decode: triton's interpreter runs the kernel with the module's
@@ -265,7 +266,7 @@ def _launch(x, weight, bias, out, config, m: int, k: int, *, norm=None, rows=Non
     part = (torch.empty(splits, bm, n, dtype=torch.float32, device=x.device) if splits > 1
             else out)
     g, eps, r = norm if norm is not None else (weight, 0.0, None)
-    return _kernel()[(tiles, splits)](x, weight, bias if bias is not None else weight, out, part,
+    _kernel()[(tiles, splits)](x, weight, bias if bias is not None else weight, out, part,
                                _counts(x.device, tiles), r if r is not None else x, g,
                                h if h is not None else out, rows if rows is not None else x,
                                m, n, k, x.stride(0), weight.stride(0), out.stride(0),
@@ -331,8 +332,8 @@ def norm_linear(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: 
         raise ValueError(f"out {tuple(out.shape)} {out.dtype} does not fit [{m}, {n}] {x.dtype}")
     h = (torch.empty(m, k, dtype=x.dtype, device=x.device)
          if residual is not None or rows is not None else None)
-    _launch(x, weight, bias, out, config or config_for(n, k, row_bucket(m)) or DEFAULT_CONFIG, m, k,
-            norm=(norm_weight, eps, residual), rows=rows, h=h)
+    config = config or config_for(n, k, row_bucket(m)) or DEFAULT_CONFIG
+    _launch(x, weight, bias, out, config, m, k, norm=(norm_weight, eps, residual), rows=rows, h=h)
     return out, (x if h is None else h)
 
 

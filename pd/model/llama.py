@@ -82,9 +82,9 @@ class Attention(nn.Module):
 class DecoderLayer(nn.Module):
     """Pre-norm decoder layer over a residual stream carried beside the hidden states, so each
     residual add is fused into the next norm, and each norm into the product after it where
-    that is one kernel (`RMSNorm.into`): `forward(positions, x, residual)` returns (layer output, residual), whose sum
-    is the stream after the layer; with `rows`, x is the embedding table and the layer's input
-    those rows of it."""
+    that is one kernel (`RMSNorm.into`): `forward(positions, x, residual)` returns (layer
+    output, residual), whose sum is the stream after the layer; with `rows`, x is the embedding
+    table and the layer's input those rows of it."""
 
     def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding,
                  sliding_window: int | None = None) -> None:
