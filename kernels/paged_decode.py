@@ -137,17 +137,13 @@ def _kernel():
             c = tl.load(index_ptr + b).to(tl.int64) if HAS_INDEX else b  # its table row
             cos_row, sin_row = cos_ptr + c * stride_cb, sin_ptr + c * stride_cb
             q = _rotated(q_ptr + b * stride_qb, heads * stride_qh, row_ok, cos_row, sin_row, D)
-            # NOTE: the step's new keys this row reads: its own (the last) and, where rows
-            # share a table (an MTP verify step's rows of one request, in position order),
-            # those of the rows before it. The program whose split holds a key writes it before
-            # it reads it; programs of later rows write the same bits to the same slot
-            for j in range(b - b % table_rows, b + 1):
-                slot = tl.load(slot_ptr + j)
-                if slot >= 0 and (WHOLE or s == (tl.load(lens_ptr + j) - 1) // TILE):
-                    cj = tl.load(index_ptr + j).to(tl.int64) if HAS_INDEX else j
-                    _write_new(kn_ptr + j * stride_knb + h * stride_knh, vn_ptr + j * stride_vnb
-                               + h * stride_vnh, cos_ptr + cj * stride_cb, sin_ptr + cj * stride_cb,
-                               k_ptr, v_ptr, slot, h, stride_kn, stride_kt, stride_kh, BLOCK, D)
+            slot = tl.load(slot_ptr + b)
+            # NOTE: the program whose split holds the step's own token (the last) writes it,
+            # and only it reads it
+            if slot >= 0 and (WHOLE or s == (n - 1) // TILE):
+                _write_new(kn_ptr + b * stride_knb + h * stride_knh, vn_ptr + b * stride_vnb
+                           + h * stride_vnh, cos_row, sin_row, k_ptr, v_ptr, slot, h, stride_kn,
+                           stride_kt, stride_kh, BLOCK, D)
         else:
             q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + cols[None, :],
                         mask=row_ok[:, None], other=0.0)
@@ -280,12 +276,11 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  rope: tuple | None = None, table_rows: int = 1) -> torch.Tensor:
     """Decode attention (see the module docstring); the kernel on CUDA, else the twin.
     Every sequence must have context_lens >= 1 and block_tables wide enough for it.
-    `rope` = (k, v, cos, sin, slot_mapping), one row per sequence (a plain decode step), or
-    rows sharing a table (`table_rows`: an MTP verify step's rows of a request in position
-    order, each reading the new keys of the rows before it): q, k and v are the projection's,
-    unrotated; the kernel rotates q and k (as `kernels.rope_cache` does, to the bit) and writes
-    k and v to the cache at each row's slot (none where it is negative) before it reads them:
-    one kernel for what was two. `rope` may carry a sixth element, each row's index into cos and sin [P, D] (the
+    `rope` = (k, v, cos, sin, slot_mapping), one row per sequence (a plain decode step, where no
+    row reads another row's new key): q, k and v are the projection's, unrotated; the kernel
+    rotates q and k (as `kernels.rope_cache` does, to the bit) and writes k and v to the cache
+    at each row's slot (none where it is negative) before it reads them: one kernel for what
+    was two. `rope` may carry a sixth element, each row's index into cos and sin [P, D] (the
     rotary position cache: the gather is the kernel's). `table_rows`: each table of
     `block_tables` serves that many consecutive rows (an MTP verify step's k + 1 rows of one
     sequence), read in place.

@@ -86,13 +86,11 @@ def rope_cache_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos:
                          cos_index: torch.Tensor | None = None) -> torch.Tensor:
     """A layer's attention from its projected q, k, v [T, H, D] and the step's cos/sin [T, D]
     (or tables [P, D] and each token's row, `cos_index`): rotary on q and k, the step's keys and
-    values into the cache at their slots, then attention. One kernel in a decode step on CUDA
-    whose rows read no new key but their own (`ForwardContext.plain_decode`) or those of the
-    rows before them in their table (`ForwardContext.table_rows`: an MTP verify step), else
+    values into the cache at their slots, then attention. One kernel in a plain decode step on
+    CUDA (`ForwardContext.plain_decode`: no row reads another row's new key), else
     `rope_and_cache` then `paged_attention`."""
     ctx = get_context()
-    if ((ctx.plain_decode or ctx.table_rows > 1) and q.is_cuda and sliding_window is None
-            and can_use_kernel(q, k_cache)):
+    if ctx.plain_decode and q.is_cuda and sliding_window is None and can_use_kernel(q, k_cache):
         rope = (k, v, cos, sin, ctx.slot_mapping) + (() if cos_index is None else (cos_index,))
         return paged_decode(q, k_cache, v_cache, ctx.block_tables, ctx.context_lens, scale,
                             use_kernel=True, rope=rope, table_rows=ctx.table_rows)

@@ -48,9 +48,8 @@ class ForwardContext:
     # inside the attention kernel (`pd.model.attention.rope_cache_attention`)
     plain_decode: bool = False
     # NOTE: each table of block_tables serves this many consecutive sequences (rows): an MTP
-    # verify step's k + 1 rows of one request, in position order, share its table, read in
-    # place by the decode attention kernel (`row_tables` repeats it for the torch paths), which
-    # also writes the rows' new keys (`rope_cache_attention`)
+    # verify step's k + 1 rows of one request share its table, read in place by the decode
+    # attention kernel (`row_tables` repeats it for the torch paths)
     table_rows: int = 1
 
     def row_tables(self) -> torch.Tensor:

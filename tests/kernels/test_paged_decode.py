@@ -155,46 +155,6 @@ def test_rows_sharing_a_table():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the Triton kernel needs a CUDA device")
-@pytest.mark.parametrize("whole", [False, True])
-def test_verify_rows_with_rotary_inside_equal_the_rope_kernel_first(whole):
-    """An MTP verify step's layout (k + 1 = 4 rows a request, in position order, sharing its
-    table): with rotary and the cache writes inside, each row writing the new keys of the rows
-    before it, the cache and the output are the bits of `rope_and_cache` over every row first;
-    padding rows (the spare slot, one key) change nothing."""
-    from kernels.rope_cache import rope_and_cache
-
-    k1, num_slots = 4, 6
-    q, k_cache, v_cache, tables, lens = case(13, num_slots, 8, 4, 64, 16, 700, torch.bfloat16, "cuda")
-    spare = min(set(range(k_cache.shape[0])) - {i for t in tables for i in t}) * 16  # unused
-    row_lens, slots = [], []
-    for b, n in enumerate(lens):
-        n = max(n, k1)
-        for r in range(k1):
-            pad = b % 3 == 0 and r == k1 - 1  # a row past the slot's drafts
-            pos = 0 if pad else n - k1 + r
-            row_lens.append(pos + 1)
-            slots.append(spare if pad else tables[b][pos // 16] * 16 + pos % 16)
-    rows = num_slots * k1
-    q = torch.randn(rows, 32, 64, device="cuda").to(torch.bfloat16)
-    k, v, cos, sin = rope_inputs(14, rows, 8, 64, torch.bfloat16, "cuda")
-    slots, row_lens = torch.tensor(slots, device="cuda"), torch.tensor(row_lens, device="cuda")
-    bt = padded(tables, "cuda", width=max(map(len, tables)) + 2)
-    k_ref, v_ref = k_cache.clone(), v_cache.clone()
-    q_rot = rope_and_cache(q, k, v, cos, sin, k_ref, v_ref, slots, use_kernel=True)
-    want = paged_decode(q_rot, k_ref, v_ref, bt, row_lens, 0.125, use_kernel=True, whole=whole,
-                        table_rows=k1)
-    for _ in range(3):  # the writes race between programs: the same bits every time
-        k2, v2 = k_cache.clone(), v_cache.clone()
-        got = paged_decode(q, k2, v2, bt, row_lens, 0.125, use_kernel=True, whole=whole,
-                           rope=(k, v, cos, sin, slots), table_rows=k1)
-        real = slots != spare
-        assert torch.equal(got[real.nonzero().flatten()], want[real.nonzero().flatten()])
-        for mine, ref in ((k2, k_ref), (v2, v_ref)):  # padding rows' keys race in both
-            mine.view(-1, 8, 64)[spare] = ref.view(-1, 8, 64)[spare]
-            assert torch.equal(mine, ref)
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="the Triton kernel needs a CUDA device")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_kernel_is_batch_invariant(dtype):
     """A sequence's output is bit-equal alone, in a large batch, and with a wider block table:
@@ -278,25 +238,6 @@ cos_t[perm], sin_t[perm] = cos, sin
 k2, v2 = kc.clone(), vc.clone()
 got = pd_.paged_decode(q, k2, v2, bt, lt, 32 ** -0.5, use_kernel=True, rope=(k, v, cos_t, sin_t, slots, perm))
 assert torch.equal(k2, k_ref) and torch.equal(got, want)
-# rows sharing a table with rotary inside (an MTP verify step): each row also writes the new keys
-# of the rows before it; the cache and the output of the rope twin run over every row first
-q, kc, vc, tables, lens = case(11, 2, 2, 4, 32, 16, 300, torch.float32, "cpu")
-lens = [max(n, 3) for n in lens]
-rows_lens = torch.tensor([n - 2 + r for n in lens for r in range(3)])
-slots = torch.tensor([tables[i // 3][(int(p) - 1) // 16] * 16 + (int(p) - 1) % 16
-                      for i, p in enumerate(rows_lens)])
-q = torch.randn(6, 8, 32)
-k, v, cos, sin = rope_inputs(12, 6, 2, 32, torch.float32, "cpu")
-bt = padded(tables, "cpu", width=max(map(len, tables)) + 3)
-for whole in (False, True):
-    k_ref, v_ref = kc.clone(), vc.clone()
-    q_rot = rope_and_cache_ref(q, k, v, cos, sin, k_ref, v_ref, slots)
-    want = pd_.paged_decode(q_rot, k_ref, v_ref, bt, rows_lens, 32 ** -0.5, use_kernel=True,
-                            whole=whole, table_rows=3)
-    k2, v2 = kc.clone(), vc.clone()
-    got = pd_.paged_decode(q, k2, v2, bt, rows_lens, 32 ** -0.5, use_kernel=True, whole=whole,
-                           rope=(k, v, cos, sin, slots), table_rows=3)
-    assert torch.equal(k2, k_ref) and torch.equal(v2, v_ref) and torch.equal(got, want), whole
 # table_rows: rows sharing their sequence's table, equal to the tables repeated
 grouped = pd_.paged_decode(q[:4], kc, vc, bt[:2], lt[:4], 32 ** -0.5, use_kernel=True, table_rows=2)
 assert torch.equal(grouped, pd_.paged_decode(q[:4], kc, vc, bt[:2].repeat_interleave(2, 0), lt[:4],
