@@ -6,7 +6,8 @@
 #   attention, the skinny product vs cuBLAS, decode/prefill vs floors and HF (and without the
 #   skinny kernel), where a prefill's time goes, CUDA graphs vs eager, the decode step's kernels
 #   and host time (profiler), overlap on/off (parity of 64 requests, sync check, throughput and
-#   step gap), MTP on/off (graphed, overlap on/off, logprobs) and the MTP machinery on the 1B
+#   step gap), MTP on/off (graphed, overlap on/off, logprobs; the norms apart from the products:
+#   PD_PROLOGUE=0, and the fused products timed alone) and the MTP machinery on the 1B
 #   shape, the token-logprob kernels, structured output's cost (grammars on the GPU: the same
 #   tokens as transformers' masked logits). Logs go to $OUT (or ./out) and one table each to
 #   stdout.
@@ -70,6 +71,9 @@ TAIL=11 step token_logprob python3 benchmarks/gpu/bench_token_logprob.py
 TAIL=14 step profile_mtp python3 benchmarks/gpu/profile_mtp.py --k 3 --batch 16 --top 8
 TAIL=44 step mtp_kernels python3 benchmarks/gpu/profile_mtp.py --k 3 --batch 1 --kernels --top 10 \
     --max-tokens 64
+TAIL=8 step skinny_prologues python3 benchmarks/gpu/bench_skinny.py --prologues --rows 1 4
+TAIL=8 step mtp_no_prologue env PD_PROLOGUE=0 python3 benchmarks/bench_mtp.py --device cuda \
+    --ks 0,3 --max-tokens 256 --repeats 3 --logprobs off --overlap on
 TAIL=7 step structured python3 benchmarks/bench_structured.py --device cuda --synthetic-1b \
     --batch 1 32 --max-tokens 128 --repeats 2
 fi
