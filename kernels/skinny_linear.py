@@ -295,9 +295,10 @@ PROLOGUE_SHAPES: dict[tuple[int, int, int], tuple[int, int, int, int, int]] = {
 def prologue_config(m: int, weight: torch.Tensor, x: torch.Tensor):
     """The configuration for `norm_linear` to fuse the norm into the kernel for m rows of x
     (`PROLOGUE_SHAPES`), or None: two kernels (`PD_PROLOGUE=0`: always)."""
-    if (m > MAX_ROWS or os.environ.get("PD_PROLOGUE", "1") == "0"
-            or x.dtype not in (torch.bfloat16, torch.float16) or weight.dtype != x.dtype
-            or x.stride(-1) != 1 or weight.stride(-1) != 1 or not triton_usable(x)):
+    # NOTE: the CPU's answer first (every linear layer of an eager step asks), the environment last
+    if (m > MAX_ROWS or not triton_usable(x) or x.dtype not in (torch.bfloat16, torch.float16)
+            or weight.dtype != x.dtype or x.stride(-1) != 1 or weight.stride(-1) != 1
+            or os.environ.get("PD_PROLOGUE", "1") == "0"):
         return None
     return PROLOGUE_SHAPES.get((*weight.shape, row_bucket(m)))
 
