@@ -30,6 +30,17 @@ def accept_step_written(**kw):
     return (result[:, :(result.shape[1] + 4) // 2], *rest)
 
 
+# each kernel (as compared: `accept_step` without the draft columns it leaves), the maker of its
+# inputs (batch, k, vocab, seed) and its keyword arguments for k
+KERNELS = (
+    (verify_accept, verify_inputs, lambda k: {}),
+    (update_status, status_inputs, lambda k: {}),
+    (draft_preprocess, preprocess_inputs, lambda k: {"block_size": 4, "num_chain": k - 1}),
+    (advance_inputs, advance_inputs_inputs, lambda k: {"block_size": 4, "spare_slot": 28}),
+    (accept_step_written, accept_step_inputs, lambda k: {"block_size": 4, "spare_slot": 28}),
+)
+
+
 def both(fn, x: dict, **kw):
     """Run `fn` as kernel and as twin on separate copies; return both outputs (and inputs)."""
     a = {n: t.clone() for n, t in x.items()}
@@ -49,13 +60,7 @@ def same(x, y) -> bool:
 
 def check_all() -> int:
     failures = 0
-    for fn, make, kw in (
-        (verify_accept, verify_inputs, lambda k: {}),
-        (update_status, status_inputs, lambda k: {}),
-        (draft_preprocess, preprocess_inputs, lambda k: {"block_size": 4, "num_chain": k - 1}),
-        (advance_inputs, advance_inputs_inputs, lambda k: {"block_size": 4, "spare_slot": 28}),
-        (accept_step_written, accept_step_inputs, lambda k: {"block_size": 4, "spare_slot": 28}),
-    ):
+    for fn, make, kw in KERNELS:
         cases = 0
         for k in KS:
             for b in BATCHES:
@@ -94,13 +99,7 @@ def nbytes(x: dict) -> int:
 def timings() -> None:
     print(f"\n{'kernel':>16} {'k':>2} {'batch':>5} {'kernel_us':>10} {'twin_us':>9} "
           f"{'speedup':>8} {'GB/s':>7}")
-    for fn, make, kw in (
-        (verify_accept, verify_inputs, lambda k: {}),
-        (update_status, status_inputs, lambda k: {}),
-        (draft_preprocess, preprocess_inputs, lambda k: {"block_size": 4, "num_chain": k - 1}),
-        (advance_inputs, advance_inputs_inputs, lambda k: {"block_size": 4, "spare_slot": 28}),
-        (accept_step_written, accept_step_inputs, lambda k: {"block_size": 4, "spare_slot": 28}),
-    ):
+    for fn, make, kw in KERNELS:
         for k in (1, 4):
             for b in (1, 64, 512):
                 x = make(b, k, 64, 7, device="cuda")
@@ -113,14 +112,7 @@ def timings() -> None:
 
 def no_host_wait() -> bool:
     """Launch every kernel under torch's sync debug mode set to error."""
-    xs = [(verify_accept, verify_inputs(64, 3, 64, 5, device="cuda"), {}),
-          (update_status, status_inputs(64, 3, 64, 5, device="cuda"), {}),
-          (draft_preprocess, preprocess_inputs(64, 3, 64, 5, device="cuda"),
-           {"block_size": 4, "num_chain": 2}),
-          (advance_inputs, advance_inputs_inputs(64, 3, 64, 5, device="cuda"),
-           {"block_size": 4, "spare_slot": 28}),
-          (accept_step, accept_step_inputs(64, 3, 64, 5, device="cuda"),
-           {"block_size": 4, "spare_slot": 28})]
+    xs = [(fn, make(64, 3, 64, 5, device="cuda"), kw(3)) for fn, make, kw in KERNELS]
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
