@@ -129,7 +129,7 @@ class ResponseFormat:
         else:
             body = b',"text":' + text + b","
         return b"".join((self._head, str(d.index).encode(), body, b'"logprobs":null,"finish_reason":',
-                         dumps(d.finish_reason), self._tail))
+                         b"null" if d.finish_reason is None else dumps(d.finish_reason), self._tail))
 
     def usage_chunk(self, u: dict) -> dict:
         obj = "chat.completion.chunk" if self.chat else "text_completion"

@@ -90,6 +90,8 @@ TAIL=22 step serving_traced python3 benchmarks/bench_serving.py --device cuda --
     --launch-args="--log-level info"
 TAIL=6 step serving_one_router python3 benchmarks/bench_serving.py --device cuda --synthetic-1b \
     --num-prompts 1024 --no-engine
+TAIL=7 step serving_8_workers python3 benchmarks/bench_serving.py --device cuda --synthetic-1b \
+    --num-prompts 1024 --router-workers 8 --client-processes 4 --launch-args=--mps --no-engine
 TAIL=7 step serving_256 python3 benchmarks/bench_serving.py --device cuda --synthetic-1b \
     --concurrency 256 --num-prompts 1536 --router-workers 4 --client-processes 4
 fi
