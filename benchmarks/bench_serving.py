@@ -198,7 +198,8 @@ def main() -> None:
         # a gap of the client's that no decode step explains arose on the way: at the router
         # (its gaps between the deltas it writes) or after it (the client's reading)
         flat = [g for one in r["itls"] for g in one]
-        tail = {b: (steps_over(b), over("router", "pd_inter_token_latency_seconds", b),
+        tail = {b: (steps_over(b), over("decode", "pd_token_send_interval_seconds", b),
+                    over("router", "pd_inter_token_latency_seconds", b),
                     sum(g > float(b) for g in flat) / max(1, len(flat)))
                 for b in ("0.0025", "0.005")}
 
@@ -241,9 +242,9 @@ def main() -> None:
         f"{k} {v:.3f}" for k, v in host.items()) + f"; {steps:.0f} steps, the run's "
         f"{1000 * r['duration'] / max(steps, 1.0):.3f} ms per step", flush=True)
     print("the tail: " + ", ".join(
-        f"over {float(b) * 1e3:g} ms {node:.2%} of the decode node's steps, {router:.2%} of the "
-        f"router's gaps, {client:.2%} of the client's" for b, (node, router, client) in tail.items()),
-        flush=True)
+        f"over {float(b) * 1e3:g} ms {node:.2%} of the decode node's steps, {sends:.2%} of its "
+        f"intervals between sends, {router:.2%} of the router's gaps, {client:.2%} of the "
+        f"client's" for b, (node, sends, router, client) in tail.items()), flush=True)
     print(f"over 100 ms: first tokens {slow[0]:.2%} at the client, {slow[1]:.2%} at the router "
           f"({slow[2]:.2%} in its admission queue, {slow[3]:.2%} from its dispatch to the first "
           f"token read back), {slow[4]:.2%} at the prefill node, {slow[5]:.2%} at the decode node "
@@ -438,7 +439,7 @@ def snapshot(lau) -> dict[tuple[str, str], float]:
 TAIL_BUCKETS = ("pd_time_to_first_token_seconds_bucket", "pd_inter_token_latency_seconds_bucket",
                 "pd_request_queue_time_seconds_bucket", "pd_router_first_token_nodes_seconds_bucket",
                 "pd_first_token_send_seconds_bucket", "pd_first_token_receive_seconds_bucket",
-                "pd_request_join_seconds_bucket",
+                "pd_request_join_seconds_bucket", "pd_token_send_interval_seconds_bucket",
                 "pd_decode_step_gap_seconds_bucket")
 
 

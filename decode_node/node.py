@@ -95,6 +95,7 @@ class DecodeNode(NodeService):
                                      on_busy=self.metrics.step_device_seconds.observe,
                                      spec_fallback=fallback)
         self.spec_seen = SpecStats()  # MTP counters already exported
+        self.last_send = 0.0  # when the last step that emitted sent its tokens
         self.slow = SlowSteps(self.loop.times, os.environ)  # PD_LOG_SLOW_STEPS_MS
         self.capture_graphs(capture_graphs_tokens)
         self.last_gap_log = time.monotonic()
@@ -147,6 +148,10 @@ class DecodeNode(NodeService):
         t = time.perf_counter()
         self.send_streams(Counter(emitted) if self.engine.spec is not None  # once per kept token
                           else dict.fromkeys(emitted, 1), t)
+        # NOTE: the pace of sends, between steps that both emitted (an idle wait is not one)
+        if emitted and self.last_send:
+            self.metrics.send_interval_seconds.observe(t - self.last_send)
+        self.last_send = t if emitted else 0.0
         self.loop.times.add("stream", t)
         self.intake.may_reserve()
         self.slow.end(log, self.node_id, self.loop.batch_size, self.has_work())

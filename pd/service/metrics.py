@@ -68,6 +68,10 @@ _STEP_DEVICE = Histogram("pd_decode_step_device_seconds",
 _STEP_GAP = Histogram("pd_decode_step_gap_seconds",
                       "Device idle time between two decode steps (the overlap scheduler's gap)",
                       LABELS, buckets=TIME_BUCKETS)
+_SEND_INTERVAL = Histogram("pd_token_send_interval_seconds",
+                          "Between a decode node's sends of two consecutive steps' tokens to the "
+                          "routers (the pace every stream sees leave the node)", LABELS,
+                          buckets=TIME_BUCKETS)
 _DRAFTS = Counter("pd_spec_decode_num_drafts", "MTP draft proposals verified", LABELS)
 _DRAFT_TOKENS = Counter("pd_spec_decode_num_draft_tokens", "MTP draft tokens proposed", LABELS)
 _ACCEPTED = Counter("pd_spec_decode_num_accepted_tokens", "MTP draft tokens accepted", LABELS)
@@ -185,6 +189,7 @@ def for_node(role: str, node_id: str) -> SimpleNamespace:
         kv_exposed_seconds=_EXPOSED.labels(**lab),
         batch_size=_BATCH.labels(**lab), step_gap_seconds=_STEP_GAP.labels(**lab),
         step_device_seconds=_STEP_DEVICE.labels(**lab),
+        send_interval_seconds=_SEND_INTERVAL.labels(**lab),
         spec_drafts=_DRAFTS.labels(**lab), spec_draft_tokens=_DRAFT_TOKENS.labels(**lab),
         spec_accepted_tokens=_ACCEPTED.labels(**lab),
         count_spec_plain_steps=_mirror(_SPEC_PLAIN.labels(**lab)),

@@ -130,6 +130,7 @@ def test_prometheus_scrapes_every_service_and_holds_ttft_and_itl(launch, prometh
     assert wait_value(prometheus, 'sum(pd_request_join_seconds_count{role="decode",node="decode-0"})',
                       NUM_REQUESTS) == NUM_REQUESTS
     assert wait_value(prometheus, 'sum(pd_decode_step_device_seconds_count{role="decode"})', 1) > 0
+    assert wait_value(prometheus, 'sum(pd_token_send_interval_seconds_count{role="decode"})', 1) > 0
     # a first token each: as the decode node got it, and the nodes' part as the router read it
     assert wait_value(prometheus, 'sum(pd_first_token_receive_seconds_count{role="decode"})',
                       NUM_REQUESTS) == NUM_REQUESTS
