@@ -120,8 +120,10 @@ class KVReceiver:
     def num_held(self) -> int:
         return sum(ring.num_held for ring in self.rings.values())
 
-    def recv(self, timeout: float | None = None) -> list[Incoming]:
-        """What arrived, waiting up to `timeout` seconds (None: until something does)."""
+    def recv(self, timeout: float | None = None, limit: int | None = None) -> list[Incoming]:
+        """What arrived, waiting up to `timeout` seconds (None: until something does); at most
+        `limit` socket messages (default `max_batch`), the rest left on the socket for the next
+        call (a ring's records up to a doorbell's position come whole)."""
         self.release()
         self._read_from = {peer: ring.cursor for peer, ring in self.rings.items()}
         out: list[Incoming] = []
@@ -131,7 +133,7 @@ class KVReceiver:
                 min(self.liveness_interval, max(0.0, deadline - time.monotonic()))
             ready = dict(self._poller.poll(int(wait * 1000)))
             if self.socket in ready:
-                for _ in range(self.max_batch):
+                for _ in range(limit or self.max_batch):
                     try:
                         frames = self.socket.recv_multipart(zmq.NOBLOCK, copy=False)
                     except zmq.Again:

@@ -488,3 +488,23 @@ def test_a_kv_frame_buffer_is_taken_again_only_once_zmq_sent_it():
     tx.close()
     rx.close()
     ctx.term()
+
+
+def test_a_limited_read_leaves_the_rest_on_the_socket_in_order(rx):
+    # a decode node reads a few messages a turn while it decodes (`MESSAGES_PER_TURN`)
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.connect(rx.endpoint)
+    for i in range(7):
+        word, body = records.encode(FirstTokenRecord(f"r{i}", i, 0.0, 0, []))
+        sock.send_multipart([header.to_bytes(word), body])
+    time.sleep(0.3)  # all seven on the socket
+    got = [inc.item.req_id for inc in rx.recv(timeout=0.5, limit=3)]
+    assert got == ["r0", "r1", "r2"]
+    deadline = time.monotonic() + 10
+    while len(got) < 7:
+        assert time.monotonic() < deadline, f"only {got} arrived"
+        part = rx.recv(timeout=0.5, limit=3)
+        assert len(part) <= 3
+        got += [inc.item.req_id for inc in part]
+    assert got == [f"r{i}" for i in range(7)]
+    sock.close(linger=0)
