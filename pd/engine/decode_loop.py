@@ -239,12 +239,14 @@ class DecodeLoop:
         if len(last.batch.reqs) * (spec.k + 1) > sched.max_num_batched_tokens:
             return False
         horizon = 3 * spec.k + 1  # past num_tokens - 1: k + 1 kept, then 1 + k rows and k - 1 chained
-        need = {r: max(0, sched.blocks_needed(r, r.num_tokens + horizon)) for r in live}
-        if sum(need.values()) > sched.allocator.num_free:
+        # NOTE: per request every step: no property or method calls (`blocks_needed`)
+        bs = sched.block_size
+        need = [(r, n) for r in live
+                if (n := -(-(len(r.token_ids) + horizon) // bs) - len(r.block_ids)) > 0]
+        if sum(n for _, n in need) > sched.allocator.num_free:
             return False
-        for r, n in need.items():
-            if n:
-                r.block_ids += sched.allocator.allocate(n)
+        for r, n in need:
+            r.block_ids += sched.allocator.allocate(n)
         width = max(len(r.block_ids) for r in last.batch.reqs)
         return spec.graphs.key(len(last.batch.reqs), width) == last.key
 

@@ -200,8 +200,11 @@ class Scheduler:
         a launched step still holds it)."""
         finish = finish or self.finish
         finished = []
+        prefix, running = self.prefix, ReqStatus.RUNNING
+        # NOTE: per request every step: locals, no property calls; the prefix cache is called
+        # once a block fills (`PrefixCache.register`'s own check, made here)
         for i, (req, n) in enumerate(zip(batch.reqs, batch.num_new_tokens)):
-            if req.status is not ReqStatus.RUNNING:
+            if req.status is not running:
                 continue  # aborted while the step ran
             req.num_computed_tokens += n
             res = results.get(i)
@@ -210,8 +213,10 @@ class Scheduler:
                 continue
             req.extend_tokens(res.token_ids, res.logprobs)
             # The target's KV holds every kept token but the newest one.
-            req.num_computed_tokens = req.num_tokens - 1
-            self.register(req)
+            req.num_computed_tokens = len(req.token_ids) - 1
+            if prefix is not None and req.num_computed_tokens >= (
+                    req.num_registered_blocks + 1) * prefix.block_size:
+                prefix.register(req)
             req.spec_token_ids = []
             reason = res.finish_reason
             if reason is None and req.grammar is not None and req.grammar.terminated:
@@ -220,7 +225,8 @@ class Scheduler:
                 finish(req, reason)
                 finished.append(req)
                 continue
-            room = min(req.num_prompt_tokens + req.params.max_tokens, self.max_model_len) - req.num_tokens
+            room = min(len(req.prompt_token_ids) + req.params.max_tokens,
+                       self.max_model_len) - len(req.token_ids)
             req.spec_token_ids = list(res.drafts[:max(0, room - 1)])
         return finished
 
