@@ -7,8 +7,8 @@ metrics, so that the serving path can be held against the engine.
 
 A warm-up run comes first (--warmup prompts); the nodes' figures (decode step and batch, a
 request's way in, the decode loop's host time per step by phase, the device's step gap, the
-share of the decode node's steps and of the client's token gaps over 2.5 and 5 ms: where the
-inter-token tail comes from; the share of first tokens and of gaps over 100 ms as the client,
+share over 2.5 and 5 ms of the decode node's steps, of its intervals between sends, of the
+router's gaps and of the client's: where the inter-token tail comes from; the share of first tokens and of gaps over 100 ms as the client,
 the router and the prefill node saw them: where the far tail arises) are the measured run's
 alone. --router-workers N serves through N router processes, --client-processes N measures
 with N client processes.
@@ -195,8 +195,9 @@ def main() -> None:
         def over(role: str, name: str, bound: str) -> float:  # share of a histogram's samples
             return 1 - delta(role, f'{name}_le="{bound}"') / max(delta(role, name + "_count"), 1.0)
 
-        # a gap of the client's that no decode step explains arose on the way: at the router
-        # (its gaps between the deltas it writes) or after it (the client's reading)
+        # a gap of the client's that no decode step explains arose on the way: in the decode
+        # node's loop around its steps (its sends' pace), at the router (its gaps between the
+        # deltas it writes) or after it (the client's reading)
         flat = [g for one in r["itls"] for g in one]
         tail = {b: (steps_over(b), over("decode", "pd_token_send_interval_seconds", b),
                     over("router", "pd_inter_token_latency_seconds", b),
