@@ -139,7 +139,9 @@ class StepGraphs:
         # the known part of `inputs` (`Layout.tail` on) as last written (`pd.spec.graphed.KnownPart`)
         self.known = None
         self.rings = HostRing(pin=owner.device.type == "cuda")  # `host_buffer`'s
+        self.side = None  # `_chain_lp0`'s second stream
         if capture:
+            self.side = torch.cuda.Stream(owner.device)
             self._capture()
 
     def _capture(self) -> None:
@@ -204,7 +206,7 @@ class StepGraphs:
         self.result.copy_(result)  # where `advance` reads it
         return self._with_lp0(result)
 
-    def _with_lp0(self, result: torch.Tensor, verified: Verified | None = None) -> torch.Tensor:
+    def _with_lp0(self, result: torch.Tensor) -> torch.Tensor:
         """The result followed by its k + 1 rows' (logprob bits, rank) int32 pairs, read from
         the accepted columns in place and written in place: one copy and `token_logprob`'s
         kernels."""
@@ -212,7 +214,7 @@ class StepGraphs:
         num_slots, width = result.shape
         out = torch.empty(num_slots, width + k1, dtype=torch.int64, device=result.device)
         out[:, :width].copy_(result)
-        token_logprob((verified or self.verified).logits, result[:, :k1], int_ranks=True,
+        token_logprob(self.verified.logits, result[:, :k1], int_ranks=True,
                       out=out[:, width:].view(torch.int32).view(num_slots, k1, 2))
         return out
 
@@ -265,12 +267,27 @@ class StepGraphs:
         return out
 
     def _chain_lp0(self) -> torch.Tensor:
-        owner = self.owner
+        """`chain(lp0=True)`'s graph. A chained step is greedy without logit processing: the
+        tokens it keeps are its verify's argmax (`Verified.target`) up to its kept count, so
+        their logprobs need not wait for the acceptance and run on a second stream beside the
+        draft chain, a branch of the graph (the host reads the kept columns alone; the pairs
+        are those `_with_lp0` computes from the accepted ids, the same kernel on the same
+        logits and ids)."""
+        owner, k1 = self.owner, self.owner.k + 1
         owner._advance(self.views, self.result)
         verified = owner._verify(self.views, self.width)
+        num_slots, width = self.result.shape
+        out = torch.empty(num_slots, width + k1, dtype=torch.int64, device=self.result.device)
+        main = torch.cuda.current_stream(self.result.device)
+        self.side.wait_stream(main)
+        with torch.cuda.stream(self.side):
+            token_logprob(verified.logits, verified.target, int_ranks=True,
+                          out=out[:, width:].view(torch.int32).view(num_slots, k1, 2))
         result = owner._draft(self.views, verified, self.p_draft, self.uniforms, self.width)
         self.result.copy_(result)
-        return self._with_lp0(result, verified)
+        out[:, :width].copy_(result)
+        main.wait_stream(self.side)
+        return out
 
 
 class SpecGraphs:

@@ -216,3 +216,24 @@ def test_graphed_prompt_chunks_equal_plain_bfloat16(tiny_model_dir):
     assert any(isinstance(shape, tuple) for (shape, _) in llm.engine.spec.prefill.steps), \
         "no step of prompt chunks ran in the graphs"
     llm.engine.allocator.check_integrity()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
+def test_chained_top_logprobs_0_equal_the_steps_launched_from_the_host(tiny_model_dir):
+    """A chained step's top_logprobs 0 pairs come from its verify's argmax on a branch of its
+    graph beside the draft chain (`StepGraphs._chain_lp0`); the steps the host launches one by
+    one (overlap off) read them from the accepted ids after the chain: the same tokens, ranks
+    and logprobs."""
+    batch = prompts(6, seed=9)
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, logprobs=0)
+    outs = {}
+    for overlap in (True, False):
+        llm = LLM(tiny_model_dir, device="cuda", num_blocks=512, num_speculative_tokens=3,
+                  spec_fallback=False, overlap=overlap)
+        outs[overlap] = llm.generate(batch, params)
+        chained = [g.chain_lp0 is not None for g in llm.engine.spec.graphs.graphs.values()]
+        assert any(chained) == overlap, "chained steps with top_logprobs 0 ran only with overlap"
+    for on, off in zip(outs[True], outs[False]):
+        assert on.token_ids == off.token_ids and on.ranks == off.ranks
+        assert np.allclose(on.logprobs, off.logprobs, atol=2e-2, rtol=0)
+        assert all(r >= 1 for r in on.ranks)
