@@ -64,7 +64,8 @@ def serve_router(port: int) -> None:
     from pd.text.tokenizer import Tokenizer
     from router.backend import Backend, TokenEvent
     from router.main import start
-    from router.server import RouterServer, ServerConfig
+    from router.config import ServerConfig
+    from router.server import RouterServer
 
     class NullBackend(Backend):
         """Answers at once with one token per event: only the router's own cost remains."""

@@ -21,7 +21,8 @@ from aiohttp import web
 from pd.wire import security
 from router.backend import Backend
 from router.policy import POLICIES
-from router.server import RouterServer, ServerConfig
+from router.config import ServerConfig
+from router.server import RouterServer
 from router.tool_calls import PARSERS
 
 

@@ -33,7 +33,8 @@ from pd.engine.llm import LLM
 from pd.wire.sampling_params import SamplingParams
 from pd.text.tokenizer import Tokenizer
 from router.main import start
-from router.server import RouterServer, ServerConfig
+from router.config import ServerConfig
+from router.server import RouterServer
 from router.zmq_backend import ZmqBackend
 from shm_ipc import control, header
 from shm_ipc.header import Flag

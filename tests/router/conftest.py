@@ -20,7 +20,8 @@ from pd.testing.tiny import tiny_tokenizer, write_tokenizer_files
 from pd.text.tokenizer import Tokenizer
 from router.backend import Backend, BackendUnavailable, GenerateRequest, TokenEvent
 from router.main import start
-from router.server import RouterServer, ServerConfig
+from router.config import ServerConfig
+from router.server import RouterServer
 
 MODEL = "tiny"
 

@@ -287,7 +287,7 @@ def test_a_client_that_stops_reading_loses_its_slot(tokenizer, make_server, monk
     monkeypatch.setattr(web.StreamResponse, "write", write)
     # NOTE: a write that leaves little in the send buffer skips the timer (it cannot block);
     # here the blocking is simulated above the socket, so every write must take the timed path
-    monkeypatch.setattr("router.server._UNTIMED_WRITE_BYTES", 0)
+    monkeypatch.setattr("router.completions._UNTIMED_WRITE_BYTES", 0)
     t0 = time.monotonic()
     with httpx.stream("POST", s.url + "/v1/completions", json={**CMPL, "max_tokens": 200,
                                                                  "stream": True}) as r:
@@ -389,8 +389,8 @@ def test_a_request_the_decode_nodes_can_never_hold_is_400_up_front(tokenizer, ma
 
 
 def test_echoed_prompt_logprobs_past_one_message_are_a_400(server, monkeypatch):
-    import router.server
-    monkeypatch.setattr(router.server, "MAX_PROMPT_LOGPROB_ENTRIES", 40)
+    import router.completions
+    monkeypatch.setattr(router.completions, "MAX_PROMPT_LOGPROB_ENTRIES", 40)
     ids = list(range(3, 23))  # 20 tokens: logprobs 1 fits (40 entries), 2 does not
     ok = _post(server, "/v1/completions", {**CMPL, "prompt": ids, "echo": True, "logprobs": 1,
                                            "max_tokens": 1})

@@ -9,7 +9,7 @@ import httpx
 import openai
 import pytest
 
-from router.server import IGNORED_HEADER
+from router.completions import IGNORED_HEADER
 from tests.router.conftest import MODEL, ScriptedBackend, echo_script
 
 TEXT = "return value"
