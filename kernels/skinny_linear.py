@@ -245,13 +245,17 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
                          f"(at most {MAX_ROWS} rows)")
     if x.stride(-1) != 1 or weight.stride(-1) != 1:
         raise ValueError("skinny_linear needs contiguous rows of x and of the weight")
-    bm = row_bucket(m)
-    bn, bk, splits, stages, warps = config or config_for(n, k, bm) or DEFAULT_CONFIG
+    out = _output(x, out, m, n)
+    _launch(x, weight, bias, out, config or config_for(n, k, row_bucket(m)) or DEFAULT_CONFIG, m, k)
+    return out
+
+
+def _output(x: torch.Tensor, out: torch.Tensor | None, m: int, n: int) -> torch.Tensor:
+    """The product's [m, n] output in x's dtype: `out` checked, or a new tensor."""
     if out is None:
-        out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    elif out.shape != (m, n) or out.dtype != x.dtype or out.stride(-1) != 1:
+        return torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if out.shape != (m, n) or out.dtype != x.dtype or out.stride(-1) != 1:
         raise ValueError(f"out {tuple(out.shape)} {out.dtype} does not fit [{m}, {n}] {x.dtype}")
-    _launch(x, weight, bias, out, (bn, bk, splits, stages, warps), m, k)
     return out
 
 
@@ -327,10 +331,7 @@ def norm_linear(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: 
         raise ValueError(f"x {tuple(x.shape)} does not fit weight {tuple(weight.shape)} "
                          f"(at most {MAX_ROWS} rows)")
     n = weight.shape[0]
-    if out is None:
-        out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    elif out.shape != (m, n) or out.dtype != x.dtype or out.stride(-1) != 1:
-        raise ValueError(f"out {tuple(out.shape)} {out.dtype} does not fit [{m}, {n}] {x.dtype}")
+    out = _output(x, out, m, n)
     h = (torch.empty(m, k, dtype=x.dtype, device=x.device)
          if residual is not None or rows is not None else None)
     config = config or config_for(n, k, row_bucket(m)) or DEFAULT_CONFIG
