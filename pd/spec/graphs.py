@@ -206,16 +206,24 @@ class StepGraphs:
         self.result.copy_(result)  # where `advance` reads it
         return self._with_lp0(result)
 
+    def _lp0_output(self, result: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Where a step's `result` [S, 2k + 4] goes with top_logprobs 0: [S, 3k + 5] int64, the
+        result then its k + 1 rows' pairs (`lp0_columns` reads it), and the view of those
+        columns as each row's (logprob bits, rank) int32 pair [S, k + 1, 2], where
+        `token_logprob` writes them."""
+        k1 = self.owner.k + 1
+        num_slots, width = result.shape
+        out = torch.empty(num_slots, width + k1, dtype=torch.int64, device=result.device)
+        return out, out[:, width:].view(torch.int32).view(num_slots, k1, 2)
+
     def _with_lp0(self, result: torch.Tensor) -> torch.Tensor:
         """The result followed by its k + 1 rows' (logprob bits, rank) int32 pairs, read from
         the accepted columns in place and written in place: one copy and `token_logprob`'s
         kernels."""
-        k1 = self.owner.k + 1
-        num_slots, width = result.shape
-        out = torch.empty(num_slots, width + k1, dtype=torch.int64, device=result.device)
-        out[:, :width].copy_(result)
-        token_logprob(self.verified.logits, result[:, :k1], int_ranks=True,
-                      out=out[:, width:].view(torch.int32).view(num_slots, k1, 2))
+        out, pairs = self._lp0_output(result)
+        out[:, :result.shape[1]].copy_(result)
+        token_logprob(self.verified.logits, result[:, :self.owner.k + 1], int_ranks=True,
+                      out=pairs)
         return out
 
     def logprobs(self, num_top: int) -> torch.Tensor:
@@ -273,19 +281,17 @@ class StepGraphs:
         draft chain, a branch of the graph (the host reads the kept columns alone; the pairs
         are those `_with_lp0` computes from the accepted ids, the same kernel on the same
         logits and ids)."""
-        owner, k1 = self.owner, self.owner.k + 1
+        owner = self.owner
         owner._advance(self.views, self.result)
         verified = owner._verify(self.views, self.width)
-        num_slots, width = self.result.shape
-        out = torch.empty(num_slots, width + k1, dtype=torch.int64, device=self.result.device)
+        out, pairs = self._lp0_output(self.result)
         main = torch.cuda.current_stream(self.result.device)
         self.side.wait_stream(main)
         with torch.cuda.stream(self.side):
-            token_logprob(verified.logits, verified.target, int_ranks=True,
-                          out=out[:, width:].view(torch.int32).view(num_slots, k1, 2))
+            token_logprob(verified.logits, verified.target, int_ranks=True, out=pairs)
         result = owner._draft(self.views, verified, self.p_draft, self.uniforms, self.width)
         self.result.copy_(result)
-        out[:, :width].copy_(result)
+        out[:, :result.shape[1]].copy_(result)
         main.wait_stream(self.side)
         return out
 
