@@ -91,19 +91,22 @@ def fill_decode_inputs(flat: np.ndarray, layout: DecodeLayout, reqs, block_size:
 
 
 def write_new_blocks(tables: np.ndarray, lists: list, old_lists: list,
-                     old_widths: np.ndarray) -> np.ndarray | None:
+                     old_widths: list[int]) -> list[int] | None:
     """Into `tables` (rows written for the block lists `old_lists`, `old_widths` of each), the
     blocks each of `lists` got since; returns the new widths, or None where the rows cannot be
     kept: another list in a row (another request; a request's list is replaced, never
-    rewritten, when its blocks are freed) or a shorter one. Then the caller writes them whole."""
+    rewritten, when its blocks are freed) or a shorter one. Then the caller writes them whole.
+    NOTE: every step: Python's list compare, not numpy's (each numpy call ~2 us of host on the
+    H100 machine; 1 to 256 rows 3.5-13 us in numpy against 0.4-9 here, on the CPU)."""
     if len(lists) != len(old_lists) or not all(map(is_, lists, old_lists)):
         return None
-    widths = np.fromiter(map(len, lists), np.int64, len(lists))
-    grown = np.flatnonzero(widths != old_widths).tolist()  # a few rows a step, or none
-    if any(widths[i] < old_widths[i] for i in grown):
-        return None
-    for i in grown:
-        tables[i, old_widths[i]:widths[i]] = lists[i][old_widths[i]:]
+    widths = list(map(len, lists))
+    if widths != old_widths:  # a few rows a step got a block, or none
+        for i, (w, old) in enumerate(zip(widths, old_widths)):
+            if w != old:
+                if w < old:
+                    return None
+                tables[i, old:w] = lists[i][old:]
     return widths
 
 
@@ -122,7 +125,7 @@ class DecodeInputs:
         self.flat = np.zeros(0, np.int64)  # the last step's inputs
         self.reqs: list = []
         self.lists: list = []  # their block lists, and the widths the last step read of them
-        self.widths = np.zeros(0, np.int64)
+        self.widths: list[int] = []
         self.advanced = self.filled = 0  # steps of each kind, for tests and benchmarks
 
     def fill(self, out: np.ndarray, layout: DecodeLayout, reqs: list) -> None:
@@ -139,7 +142,8 @@ class DecodeInputs:
                 self.advanced += 1
                 return
         flat = out[:layout.size]
-        self.widths = fill_decode_inputs(flat, layout, reqs, self.block_size, self.dummy_block)
+        self.widths = fill_decode_inputs(flat, layout, reqs, self.block_size,
+                                         self.dummy_block).tolist()
         self.flat = flat.copy()
         self.layout, self.reqs, self.lists = layout, list(reqs), lists
         self.filled += 1

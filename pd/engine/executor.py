@@ -25,6 +25,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
+from pd.engine.host_ring import EventRing
 from pd.engine.runner import ForwardInput, ForwardOutput, ModelRunner
 from pd.engine.scheduler import ScheduledBatch
 
@@ -148,13 +149,13 @@ class CudaExecutor:
         # (looked up once: `current_stream` costs a step ~5 us on the H100 host)
         self.node_stream = torch.cuda.current_stream(device)
         self.installed = torch.cuda.Event()  # recorded there before each step (`launch`)
+        self.events = EventRing()
 
     def launch(self, runner: ModelRunner, batch: ScheduledBatch, prev: ForwardOutput | None,
                defer: bool = False) -> tuple[ForwardInput, ForwardOutput]:
         """Enqueue the step; with `defer` only up to its rows' logits, and its rows without
         their grammars' masks: `sample_deferred` enqueues the rest."""
-        start = torch.cuda.Event(enable_timing=True)
-        end = torch.cuda.Event(enable_timing=True)
+        start, end = self.events.take(), self.events.take()
         # NOTE: KV installed by the node (on the current stream) must land before a step that
         # reads it; the compute stream waits for what is queued there, without a host wait.
         self.installed.record(self.node_stream)

@@ -200,34 +200,34 @@ class Scheduler:
         a launched step still holds it)."""
         finish = finish or self.finish
         finished = []
-        prefix, running = self.prefix, ReqStatus.RUNNING
+        prefix, running, max_len = self.prefix, ReqStatus.RUNNING, self.max_model_len
         # NOTE: per request every step: locals, no property calls; the prefix cache is called
         # once a block fills (`PrefixCache.register`'s own check, made here)
         for i, (req, n) in enumerate(zip(batch.reqs, batch.num_new_tokens)):
             if req.status is not running:
                 continue  # aborted while the step ran
-            req.num_computed_tokens += n
             res = results.get(i)
             if res is None:
+                req.num_computed_tokens += n
                 self.register(req)
                 continue
+            ids = req.token_ids
             req.extend_tokens(res.token_ids, res.logprobs)
             # The target's KV holds every kept token but the newest one.
-            req.num_computed_tokens = len(req.token_ids) - 1
-            if prefix is not None and req.num_computed_tokens >= (
+            req.num_computed_tokens = computed = len(ids) - 1
+            if prefix is not None and computed >= (
                     req.num_registered_blocks + 1) * prefix.block_size:
                 prefix.register(req)
-            req.spec_token_ids = []
             reason = res.finish_reason
             if reason is None and req.grammar is not None and req.grammar.terminated:
                 reason = FinishReason.STOP  # its stop token taken with ignore_eos, or refused
             if reason is not None:
+                req.spec_token_ids = []
                 finish(req, reason)
                 finished.append(req)
                 continue
-            room = min(len(req.prompt_token_ids) + req.params.max_tokens,
-                       self.max_model_len) - len(req.token_ids)
-            req.spec_token_ids = list(res.drafts[:max(0, room - 1)])
+            room = min(len(req.prompt_token_ids) + req.params.max_tokens, max_len) - len(ids)
+            req.spec_token_ids = res.drafts[:max(0, room - 1)]  # a slice: the request's own list
         return finished
 
     def finish(self, req: Req, reason: FinishReason) -> None:

@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from pd.engine.decode_inputs import write_new_blocks
+from pd.engine.host_ring import EventRing, copy_async
 from pd.engine.request import Req
 from pd.engine.sampler import GREEDY_EPS
 from pd.engine.scheduler import ScheduledBatch
@@ -130,7 +131,7 @@ class GraphedSteps:
         elif changed:
             host = g.rings.get((g.layout.size - tail,), name="known")
             host.numpy()[:] = g.known.flat[tail:]
-            g.inputs[tail:].copy_(host, non_blocking=True)
+            copy_async(g.inputs[tail:], host)
         top = prev.top  # the same requests
         if top is None or top == 0:
             packed = g.chain(lp0=top == 0)
@@ -148,7 +149,8 @@ class GraphedSteps:
             return None
         if self._stream is None:  # NOTE: the decode loop's thread, whose stream never changes
             self._stream = torch.cuda.current_stream(self.device)
-        event = torch.cuda.Event(enable_timing=True)
+            self._events = EventRing()
+        event = self._events.take()
         event.record(self._stream)
         return event
 
@@ -166,15 +168,15 @@ class GraphedSteps:
         lp = None
         if packed_lp0 is not None:
             both = g.host_buffer(packed_lp0)[:num_slots]
-            both.copy_(packed_lp0[:num_slots], non_blocking=True)
+            copy_async(both, packed_lp0[:num_slots])
             out, lp = both[:, :2 * k + 4], both[:, 2 * k + 4:]
         else:
             out = g.host_buffer(g.result)[:num_slots]
-            out.copy_(g.result[:num_slots], non_blocking=True)
+            copy_async(out, g.result[:num_slots])
             if top is not None:
                 packed = g.logprobs(top)
                 lp = g.host_buffer(packed)[:num_slots * (k + 1)]
-                lp.copy_(packed[:num_slots * (k + 1)], non_blocking=True)
+                copy_async(lp, packed[:num_slots * (k + 1)])
         end_event = self._event()
         return SpecFlight(batch, key, g, out, lp, start_event, end_event, rows,
                           {r: b for b, r in enumerate(reqs)}, [], chainable, top)
@@ -189,18 +191,8 @@ class GraphedSteps:
         lp, cols = f.lp, None
         if lp is not None and lp.dtype == torch.int64:  # top_logprobs 0, folded in the result
             lp, cols = None, lp0_columns(lp)
-        return self.packed_results([f.rows[b] for b in live], [f.batch.reqs[b] for b in live],
-                                   [rows[b] for b in live], lp, live, cols)
-
-    def packed_results(self, batch_index: list[int], reqs: list[Req], rows: list[list[int]],
-                       lp, lp_slots: list[int] | None = None,
-                       lp_cols: tuple[list, list] | None = None) -> dict[int, SpecResult]:
-        """`results` of host rows in the draft step's packed format (`SpecGraphs._draft`:
-        accepted ids, kept, verified, stop flag, drafts), one per sampled slot."""
-        k = self.k
-        return self.results(batch_index, reqs, [r[:k + 1] for r in rows], [r[k + 1] for r in rows],
-                            [r[k + 2] for r in rows], [r[k + 3] for r in rows],
-                            [r[k + 4:] for r in rows], lp, lp_slots, lp_cols)
+        return self.results([f.rows[b] for b in live], [f.batch.reqs[b] for b in live],
+                            [rows[b] for b in live], lp, live, cols)
 
 
 class KnownPart:
@@ -212,7 +204,7 @@ class KnownPart:
     def __init__(self, rows: list[int], reqs: list[Req], flat: np.ndarray, layout) -> None:
         self.rows, self.flat = rows, flat.copy()
         self.blocks = [r.block_ids for r in reqs]
-        self.lengths = np.fromiter(map(len, self.blocks), np.int64, len(self.blocks))
+        self.lengths = list(map(len, self.blocks))
         self.tables = layout.views(self.flat)["block_tables"]
 
     def patch(self, reqs: list[Req], rows: list[int]) -> bool | None:
@@ -225,7 +217,7 @@ class KnownPart:
                                    self.lengths)
         if lengths is None:
             return None
-        changed, self.lengths = not np.array_equal(lengths, self.lengths), lengths
+        changed, self.lengths = lengths != self.lengths, lengths
         return changed
 
 

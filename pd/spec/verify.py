@@ -141,6 +141,7 @@ class SpecDecoder(GraphedSteps):
         self._gen.manual_seed(seed)
         self._seeded = torch.Generator(device=self.device)
         self._stream = None  # the stream steps are launched on (`_event`), looked up once
+        self._events = None  # their timing events (`EventRing`), made with it
         self.graphs = None  # CUDA graphs of verify + draft steps, unless --enforce-eager
         if runner.graphs is not None:
             self.graphs = SpecGraphs.for_decode_graphs(runner.model, num_speculative_tokens,
@@ -309,30 +310,35 @@ class SpecDecoder(GraphedSteps):
                 done = self.prefill.run_chunks(batch, self.max_model_len, top)
         if done is not None:
             rows, lp = done
-            return self.packed_results(list(range(len(rows))), batch.reqs, rows, lp)
+            return self.results(list(range(len(rows))), batch.reqs, rows, lp)
         step = self.prepare(batch)
         accepted, num_kept, num_verified, flags, drafts, lp = self.execute(step)
-        return self.results(step.sample_batch_index, step.reqs, accepted.tolist(), num_kept.tolist(),
-                            num_verified.tolist(), flags.tolist(), drafts.tolist(), lp)
+        columns = (num_kept, num_verified, flags)
+        rows = torch.cat([accepted, *(c.view(-1, 1).long() for c in columns), drafts], 1)
+        return self.results(step.sample_batch_index, step.reqs, rows.tolist(), lp)
 
-    def results(self, batch_index: list[int], reqs: list[Req], accepted, num_kept, num_verified,
-                flags, drafts, lp, lp_slots: list[int] | None = None,
+    def results(self, batch_index: list[int], reqs: list[Req], rows: list[list[int]], lp,
+                lp_slots: list[int] | None = None,
                 lp_cols: tuple[list, list] | None = None) -> dict[int, SpecResult]:
-        """Host lists of a step's outputs (one entry per sampled slot) -> {batch index: result}.
-        `lp` (`pack_logprobs`) holds k + 1 rows per slot; `lp_slots[b]` is entry b's slot there
-        (default b). `lp_cols` instead (a step whose rows ask top_logprobs 0 at most,
-        `lp0_columns`): per slot its rows' logprobs, and per slot their ranks."""
+        """Host rows of a step's outputs, one per sampled slot in the draft step's packed format
+        (`SpecGraphs._draft`: k + 1 accepted ids, kept, verified, stop flag, k drafts) ->
+        {batch index: result}. `lp` (`pack_logprobs`) holds k + 1 rows per slot; `lp_slots[b]`
+        is entry b's slot there (default b). `lp_cols` instead (a step whose rows ask
+        top_logprobs 0 at most, `lp0_columns`): per slot its rows' logprobs, and per slot their
+        ranks."""
         if lp is not None:  # NOTE: by column, each converted once for the whole step
             width = (lp.shape[1] - 2) // 2
             lps, ranks = lp[:, 0].tolist(), lp[:, 1].int().tolist()
             top_ids = top_lps = None
         k1 = self.k + 1
-        results = {}
-        for b, (i, req) in enumerate(zip(batch_index, reqs)):
-            want, kept = req.params.logprobs, accepted[b][:num_kept[b]]
+        stats, results = self.stats, {}
+        # NOTE: per slot every step: one row read in place, no slices but the kept ids and drafts
+        for b, (i, req, row) in enumerate(zip(batch_index, reqs, rows)):
+            want, n = req.params.logprobs, row[k1]
+            kept = row[:n]
             logprobs = None
             if want is not None:
-                slot, n = (b if lp_slots is None else lp_slots[b]), len(kept)
+                slot = b if lp_slots is None else lp_slots[b]
                 if lp_cols is not None:
                     logprobs = (lp_cols[0][slot][:n], lp_cols[1][slot][:n], [_NO_TOP] * n)
                 else:
@@ -346,9 +352,9 @@ class SpecDecoder(GraphedSteps):
                         tops = [list(zip(top_ids[r][:want], top_lps[r][:want]))
                                 for r in range(first, first + n)]
                     logprobs = (lps[first:first + n], ranks[first:first + n], tops)
-            reason = _REASONS.get(flags[b])
-            nd = len(req.spec_token_ids)
-            self.stats.add(nd, num_verified[b] - 1)
-            results[i] = SpecResult(kept, logprobs, reason, [] if reason else drafts[b], nd,
-                                    num_verified[b] - 1)
+            reason = _REASONS.get(row[k1 + 2])
+            nd, na = len(req.spec_token_ids), row[k1 + 1] - 1
+            if nd:
+                stats.add(nd, na)
+            results[i] = SpecResult(kept, logprobs, reason, [] if reason else row[k1 + 3:], nd, na)
         return results
