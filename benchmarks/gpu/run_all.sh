@@ -80,6 +80,7 @@ fi
 if [[ $PART == all || $PART == 4 ]]; then  # prefix caching through pd launch
 TAIL=5 step host_step python3 benchmarks/bench_host_step.py
 TAIL=40 step host_calls python3 benchmarks/gpu/profile_launch.py --batch 1 64
+TAIL=40 step host_calls_mtp python3 benchmarks/gpu/profile_launch.py --batch 1 16 --k 3 --logprobs 0
 TAIL=24 step prefix_cache python3 benchmarks/bench_prefix_cache.py --device cuda --synthetic-1b \
     --prefix-len 2048 --input-len 128 --output-len 16 --num-prompts 64 --concurrency 8 \
     --first-turn-len 1024 --routing-prompts 320
