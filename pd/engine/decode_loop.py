@@ -232,18 +232,23 @@ class DecodeLoop:
         spec, sched = self.spec, self.scheduler
         if not last.chainable or sched.waiting:
             return False
-        live = [r for r, b in last.members.items() if last.rows[b] >= 0]
-        if (not live or len(live) != len(sched.running)
-                or any(r.status is not ReqStatus.RUNNING for r in live)):
+        rows = last.rows
+        live = [r for r, b in last.members.items() if rows[b] >= 0]
+        if not live or len(live) != len(sched.running):
             return False
         if len(last.batch.reqs) * (spec.k + 1) > sched.max_num_batched_tokens:
             return False
         horizon = 3 * spec.k + 1  # past num_tokens - 1: k + 1 kept, then 1 + k rows and k - 1 chained
-        # NOTE: per request every step: no property or method calls (`blocks_needed`)
-        bs = sched.block_size
-        need = [(r, n) for r in live
-                if (n := -(-(len(r.token_ids) + horizon) // bs) - len(r.block_ids)) > 0]
-        if sum(n for _, n in need) > sched.allocator.num_free:
+        # NOTE: per request every step: one pass, no property or method calls (`blocks_needed`)
+        bs, running, need, total = sched.block_size, ReqStatus.RUNNING, [], 0
+        for r in live:
+            if r.status is not running:
+                return False
+            n = -(-(len(r.token_ids) + horizon) // bs) - len(r.block_ids)
+            if n > 0:
+                need.append((r, n))
+                total += n
+        if total > sched.allocator.num_free:
             return False
         for r, n in need:
             r.block_ids += sched.allocator.allocate(n)

@@ -119,19 +119,20 @@ class GraphedSteps:
         sure it may (`DecodeLoop`): every slot greedy without logit processing, blocks for
         prev's k + 1 tokens and this step's k + 1 and k draft positions reserved, no width change."""
         reqs = prev.batch.reqs
-        g, tail = prev.graphs, prev.graphs.layout.tail
+        g = prev.graphs
         start_event = self._event()
         # NOTE: the known part changes only when a slot stopped or a request got a block: the
         # blocks got are patched into the host copy, a stopped slot builds it again
         changed = None if g.known is None else g.known.patch(reqs, prev.rows)
         if changed is None:
+            tail = g.layout.tail
             host, _ = self._host_inputs(reqs, prev.key, prev.rows)
             g.inputs[tail:].copy_(host[tail:], non_blocking=True)
             g.known = KnownPart(list(prev.rows), reqs, host.numpy(), g.layout)
         elif changed:
-            host = g.rings.get((g.layout.size - tail,), name="known")
-            host.numpy()[:] = g.known.flat[tail:]
-            copy_async(g.inputs[tail:], host)
+            host = g.rings.get(g.known_inputs.shape, name="known")
+            host.numpy()[:] = g.known.flat[g.layout.tail:]
+            copy_async(g.known_inputs, host)
         top = prev.top  # the same requests
         if top is None or top == 0:
             packed = g.chain(lp0=top == 0)
@@ -142,15 +143,17 @@ class GraphedSteps:
         batch = ScheduledBatch(list(reqs), [0] * len(reqs))  # counts: set from the drafts on update
         return self._finish_launch(batch, prev.key, g, start_event,
                                    [b if i >= 0 else -1 for b, i in enumerate(prev.rows)], True,
-                                   top, packed)
+                                   top, packed, prev.members)
 
     def _event(self):
-        if self.device.type != "cuda":
-            return None
-        if self._stream is None:  # NOTE: the decode loop's thread, whose stream never changes
+        events = self._events
+        if events is None:
+            if self.device.type != "cuda":
+                return None
+            # NOTE: the decode loop's thread, whose stream never changes
             self._stream = torch.cuda.current_stream(self.device)
-            self._events = EventRing()
-        event = self._events.take()
+            events = self._events = EventRing()
+        event = events.take()
         event.record(self._stream)
         return event
 
@@ -160,39 +163,43 @@ class GraphedSteps:
         return min(max(asked), self.runner.model_config.vocab_size) if asked else None
 
     def _finish_launch(self, batch, key, g, start_event, rows: list[int], chainable: bool,
-                       top: int | None, packed_lp0: torch.Tensor | None = None) -> "SpecFlight":
+                       top: int | None, packed_lp0: torch.Tensor | None = None,
+                       members: dict | None = None) -> "SpecFlight":
         """Queue the result's copy to the host (and the logprobs of the accepted tokens; with
-        top_logprobs 0 they came packed after the result, `packed_lp0`: one copy)."""
-        k, reqs = self.k, batch.reqs
-        num_slots = len(reqs)
+        top_logprobs 0 they came packed after the result, `packed_lp0`: one copy). Every slot
+        of the graph is copied, padding too: no slicing on the host, a few bytes more.
+        `members`: the step's request -> slot, where the step before's holds (a chained step)."""
         lp = None
         if packed_lp0 is not None:
-            both = g.host_buffer(packed_lp0)[:num_slots]
-            copy_async(both, packed_lp0[:num_slots])
-            out, lp = both[:, :2 * k + 4], both[:, 2 * k + 4:]
+            out = g.host_buffer(packed_lp0)
+            copy_async(out, packed_lp0)
         else:
-            out = g.host_buffer(g.result)[:num_slots]
-            copy_async(out, g.result[:num_slots])
+            out = g.host_buffer(g.result)
+            copy_async(out, g.result)
             if top is not None:
                 packed = g.logprobs(top)
-                lp = g.host_buffer(packed)[:num_slots * (k + 1)]
-                copy_async(lp, packed[:num_slots * (k + 1)])
+                lp = g.host_buffer(packed)
+                copy_async(lp, packed)
         end_event = self._event()
-        return SpecFlight(batch, key, g, out, lp, start_event, end_event, rows,
-                          {r: b for b, r in enumerate(reqs)}, [], chainable, top)
+        if members is None:
+            members = {r: b for b, r in enumerate(batch.reqs)}
+        return SpecFlight(batch, key, g, out, lp, start_event, end_event, rows, members, [],
+                          chainable, top)
 
     def collect(self, f: "SpecFlight") -> dict[int, SpecResult]:
         """Wait for a launched step and read its results; slots made invalid since (`rows`
         -1) are dropped."""
         if f.end is not None:
             f.end.synchronize()
+        width = 2 * self.k + 4
+        a = f.out.numpy()[:len(f.rows)]
+        rows = a[:, :width].tolist()
+        cols = lp0_columns(a[:, width:]) if a.shape[1] > width else None  # top_logprobs 0
+        if -1 not in f.rows:  # NOTE: every slot live, as in most steps: no lists to filter
+            return self.results(f.rows, f.batch.reqs, rows, f.lp, None, cols)
         live = [b for b, i in enumerate(f.rows) if i >= 0]
-        rows = f.out.tolist()
-        lp, cols = f.lp, None
-        if lp is not None and lp.dtype == torch.int64:  # top_logprobs 0, folded in the result
-            lp, cols = None, lp0_columns(lp)
         return self.results([f.rows[b] for b in live], [f.batch.reqs[b] for b in live],
-                            [rows[b] for b in live], lp, live, cols)
+                            [rows[b] for b in live], f.lp, live, cols)
 
 
 class KnownPart:
@@ -227,9 +234,9 @@ class SpecFlight(NamedTuple):
     batch: ScheduledBatch
     key: tuple[int, int]
     graphs: object  # pd.spec.graphs.StepGraphs
-    out: torch.Tensor  # [S, 2k + 4] host copy of the result
-    lp: torch.Tensor | None  # host copy of the verified rows' packed logprobs (`pack_logprobs`;
-    # int64 columns when folded into the draft graph's output: `lp0_columns`)
+    out: torch.Tensor  # host copy of the result [S', 2k + 4] (S' the graph's slots), with
+    # top_logprobs 0 followed by its rows' pairs [S', 3k + 5] (`lp0_columns`)
+    lp: torch.Tensor | None  # host copy of the verified rows' packed logprobs (`pack_logprobs`)
     start: object  # CUDA events (None on CPU)
     end: object
     rows: list[int]  # batch index of each slot; -1: invalid, its result dropped

@@ -61,11 +61,11 @@ MAX_ROWS = 1024  # S * (k + 1) rows at most per graph (the logits of every row a
 MIN_WIDTH_TOKENS = 512  # the narrowest block table of a graph holds this many tokens
 
 
-def lp0_columns(columns: torch.Tensor) -> tuple[list[list[float]], list[list[int]]]:
-    """The host copy of `StepGraphs.draft(lp0=True)`'s last k + 1 columns -> per slot, its
-    k + 1 rows' token logprobs, and per slot their ranks: two conversions for the whole step,
-    no copy (`SpecDecoder.results` slices each slot's)."""
-    a = columns.numpy()  # NOTE: numpy's views cost a tenth of torch's
+def lp0_columns(a: np.ndarray) -> tuple[list[list[float]], list[list[int]]]:
+    """The host copy of `StepGraphs.draft(lp0=True)`'s last k + 1 columns (int64, as numpy:
+    its views cost a tenth of torch's) -> per slot, its k + 1 rows' token logprobs, and per
+    slot their ranks: two conversions for the whole step, no copy (`SpecDecoder.results`
+    slices each slot's)."""
     return a.view(np.float32)[:, 0::2].tolist(), a.view(np.int32)[:, 1::2].tolist()
 
 
@@ -138,6 +138,7 @@ class StepGraphs:
         self.result: torch.Tensor | None = None  # [S, 2k + 4] int64
         # the known part of `inputs` (`Layout.tail` on) as last written (`pd.spec.graphed.KnownPart`)
         self.known = None
+        self.known_inputs = self.inputs[self.layout.tail:]  # that part of the device's copy
         self.rings = HostRing(pin=owner.device.type == "cuda")  # `host_buffer`'s
         self.side = None  # `_chain_lp0`'s second stream
         if capture:
@@ -306,6 +307,8 @@ class SpecGraphs:
         self.model, self.k, self.device = model, k, device
         self.block_size, self.dummy_block = block_size, dummy_block
         self.pool_owner = pool_owner
+        # NOTE: asked once, not per step (the environment's lookup is in `key`'s every call)
+        self.graphed_bookkeeping = pool_owner is None or use_kernels(pool_owner.staging)
         self.slot_counts = tuple(s for s in batch_sizes if s == 1 or s * (k + 1) <= MAX_ROWS)
         self.block_widths = block_widths
         # NOTE: the narrowest table a step's graph gets: a request crossing into a wider graph
@@ -345,7 +348,7 @@ class SpecGraphs:
         or the bookkeeping runs as torch twins (PD_KERNELS=torch: they wait on the host)."""
         if num_slots > self.slot_counts[-1] or num_blocks > self.block_widths[-1]:
             return None
-        if self.pool_owner is not None and not use_kernels(self.pool_owner.staging):
+        if not self.graphed_bookkeeping:
             return None
         return (_round_up(num_slots, self.slot_counts),
                 _round_up(max(num_blocks, self.min_width), self.block_widths))

@@ -97,11 +97,21 @@ class SpecStats:
     num_drafts: int = 0  # verify steps that had at least one draft
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
-    accepted_per_pos: list[int] = field(default_factory=list)
+    # runs[n]: the verify steps (with drafts) that accepted exactly n drafts, n = 0 .. k
+    runs: list[int] = field(default_factory=list)
 
     @property
     def mean_acceptance_length(self) -> float:
         return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 1.0
+
+    @property
+    def accepted_per_pos(self) -> list[int]:
+        """Per draft position (0 .. k - 1), the verify steps that accepted the draft there."""
+        out, total = [], 0
+        for n in reversed(self.runs[1:]):
+            total += n
+            out.append(total)
+        return out[::-1]
 
     def export(self, metrics, seen: "SpecStats") -> "SpecStats":
         """Add what was counted since `seen` to a node's Prometheus counters
@@ -109,23 +119,24 @@ class SpecStats:
         metrics.spec_drafts.inc(self.num_drafts - seen.num_drafts)
         metrics.spec_draft_tokens.inc(self.num_draft_tokens - seen.num_draft_tokens)
         metrics.spec_accepted_tokens.inc(self.num_accepted_tokens - seen.num_accepted_tokens)
+        was = seen.accepted_per_pos
         for pos, n in enumerate(self.accepted_per_pos):
-            before = seen.accepted_per_pos[pos] if pos < len(seen.accepted_per_pos) else 0
+            before = was[pos] if pos < len(was) else 0
             if n > before:
                 metrics.spec_accepted_at(pos).inc(n - before)
         return SpecStats(self.num_drafts, self.num_draft_tokens, self.num_accepted_tokens,
-                         list(self.accepted_per_pos))
+                         list(self.runs))
 
-    def add(self, num_drafts: int, num_accepted: int) -> None:
-        if num_drafts == 0:
-            return
-        self.num_drafts += 1
-        self.num_draft_tokens += num_drafts
-        self.num_accepted_tokens += num_accepted
-        while len(self.accepted_per_pos) < num_drafts:
-            self.accepted_per_pos.append(0)
-        for j in range(num_accepted):
-            self.accepted_per_pos[j] += 1
+    def count(self, k: int, steps: list[tuple[int, int]]) -> None:
+        """Count a step's (drafts, accepted) of each request that had drafts (at most k)."""
+        runs = self.runs
+        if len(runs) <= k:
+            runs.extend([0] * (k + 1 - len(runs)))
+        for num_drafts, num_accepted in steps:
+            self.num_draft_tokens += num_drafts
+            self.num_accepted_tokens += num_accepted
+            runs[num_accepted] += 1
+        self.num_drafts += len(steps)
 
 
 class SpecDecoder(GraphedSteps):
@@ -331,7 +342,7 @@ class SpecDecoder(GraphedSteps):
             lps, ranks = lp[:, 0].tolist(), lp[:, 1].int().tolist()
             top_ids = top_lps = None
         k1 = self.k + 1
-        stats, results = self.stats, {}
+        results, counted = {}, []
         # NOTE: per slot every step: one row read in place, no slices but the kept ids and drafts
         for b, (i, req, row) in enumerate(zip(batch_index, reqs, rows)):
             want, n = req.params.logprobs, row[k1]
@@ -355,6 +366,7 @@ class SpecDecoder(GraphedSteps):
             reason = _REASONS.get(row[k1 + 2])
             nd, na = len(req.spec_token_ids), row[k1 + 1] - 1
             if nd:
-                stats.add(nd, na)
+                counted.append((nd, na))
             results[i] = SpecResult(kept, logprobs, reason, [] if reason else row[k1 + 3:], nd, na)
+        self.stats.count(self.k, counted)
         return results
