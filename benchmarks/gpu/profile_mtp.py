@@ -7,8 +7,9 @@ device time of the verify and draft graphs from CUDA events.
 
 With --torch, torch.profiler instead of cProfile: the run's kernel time against its wall time
 and the CPU-side operations (CUDA runtime calls included) by their own time. With --kernels,
-the kernels of one replay of each MTP graph (verify, draft, advance) and of the plain decode
-graph of the same batch size, by total time.
+the kernels of one replay of each MTP graph (verify, draft, advance, the chained step's, and
+with --logprobs 0 its top_logprobs 0 graph) and of the plain decode graph of the same batch
+size, by total time, and each graph's device time per replay.
 """
 
 from __future__ import annotations
@@ -110,7 +111,10 @@ def graph_kernels(llm: LLM, top: int, replays: int = 20, timeline: bool = False)
 
     spec = llm.engine.spec
     key, g = next(iter(spec.graphs.graphs.items()))
-    runs = {"verify": g.verify, "draft": g.draft, "advance": g.advance}
+    runs = {"verify": g.verify, "draft": g.draft, "advance": g.advance,
+            "chain": g.graphs[3].replay}
+    if g.chain_lp0 is not None:  # captured by a chained step of the run with --logprobs 0
+        runs["chain with top_logprobs 0"] = g.chain_lp0[0].replay
     decode = llm.engine.runner.graphs
     dkey = None if decode is None else next((k for k in sorted(decode.graphs) if k[0] >= key[0]), None)
     if dkey is not None:
@@ -122,6 +126,14 @@ def graph_kernels(llm: LLM, top: int, replays: int = 20, timeline: bool = False)
     for name, fn in runs.items():
         fn()
         torch.cuda.synchronize()
+        span = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
+        span[0].record()
+        for _ in range(replays):
+            fn()
+        span[1].record()
+        torch.cuda.synchronize()
+        print(f"== {name}: {span[0].elapsed_time(span[1]) * 1e3 / replays:.1f} us a replay "
+              f"(CUDA events around {replays} in a row)")
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             for _ in range(replays):
                 fn()
