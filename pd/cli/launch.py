@@ -111,9 +111,10 @@ def main(args: argparse.Namespace) -> int:
         print("pd launch: error: --mps needs --device cuda (MPS shares a GPU between processes)",
               file=sys.stderr)
         return 1
-    try:  # the router's port, before any key or node is made
-        with socket.create_server((args.host, args.port)):
-            pass
+    try:  # the router's port, before any key or node is made, held until the router binds it
+        # NOTE: held, not only checked: the nodes' own ports (port 0) and connections could
+        # otherwise be given this port while they start, if it lies in the ephemeral range
+        args.port_hold = socket.create_server((args.host, args.port))
     except OSError as e:
         print(f"pd launch: error: cannot serve on {args.host}:{args.port} (--host, --port): "
               f"{e.strerror or e}", file=sys.stderr)
@@ -127,6 +128,7 @@ def main(args: argparse.Namespace) -> int:
     try:
         return _main(args)
     finally:
+        args.port_hold.close()  # where the router never came to bind it
         if ephemeral is not None:
             shutil.rmtree(ephemeral, ignore_errors=True)
             configure(None)  # this process's sockets made from now on are plain again
@@ -227,6 +229,8 @@ def run_router(args: argparse.Namespace, prefill: list[str], decode: list[str], 
 
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if getattr(args, "port_hold", None) is not None:  # the router binds it now
+        args.port_hold.close()
     if args.router_workers > 1:
         from router.workers import serve_workers
 
