@@ -120,7 +120,6 @@ class GraphedSteps:
         prev's k + 1 tokens and this step's k + 1 and k draft positions reserved, no width change."""
         reqs = prev.batch.reqs
         g = prev.graphs
-        start_event = self._event()
         # NOTE: the known part changes only when a slot stopped or a request got a block: the
         # blocks got are patched into the host copy, a stopped slot builds it again
         changed = None if g.known is None else g.known.patch(reqs, prev.rows)
@@ -133,6 +132,9 @@ class GraphedSteps:
             host = g.rings.get(g.known_inputs.shape, name="known")
             host.numpy()[:] = g.known.flat[g.layout.tail:]
             copy_async(g.known_inputs, host)
+        # NOTE: after the host's patch: where the device idles for it, that is a gap, not the
+        # step's busy time (`DecodeLoop.process_spec`)
+        start_event = self._event()
         top = prev.top  # the same requests
         if top is None or top == 0:
             packed = g.chain(lp0=top == 0)
