@@ -44,8 +44,9 @@ from pd.engine.executor import make_executor
 from pd.engine.grammar import step_masks
 from pd.engine.loop_stats import HostTimes, SpecChoice, StepGaps
 from pd.engine.request import FinishReason, Req, ReqStatus
-from pd.engine.runner import ForwardInput, ForwardOutput, ModelRunner, SampledToken, unpack_sampled
+from pd.engine.runner import ForwardOutput, ModelRunner, SampledToken, unpack_sampled
 from pd.engine.scheduler import ScheduledBatch, Scheduler
+from pd.engine.step_inputs import ForwardInput
 
 log = logging.getLogger(__name__)
 

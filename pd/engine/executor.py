@@ -26,7 +26,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 
 from pd.engine.host_ring import EventRing
-from pd.engine.runner import ForwardInput, ForwardOutput, ModelRunner
+from pd.engine.runner import ForwardOutput, ModelRunner
+from pd.engine.step_inputs import ForwardInput
 from pd.engine.scheduler import ScheduledBatch
 
 
