@@ -1,7 +1,7 @@
 """`kernels.token_logprob` timed on a CUDA device: rows of a 128k vocabulary (Llama-3's) in
 bf16, 20 calls captured in one CUDA graph, the median replay over 20, per call in us: the cost
 a step's top_logprobs 0 columns add (an MTP step at batch b has b * (k + 1) rows). Then an MTP
-step's whole top_logprobs 0 tail (`pd.spec.graphs.StepGraphs._with_lp0`: its result [S, 3k + 4]
+step's whole top_logprobs 0 tail (`pd.spec.step_graphs.StepGraphs._with_lp0`: its result [S, 3k + 4]
 followed by its S * (k + 1) rows' pairs) as the graphs build it, the ids read in place and the
 pairs written in place, beside the way before it (the accepted columns clamped into a copy, the
 pairs concatenated after the result).

@@ -29,7 +29,7 @@ import pd.engine.executor as executor  # noqa: E402
 import pd.engine.runner as runner  # noqa: E402
 import pd.engine.scheduler as scheduler  # noqa: E402
 import pd.spec.graphed as graphed  # noqa: E402
-import pd.spec.graphs as graphs  # noqa: E402
+import pd.spec.step_graphs as step_graphs  # noqa: E402
 import pd.spec.verify as verify  # noqa: E402
 from pd.engine.llm import LLM  # noqa: E402
 from pd.wire.sampling_params import SamplingParams  # noqa: E402
@@ -48,7 +48,7 @@ TIMED = ((executor.CudaExecutor, "launch"), (runner.ModelRunner, "prepare"),
          (decode_loop.DecodeLoop, "process_spec"), (graphed.GraphedSteps, "launch_graphed"),
          (graphed.GraphedSteps, "launch_chained"), (graphed.GraphedSteps, "_finish_launch"),
          (graphed.GraphedSteps, "collect"), (graphed.KnownPart, "patch"),
-         (graphs.StepGraphs, "chain"), (verify.SpecDecoder, "results"),
+         (step_graphs.StepGraphs, "chain"), (verify.SpecDecoder, "results"),
          (scheduler.Scheduler, "update_spec"))
 
 

@@ -17,7 +17,8 @@ from pd.engine.host_ring import EventRing, copy_async
 from pd.engine.request import Req
 from pd.engine.sampler import GREEDY_EPS
 from pd.engine.scheduler import ScheduledBatch
-from pd.spec.graphs import STOP_WIDTH, lp0_columns
+from pd.spec.graphs import STOP_WIDTH
+from pd.spec.step_graphs import lp0_columns
 from pd.spec.mtp import MTPDrafter
 
 if TYPE_CHECKING:
@@ -235,7 +236,7 @@ class SpecFlight(NamedTuple):
 
     batch: ScheduledBatch
     key: tuple[int, int]
-    graphs: object  # pd.spec.graphs.StepGraphs
+    graphs: object  # pd.spec.step_graphs.StepGraphs
     out: torch.Tensor  # host copy of the result [S', 2k + 4] (S' the graph's slots), with
     # top_logprobs 0 followed by its rows' pairs [S', 3k + 5] (`lp0_columns`)
     lp: torch.Tensor | None  # host copy of the verified rows' packed logprobs (`pack_logprobs`)

@@ -16,7 +16,7 @@ import torch
 from pd.engine.llm import LLM
 from pd.engine.runner import SPEC_LAYOUT_ENV
 from pd.spec import graphed
-from pd.spec.graphs import StepGraphs
+from pd.spec.step_graphs import StepGraphs
 from pd.wire.sampling_params import SamplingParams
 from tests.spec.test_mtp import assert_same, mixed_params, prompts
 
