@@ -108,7 +108,8 @@ class ModelRunner(StepInputs):
             raise
         self.graphs = self.prefill_graphs = self.varlen_graphs = None
         if use_graphs:
-            from pd.engine.cuda_graph import DecodeGraphs, PrefillGraphs, VarlenPrefillGraphs
+            from pd.engine.cuda_graph import DecodeGraphs
+            from pd.engine.prefill_graphs import PrefillGraphs, VarlenPrefillGraphs
 
             self.graphs = DecodeGraphs(self.model, self.kv_cache.dummy_block, cfg.block_size,
                                        cfg.max_num_seqs, self.max_model_len, self.device)

@@ -8,7 +8,7 @@ Python: on the H100's host 5.8 ms for one 5-token prompt of the embedded model (
 captured here per shape, which reads that graph's hidden states and staged inputs where they
 lie:
 - one prompt's first chunk alone (`fits`, `run`): the plain prefill graph of its padded size
-  (`pd.engine.cuda_graph.PrefillGraphs`); the padding rows after the prompt are a slot of
+  (`pd.engine.prefill_graphs.PrefillGraphs`); the padding rows after the prompt are a slot of
   their own for `draft_preprocess` (skipped) and write the spare block;
 - chunks of several prompts, each ending its prompt (`fits_chunks`, `run_chunks`): the varlen
   prefill graph of the step (`VarlenPrefillGraphs`, 16-bit models), its context reused for the
@@ -37,7 +37,7 @@ from kernels import draft_preprocess
 from kernels.argmax import argmax
 from kernels.draft_preprocess import CHUNK, PREFILL
 from kernels.launch import use_kernels
-from pd.engine.cuda_graph import PrefillGraphs
+from pd.engine.prefill_graphs import PrefillGraphs
 from pd.engine.graph import Graph, capture
 from pd.engine.host_ring import HostRing
 from pd.engine.logprobs import packed_logprobs

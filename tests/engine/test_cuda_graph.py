@@ -181,7 +181,7 @@ def test_prefill_graph_inputs_layout():
 
     import numpy as np
 
-    from pd.engine.cuda_graph import PrefillGraphs
+    from pd.engine.prefill_graphs import PrefillGraphs
 
     decode = SimpleNamespace(dummy_block=9, block_size=16)
     graphs = PrefillGraphs(torch.nn.Linear(1, 1), decode, 1024, torch.device("cpu"))
