@@ -1,14 +1,18 @@
 """The scheduler's speculative bookkeeping, plain Python: draft tokens in the step's token
 count, lookahead blocks for the chained drafts, drafts dropped to fit the budget or on
-preemption, and `update_spec` (progress counter, stops, drafts trimmed to what is left)."""
+preemption, and `update_spec` (progress counter, stops, drafts trimmed to what is left); and
+the acceptance counters (`SpecStats`) with what a node exports of them."""
 
 from __future__ import annotations
+
+from collections import defaultdict
+from types import SimpleNamespace
 
 from pd.engine.allocator import BlockAllocator
 from pd.engine.request import FinishReason, Req, ReqStatus
 from pd.wire.sampling_params import SamplingParams
 from pd.engine.scheduler import Scheduler
-from pd.spec.verify import SpecResult
+from pd.spec.verify import SpecResult, SpecStats
 
 
 def sched(num_blocks=64, budget=64, lookahead=3, max_model_len=256) -> Scheduler:
@@ -81,3 +85,36 @@ def test_preemption_drops_drafts():
     assert a.spec_token_ids and b_.spec_token_ids
     s.schedule()  # 8 + 1 + 2 + 2 lookahead > 3 blocks each: the later one is preempted
     assert b_.status is ReqStatus.WAITING and b_.spec_token_ids == [] and b_.num_preemptions == 1
+
+
+class _Count:
+    def __init__(self) -> None:
+        self.n = 0
+
+    def inc(self, n: int = 1) -> None:
+        self.n += n
+
+
+def test_acceptance_counters_per_position_and_their_exported_increments():
+    """A step's (drafts, accepted) per request counted at once: per draft position, the verify
+    steps that accepted the draft there; a node exports only what was counted since its last
+    snapshot."""
+    stats = SpecStats()
+    stats.count(3, [(3, 0), (3, 2), (2, 2), (3, 3)])
+    assert (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens) == (4, 11, 7)
+    assert stats.accepted_per_pos == [3, 3, 1]
+    assert stats.mean_acceptance_length == 1 + 7 / 4
+    at = defaultdict(_Count)
+    metrics = SimpleNamespace(spec_drafts=_Count(), spec_draft_tokens=_Count(),
+                              spec_accepted_tokens=_Count(), spec_accepted_at=lambda pos: at[pos])
+    seen = stats.export(metrics, SpecStats())
+    assert {pos: c.n for pos, c in at.items()} == {0: 3, 1: 3, 2: 1}
+    stats.count(3, [(1, 1), (2, 0)])
+    stats.count(3, [])
+    seen = stats.export(metrics, seen)
+    assert (metrics.spec_drafts.n, metrics.spec_draft_tokens.n, metrics.spec_accepted_tokens.n) \
+        == (6, 14, 8)
+    assert {pos: c.n for pos, c in at.items()} == {0: 4, 1: 3, 2: 1}
+    assert seen.accepted_per_pos == stats.accepted_per_pos == [4, 3, 1]
+    stats.runs[0] += 1  # the snapshot is a copy
+    assert seen.runs == [2, 1, 2, 1]
