@@ -6,10 +6,11 @@ device time of the verify and draft graphs from CUDA events.
                                          [--sort cumulative] [--callees launch_chained ...]
 
 With --torch, torch.profiler instead of cProfile: the run's kernel time against its wall time
-and the CPU-side operations (CUDA runtime calls included) by their own time. With --kernels,
-the kernels of one replay of each MTP graph (verify, draft, advance, the chained step's, and
-with --logprobs 0 its top_logprobs 0 graph) and of the plain decode graph of the same batch
-size, by total time, and each graph's device time per replay.
+and the CPU-side operations (CUDA runtime calls included) by their own time. With
+--device-time, where the device's time per loop step goes over a whole generate (kernels,
+copies, idle gaps). With --kernels, the kernels of one replay of each MTP graph (verify, draft,
+advance, the chained step's, and with --logprobs 0 its top_logprobs 0 graph) and of the plain
+decode graph of the same batch size, by total time, and each graph's device time per replay.
 """
 
 from __future__ import annotations
@@ -39,6 +40,9 @@ def main() -> None:
     p.add_argument("--no-overlap", action="store_true")
     p.add_argument("--torch", action="store_true", help="torch.profiler instead of cProfile")
     p.add_argument("--kernels", action="store_true", help="the kernels of each graph's replay")
+    p.add_argument("--device-time", action="store_true",
+                   help="where the device's time per loop step goes over a whole generate: "
+                        "kernels, copies, idle gaps (torch.profiler)")
     p.add_argument("--timeline", action="store_true",
                    help="with --kernels: one replay's kernels in order, with the gaps between them")
     p.add_argument("--logprobs", type=int, default=None, help="top_logprobs width (default: none)")
@@ -60,6 +64,9 @@ def main() -> None:
         return
     if args.kernels:
         graph_kernels(llm, args.top, timeline=args.timeline)
+        return
+    if args.device_time:
+        device_time(llm, prompts, params, args.top)
         return
     prof = cProfile.Profile()
     t0 = time.perf_counter()
@@ -148,6 +155,40 @@ def graph_kernels(llm: LLM, top: int, replays: int = 20, timeline: bool = False)
             print(f"  {e.count / replays:4.0f} x {e.self_device_time_total / e.count:7.2f} us  "
                   f"{e.key[:90]}")
         print_timeline(prof, round(count), lines=timeline)
+
+
+def device_time(llm: LLM, prompts: list[str], params: SamplingParams, top: int) -> None:
+    """One generate under torch.profiler: the device's span from its first activity to its
+    last, split into kernel time, copies (memcpy, memset) and idle time, per loop step (the
+    prompts' prefill included), and the longest idle gaps with what ran on either side."""
+    from torch.profiler import ProfilerActivity, profile
+
+    loop = llm.engine.loop
+    loop.busy.clear()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        llm.generate(prompts, params)
+        torch.cuda.synchronize()
+    events = sorted((e for e in prof.events() if e.device_type.name == "CUDA"
+                     and e.device_time_total > 0), key=lambda e: e.time_range.start)
+    if not events:
+        print("no device activity recorded")
+        return
+    steps = max(1, len(loop.busy))
+    copies = sum(e.time_range.elapsed_us() for e in events if "mem" in e.name.lower())
+    kernels = sum(e.time_range.elapsed_us() for e in events) - copies
+    gaps, end, prev = [], events[0].time_range.start, events[0]
+    for e in events:
+        if e.time_range.start > end:
+            gaps.append((e.time_range.start - end, prev.name, e.name))
+        if e.time_range.end >= end:
+            end, prev = e.time_range.end, e
+    span = end - events[0].time_range.start
+    idle = sum(g for g, _, _ in gaps)
+    print(f"device time over {steps} loop steps, per step (us): span {span / steps:.1f}, "
+          f"kernels {kernels / steps:.1f}, copies {copies / steps:.1f}, idle {idle / steps:.1f} "
+          f"({len(gaps)} gaps; the loop's own busy figure {sum(loop.busy) / steps * 1e6:.1f})")
+    for gap, before, after in sorted(gaps, reverse=True)[:top]:
+        print(f"  idle {gap:7.1f} us  after {before[:50]}  before {after[:50]}")
 
 
 def print_timeline(prof, per_replay: int, lines: bool) -> None:

@@ -71,6 +71,7 @@ TAIL=11 step token_logprob python3 benchmarks/gpu/bench_token_logprob.py
 TAIL=14 step profile_mtp python3 benchmarks/gpu/profile_mtp.py --k 3 --batch 16 --top 8
 TAIL=44 step mtp_kernels python3 benchmarks/gpu/profile_mtp.py --k 3 --batch 1 --kernels --top 10 \
     --max-tokens 64
+TAIL=8 step mtp_device_time python3 benchmarks/gpu/profile_mtp.py --k 3 --batch 1 --device-time --top 6
 TAIL=8 step skinny_prologues python3 benchmarks/gpu/bench_skinny.py --prologues --rows 1 4
 TAIL=8 step mtp_no_prologue env PD_PROLOGUE=0 python3 benchmarks/bench_mtp.py --device cuda \
     --ks 0,3 --max-tokens 256 --repeats 3 --logprobs off --overlap on
