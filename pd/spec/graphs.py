@@ -48,7 +48,7 @@ from kernels.accept_step import accept_step
 from kernels.advance_inputs import INPUTS as ADVANCED, advance_inputs
 from kernels.argmax import argmax
 from kernels.launch import use_kernels
-from pd.engine.cuda_graph import BATCH_SIZES
+from pd.engine.cuda_graph import BATCH_SIZES, round_up
 from pd.model.context import ForwardContext, forward_context
 from pd.spec.step_graphs import StepGraphs, Verified
 
@@ -57,10 +57,6 @@ log = logging.getLogger(__name__)
 STOP_WIDTH = 8  # stop ids a graphed slot may carry (EOS ids + stop_token_ids); more: eager
 MAX_ROWS = 1024  # S * (k + 1) rows at most per graph (the logits of every row are kept)
 MIN_WIDTH_TOKENS = 512  # the narrowest block table of a graph holds this many tokens
-
-
-def _round_up(n: int, sizes) -> int:
-    return next(s for s in sizes if s >= n)
 
 
 class FlatLayout:
@@ -152,8 +148,8 @@ class SpecGraphs:
             return None
         if not self.graphed_bookkeeping:
             return None
-        return (_round_up(num_slots, self.slot_counts),
-                _round_up(max(num_blocks, self.min_width), self.block_widths))
+        return (round_up(num_slots, self.slot_counts),
+                round_up(max(num_blocks, self.min_width), self.block_widths))
 
     # -- host: the inputs ----------------------------------------------------------------------
     def layout(self, key: tuple[int, int]) -> Layout:
