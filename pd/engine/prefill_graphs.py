@@ -195,7 +195,10 @@ class VarlenPrefillGraphs:
     def capture_up_to(self, max_tokens: int) -> int:
         """Capture now the graphs of steps of up to `max_tokens` tokens (rounded up) with no
         cached prefix beyond them: each token size with the least keys that hold it and every
-        sequence count up to its tokens. Returns how many were new."""
+        sequence count up to its tokens. Returns how many were new (none where the steps run
+        eagerly: 32 bits, a sliding window)."""
+        if not self.enabled:
+            return 0
         top = round_up(min(max_tokens, self.tokens[-1]), self.tokens)
         keys = [(t, _pow2(t), s) for t in self.tokens if t <= top and _pow2(t) <= self.max_keys
                 for s in self.seqs if s <= t]

@@ -197,6 +197,22 @@ def test_prefill_graph_inputs_layout():
     assert (flat[2 * size + 300:3 * size] == 9 * 16).all() and flat[3 * size] == 299
 
 
+def test_varlen_start_up_capture_skips_32_bit_steps():
+    """A float32 node runs its prompt-chunk steps eagerly (`VarlenPrefillGraphs.enabled`), so the
+    prefill node's start-up capture has nothing to capture (it once captured them anyway, and
+    the float32 prefill node on CUDA died before serving)."""
+    from types import SimpleNamespace
+
+    from pd.engine.prefill_graphs import VarlenPrefillGraphs
+
+    decode = SimpleNamespace(block_tables=torch.zeros(1, 1, dtype=torch.int64))  # no spare block
+    graphs = {dtype: VarlenPrefillGraphs(torch.nn.Linear(1, 1), decode, 256, 8, 4096, dtype,
+                                         torch.device("cpu"))
+              for dtype in (torch.float32, torch.bfloat16)}
+    assert graphs[torch.bfloat16].enabled and not graphs[torch.float32].enabled
+    assert graphs[torch.float32].capture_up_to(256) == 0 and not graphs[torch.float32].graphs
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
 def test_prefill_start_up_capture_then_short_prompts_capture_nothing_new(tiny_model_dir):
     """The prefill node's start-up capture (`capture_up_to`): short prompts, alone or several
