@@ -264,11 +264,13 @@ class DecodeLoop(SpecSteps):
                 else:
                     req.append_token(sampled[row])
                 emitted.append(req)
-                # NOTE: prefix.register's own check, made here: a call per request per step is
-                # most of its cost, and it registers only once a block fills
-                if prefix is not None and req.num_computed_tokens >= (
-                        req.num_registered_blocks + 1) * prefix.block_size:
-                    prefix.register(req)
+                # NOTE: `prompt_block_due`, inlined: a call per request per step is most of
+                # its cost, and a prompt block fills rarely
+                if prefix is not None:
+                    done = req.num_registered_blocks * prefix.block_size
+                    if (req.num_computed_tokens >= done + prefix.block_size
+                            and done < len(req.prompt_token_ids)):
+                        prefix.register(req)
                 reason = req.check_stop(self.max_model_len)
                 if reason is not None:
                     self.finish(req, reason, nxt)

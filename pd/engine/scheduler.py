@@ -7,8 +7,10 @@ most recently admitted running request is preempted by recompute: its blocks are
 goes back to the head of the queue with its output kept, so it later re-prefills prompt + output
 and continues where it was. With prefix caching (`prefix`), a request admitted with nothing
 computed starts after its longest cached prefix (shared blocks, at least one token left to
-compute), and each step registers the full blocks it completed. The runner (tensors) and the
-engine loop are elsewhere.
+compute); each step registers the prompt's full blocks it completed, and a request leaving the
+batch (finished, aborted, preempted) the blocks its decoding filled, all at once: hashing a
+block as it fills cost a decode step ~10 us per request that crossed one. The runner
+(tensors) and the engine loop are elsewhere.
 """
 
 from __future__ import annotations
@@ -22,6 +24,15 @@ from pd.engine.prefix import PrefixCache
 from pd.engine.request import FinishReason, Req, ReqStatus
 
 log = logging.getLogger(__name__)
+
+
+def prompt_block_due(req: Req, block_size: int) -> bool:
+    """Whether a full block holding prompt tokens waits to be registered: a running request's
+    prompt blocks are registered as they fill (requests sharing the prompt find them at once),
+    the blocks its decoding fills when it leaves the batch (`Scheduler.finish`, `_preempt`).
+    NOTE: the decode loops inline it (a call per request per step)."""
+    done = req.num_registered_blocks * block_size
+    return req.num_computed_tokens >= done + block_size and done < len(req.prompt_token_ids)
 
 
 @dataclass
@@ -161,8 +172,14 @@ class Scheduler:
         if self.prefix is not None:
             self.prefix.register(req)
 
+    def register_prompt(self, req: Req) -> None:
+        """`register` while a block holding prompt tokens is due (`prompt_block_due`)."""
+        if self.prefix is not None and prompt_block_due(req, self.prefix.block_size):
+            self.prefix.register(req)
+
     def _preempt(self, req: Req) -> None:
         self.running.remove(req)
+        self.register(req)  # what its decoding filled, kept for its recompute
         self.allocator.free(req.block_ids)
         req.block_ids = []
         req.num_registered_blocks = 0
@@ -182,7 +199,7 @@ class Scheduler:
             if req.status is not ReqStatus.RUNNING:
                 continue  # aborted while the step ran
             req.num_computed_tokens += n
-            self.register(req)
+            self.register_prompt(req)
             if i not in sampled:
                 continue
             req.append_token(*sampled[i])
@@ -202,22 +219,23 @@ class Scheduler:
         finished = []
         prefix, running, max_len = self.prefix, ReqStatus.RUNNING, self.max_model_len
         # NOTE: per request every step: locals, no property calls; the prefix cache is called
-        # once a block fills (`PrefixCache.register`'s own check, made here)
+        # once a prompt block fills (`prompt_block_due`, inlined)
         for i, (req, n) in enumerate(zip(batch.reqs, batch.num_new_tokens)):
             if req.status is not running:
                 continue  # aborted while the step ran
             res = results.get(i)
             if res is None:
                 req.num_computed_tokens += n
-                self.register(req)
+                self.register_prompt(req)
                 continue
             ids = req.token_ids
             req.extend_tokens(res.token_ids, res.logprobs)
             # The target's KV holds every kept token but the newest one.
             req.num_computed_tokens = computed = len(ids) - 1
-            if prefix is not None and computed >= (
-                    req.num_registered_blocks + 1) * prefix.block_size:
-                prefix.register(req)
+            if prefix is not None:
+                done = req.num_registered_blocks * prefix.block_size
+                if computed >= done + prefix.block_size and done < len(req.prompt_token_ids):
+                    prefix.register(req)
             reason = res.finish_reason
             if reason is None and req.grammar is not None and req.grammar.terminated:
                 reason = FinishReason.STOP  # its stop token taken with ignore_eos, or refused
@@ -234,6 +252,7 @@ class Scheduler:
         """End a request wherever it is; frees its blocks unless the caller holds them."""
         if req.status is ReqStatus.RUNNING:
             self.running.remove(req)
+            self.register(req)  # what its decoding filled (its KV up to num_computed_tokens)
         elif req.status is ReqStatus.WAITING:
             self.waiting.remove(req)
         req.status = ReqStatus.FINISHED

@@ -148,6 +148,39 @@ def test_scheduler_starts_after_the_cached_prefix():
     s.allocator.check_integrity()
 
 
+def test_decoded_blocks_are_registered_when_the_request_leaves():
+    """A running request's prompt blocks are registered as they fill (a request sharing the
+    prompt finds them at once), the blocks its decoding fills when it finishes or is
+    preempted; a follow-up whose prompt is the first's prompt and answer finds them all."""
+    s = make_sched(32)
+    first = Req("a", list(range(1, 7)), SamplingParams(max_tokens=8, temperature=0))
+    s.add(first)
+    finish_step(s)  # the prompt (6 tokens): its one full block registered
+    assert first.num_registered_blocks == 1
+    for _ in range(6):  # decoding: computed 12, block 1 (4..7, prompt in it) registered, block 2 not
+        finish_step(s)
+    assert first.num_computed_tokens == 12 and first.num_registered_blocks == 2
+    while not first.is_finished:
+        finish_step(s)
+    assert first.num_registered_blocks == 3  # computed 13 (the last token's KV is not)
+    follow = req("b", first.token_ids + [99])
+    s.add(follow)
+    batch, _ = finish_step(s)
+    assert batch.num_new_tokens == [3]  # 12 of its 15 tokens cached
+    # preempted: the blocks its decoding filled are registered before they are freed
+    s2 = make_sched(32)
+    r = Req("c", list(range(1, 5)), SamplingParams(max_tokens=20, temperature=0))
+    s2.add(r)
+    for _ in range(9):
+        finish_step(s2)
+    assert r.num_computed_tokens == 12 and r.num_registered_blocks == 1
+    hashes = s2.prefix.hashes(r)[:3]
+    s2._preempt(r)
+    assert len(s2.allocator.match(hashes)) == 3
+    s.allocator.check_integrity()
+    s2.allocator.check_integrity()
+
+
 def test_scheduler_waits_when_shared_blocks_would_not_fit():
     s = make_sched(5)
     shared = list(range(1, 9))  # 2 full blocks
