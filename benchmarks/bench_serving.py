@@ -180,6 +180,11 @@ def main() -> None:
             ("KV accept -> last record in (decode)", "decode", "pd_kv_transfer_seconds"),
             ("first token -> joined the batch", "decode", "pd_request_join_seconds"))}
         steps = delta("decode", "pd_batch_size_count")
+        # the prefill node's share of the GPU it shares with the decode node: its steps (each
+        # reads every weight once), prompts per step, and their wall time per second of the run
+        prefill = (delta("prefill", "pd_batch_size_count"),
+                   delta("prefill", "pd_batch_size_sum") / max(delta("prefill", "pd_batch_size_count"), 1.0),
+                   delta("prefill", "pd_step_duration_seconds_sum") / wall)
         host = {k[1].split('"')[1]: 1000 * delta(*k) / max(steps, 1.0)
                 for k in last if k[0] == "decode" and k[1].startswith("phase=")}
         host["sum"] = sum(host.values())
@@ -242,6 +247,8 @@ def main() -> None:
     print(f"decode node per step (ms): step gap {gap:.3f} on the device; host " + ", ".join(
         f"{k} {v:.3f}" for k, v in host.items()) + f"; {steps:.0f} steps, the run's "
         f"{1000 * r['duration'] / max(steps, 1.0):.3f} ms per step", flush=True)
+    print(f"prefill node: {prefill[0]:.0f} steps, {prefill[1]:.1f} prompts per step, its steps "
+          f"{prefill[2]:.0%} of the run's time", flush=True)
     print("the tail: " + ", ".join(
         f"over {float(b) * 1e3:g} ms {node:.2%} of the decode node's steps, {sends:.2%} of its "
         f"intervals between sends, {router:.2%} of the router's gaps, {client:.2%} of the "
