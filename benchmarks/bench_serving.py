@@ -28,15 +28,11 @@ import json
 import os
 import pstats
 import re
-import resource
 import shlex
 import shutil
-import subprocess
 import sys
 import tempfile
-import threading
 import time
-import urllib.request
 from collections import Counter
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -44,6 +40,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "gpu"))
 
 from bench_prefix_cache import launch, run_bench  # noqa: E402
+from node_metrics import node_log_lines, snapshot  # noqa: E402
+from proc_probes import children_cpu, cpu_seconds, spy  # noqa: E402
 from pd.config import default_model_dir  # noqa: E402
 from pd.service import trace  # noqa: E402
 
@@ -278,16 +276,6 @@ def main() -> None:
         os.unlink(profile)
 
 
-def node_log_lines(since: dict[str, int]) -> list[str]:
-    """The lines the nodes' log files got past the given sizes: {path: bytes}."""
-    out = []
-    for path, size in since.items():
-        with open(path, errors="replace") as f:
-            f.seek(size)
-            out += f.readlines()
-    return out
-
-
 def print_slow(lines: list[str], top: int = 6) -> None:
     """The nodes' slow-step warnings of the measured run: how many per node, the slowest."""
     slow = [(float(m.group(2)), m.group(1), line[m.start():].strip()) for line in lines
@@ -312,84 +300,6 @@ def print_hops(hops: dict[str, list[float]]) -> None:
 
         print(f"  {name:42s} {q(0.5):7.2f} {q(0.9):7.2f} {q(0.99):7.2f} {1000 * s[-1]:7.2f}",
               flush=True)
-
-
-def children_cpu() -> float:
-    """CPU seconds of this process's children that have ended and been waited for (the pd bench
-    client processes, and py-spy's with --spy; not `pd launch`, which runs to the end)."""
-    r = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return r.ru_utime + r.ru_stime
-
-
-class Spy(threading.Thread):
-    """`delay` s from its start, records `seconds` of py-spy samples of one process; `summary`
-    holds what it found once joined."""
-
-    def __init__(self, exe: str, name: str, pid: int, seconds: float, delay: float,
-                 extra: list[str], focus: str) -> None:
-        super().__init__(daemon=True)
-        self.exe, self.name, self.pid, self.seconds, self.delay = exe, name, pid, seconds, delay
-        self.extra, self.focus = extra, focus
-        self.summary = ""
-
-    def run(self) -> None:
-        time.sleep(self.delay)
-        out = tempfile.mktemp(suffix=".txt")
-        run = subprocess.run([self.exe, "record", "-p", str(self.pid), "-d", str(max(1, round(self.seconds))),
-                              "-r", "250", "-f", "raw", "-o", out, "--threads",
-                              # NOTE: py-spy reads native stacks only from a paused process
-                              *([] if "--native" in self.extra else ["--nonblocking"]),
-                              *self.extra],
-                             capture_output=True, text=True)
-        found = (summarize_spy(out, max(1, round(self.seconds)) * 250, focus=self.focus)
-                 if os.path.exists(out) else run.stderr[-500:])
-        self.summary = f"py-spy {self.name}: {found}"
-
-
-def spy(seconds: float, pids: dict[str, int], delay: float = 3.0, extra: list[str] = (),
-        focus: str = "") -> list[Spy]:
-    exe = shutil.which("py-spy")
-    if exe is None:
-        print("--spy: py-spy is not on PATH; no samples", flush=True)
-        return []
-    spies = [Spy(exe, name, pid, seconds, delay, list(extra), focus) for name, pid in pids.items()]
-    for t in spies:
-        t.start()
-    return spies
-
-
-_OURS = re.compile(r"\((pd|kernels|router|prefill_node|decode_node)/")  # the project's frames
-
-
-def summarize_spy(path: str, possible: float, top: int = 18, focus: str = "") -> str:
-    """Busy share per thread, the frames with the most samples of their own, and the project's
-    functions with the most samples inside them (callees included) (py-spy raw); with `focus`,
-    also the frames with the most samples of their own under a frame naming it."""
-    own, inside, threads, compiling, total = Counter(), Counter(), Counter(), Counter(), 0
-    focused = Counter()
-    for line in open(path):
-        stack, n = line.rsplit(" ", 1)
-        frames = stack.split(";")
-        threads[frames[0]] += int(n)
-        own[frames[-1]] += int(n)
-        total += int(n)
-        if focus and any(focus in f for f in frames[:-1]):
-            focused[frames[-1]] += int(n)
-        ours = [f for f in frames[1:] if _OURS.search(f)]
-        for f in {f.rsplit(":", 1)[0] + ")" for f in ours}:
-            inside[f] += int(n)
-        if any("triton/compiler" in f or "triton/backends" in f for f in frames):
-            compiling[ours[-1] if ours else "?"] += int(n)
-    os.unlink(path)
-    lines = [f"{total} samples of {possible:.0f} per thread"]
-    lines += [f"  {n / possible:6.1%}  {name}" for name, n in threads.most_common(6)]
-    lines += [f"  {n / possible:6.1%}  own: {frame[:140]}" for frame, n in own.most_common(top)]
-    lines += [f"  {n / possible:6.1%}  inside: {frame[:140]}" for frame, n in inside.most_common(top)]
-    lines += [f"  {n / possible:6.1%}  own under {focus}: {frame[:140]}"
-              for frame, n in focused.most_common(top)]
-    lines += [f"  {n / possible:6.1%}  compiling Triton from: {frame[:140]}"
-              for frame, n in compiling.most_common(6)]
-    return "\n".join(lines)
 
 
 def engine_alone(args) -> tuple[float, float]:
@@ -428,55 +338,6 @@ def gaps(itls: list[list[float]]) -> str:
     one = max(itls, key=len) if itls else []
     return (f"{together:.0%} of the {len(flat)} gaps under 1 ms; one request's first gaps (ms): "
             + " ".join(f"{g * 1e3:.1f}" for g in one[:40]))
-
-
-def snapshot(lau) -> dict[tuple[str, str], float]:
-    """The nodes' and the router's histogram sums and counts and the decode node's host time by
-    phase, summed over the nodes of each role: {(role, name): value}; a phase is keyed
-    'phase="NAME"'."""
-    out: dict[tuple[str, str], float] = {}
-    for node_name, n in lau.nodes.items():
-        role = node_name.split("-")[0]
-        for key, value in node_sums(n["metrics"]).items():
-            out[(role, key)] = out.get((role, key), 0.0) + value
-    for key, value in node_sums(lau.url.split("//", 1)[1]).items():
-        out[("router", key)] = value
-    return out
-
-
-TAIL_BUCKETS = ("pd_time_to_first_token_seconds_bucket", "pd_inter_token_latency_seconds_bucket",
-                "pd_request_queue_time_seconds_bucket", "pd_router_first_token_nodes_seconds_bucket",
-                "pd_first_token_send_seconds_bucket", "pd_first_token_receive_seconds_bucket",
-                "pd_request_join_seconds_bucket", "pd_token_send_interval_seconds_bucket",
-                "pd_decode_step_gap_seconds_bucket")
-
-
-def node_sums(address: str) -> dict[str, float]:
-    """One node's (or the router's) histogram sums and counts, host time by phase and
-    step-duration buckets, from its /metrics at `address` (host:port): {name: value}, a phase
-    keyed 'phase="NAME"', a bucket 'step_le="BOUND"' (steps that took at most BOUND seconds),
-    and the `TAIL_BUCKETS`' buckets as 'NAME_le="BOUND"' (NAME without `_bucket`)."""
-    out: dict[str, float] = {}
-    for line in urllib.request.urlopen(f"http://{address}/metrics", timeout=10).read().decode().splitlines():
-        name, _, rest = line.partition("{")
-        if line.startswith("pd_decode_host_seconds_total{"):
-            key = 'phase="' + line.split('phase="', 1)[1].split('"', 1)[0] + '"'
-        elif name == "pd_step_duration_seconds_bucket":
-            key = 'step_le="' + line.split('le="', 1)[1].split('"', 1)[0] + '"'
-        elif name in TAIL_BUCKETS:
-            key = name[:-len("_bucket")] + '_le="' + line.split('le="', 1)[1].split('"', 1)[0] + '"'
-        elif name.endswith(("_sum", "_count")) and rest:
-            key = name
-        else:
-            continue
-        out[key] = out.get(key, 0.0) + float(line.rsplit(" ", 1)[1])
-    return out
-
-
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds of a live process and its threads (Linux /proc)."""
-    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 if __name__ == "__main__":

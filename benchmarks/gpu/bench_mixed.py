@@ -42,7 +42,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench_decode import LLAMA_1B  # noqa: E402
-from bench_serving import node_sums  # noqa: E402
+from node_metrics import node_sums  # noqa: E402
 
 from pd.service.client import NodeClient  # noqa: E402
 from pd.service.metrics import time_collections  # noqa: E402
