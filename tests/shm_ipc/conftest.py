@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from shm_ipc import cleanup
+from shm_ipc.receiver import KVReceiver
 from shm_ipc.segment import LINK, MAGIC, PREFIX, SEGMENT_HEADER, SHM_DIR, is_alive
 
 _counter = itertools.count()
@@ -50,3 +51,11 @@ def no_segment_left_behind():
 @pytest.fixture
 def seg_name() -> str:
     return f"{PREFIX}test_{os.getpid()}_{next(_counter)}"
+
+
+@pytest.fixture
+def rx():
+    """A KV receiver on a loopback TCP port (the transport tests' decode side)."""
+    r = KVReceiver("tcp://127.0.0.1:*", max_topk=20)
+    yield r
+    r.close()

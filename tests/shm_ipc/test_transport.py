@@ -15,38 +15,17 @@ import torch
 import zmq
 
 from shm_ipc import control, header, records
-from shm_ipc.doorbell import WakePipe, WakeWriter, encode_pos
+from shm_ipc.doorbell import encode_pos
 from shm_ipc.errors import TransportError
 from shm_ipc.header import Flag
-from shm_ipc.kv import install_kv, plan_chunks, unit_bytes
 from shm_ipc.metrics import refused_count
-from shm_ipc.receiver import KVReceiver, PeerGone
-from shm_ipc.records import AbortRecord, FirstTokenRecord, KVRecord, TokensRecord
+from shm_ipc.receiver import PeerGone
+from shm_ipc.records import AbortRecord, FirstTokenRecord, TokensRecord
 from shm_ipc.segment import SHM_DIR
 from shm_ipc.transport import Transport, choose_mode, is_local, make_transport
 
-from fence import Fence
+from linked import attached_ring, collect
 from shm_peer import spawn_peer
-
-
-@pytest.fixture
-def rx():
-    r = KVReceiver("tcp://127.0.0.1:*", max_topk=20)
-    yield r
-    r.close()
-
-
-def _collect(rx: KVReceiver, n: int, kv_dst=None, dst_ids=None, timeout: float = 20) -> list:
-    items, deadline = [], time.monotonic() + timeout
-    while len(items) < n:
-        assert time.monotonic() < deadline, f"only {len(items)} of {n} items arrived: {items}"
-        for inc in rx.recv(timeout=1.0):
-            if isinstance(inc.item, KVRecord):
-                install_kv(inc.item, kv_dst, dst_ids)  # before the next recv() reuses the ring
-                items.append(("kv", inc.item.layer_start, inc.item.block_start))
-            else:
-                items.append(inc.item)
-    return items
 
 
 @pytest.mark.parametrize("mode", ["shm", "zmq"])
@@ -80,7 +59,7 @@ def test_control_and_records_keep_their_order_and_kv_arrives_intact(rx, mode):
 
 def _check_order(rx, tx, mode, sender, sent, kv, dst, src_ids, dst_ids, first, toks):
     # 30 blocks x 1 KiB per layer > 16 KiB: one layer and 16 blocks per record, 10 records
-    got = _collect(rx, 5 + 10, dst, dst_ids)
+    got = collect(rx, 5 + 10, dst, dst_ids)
     sender.join()
     assert sent["chunks"] == 10
     assert got[:2] == [{"type": "hello", "version": 1}, first]
@@ -111,21 +90,11 @@ def test_malformed_messages_are_counted_and_the_reader_carries_on(rx):
     sock.send_multipart([b"", b"\0" * 7 + b"\1"])  # doorbell without a ring
     sock.send_multipart([header.to_bytes(header.pack(Flag.FIRST_TOKEN, 1)), body])  # short
     sock.send_multipart([header.to_bytes(header.pack(Flag.FIRST_TOKEN, 0)), body])  # valid
-    got = _collect(rx, 1)
+    got = collect(rx, 1)
     assert got == [FirstTokenRecord("r", 0, 0.0, 0, [])]
     for reason in before:
         assert refused_count(reason) == before[reason] + 1, reason
     sock.close(linger=0)
-
-
-def _attached_ring(rx: KVReceiver, name: str):
-    """A shm transport whose ring `rx` has attached."""
-    tx = make_transport(rx.endpoint, name, mode="shm", ring_bytes=64 << 10)
-    deadline = time.monotonic() + 10
-    while name.encode() not in rx.rings:
-        assert time.monotonic() < deadline, "the receiver never attached the ring"
-        rx.recv(timeout=0.1)
-    return tx
 
 
 def test_corrupt_ring_records_are_counted_and_the_reader_carries_on(rx):
@@ -135,7 +104,7 @@ def test_corrupt_ring_records_are_counted_and_the_reader_carries_on(rx):
     word, body = records.encode(good)
     reasons = ("reserved", "unknown_flag", "topk", "length", "malformed", "ring_length")
     before = {r: refused_count(r) for r in reasons}
-    tx = _attached_ring(rx, "p-corrupt")
+    tx = attached_ring(rx, "p-corrupt")
     try:
         ring = tx.ring
         ring.publish(word | 1 << 24, body)
@@ -149,7 +118,7 @@ def test_corrupt_ring_records_are_counted_and_the_reader_carries_on(rx):
         ring._words[start // 4 + 1] = 1 << 20  # a length running past what was published
         tx.socket.send_multipart([b"", encode_pos(ring.write_pos)])
         tx.send_record(good)
-        assert _collect(rx, 1) == [good]
+        assert collect(rx, 1) == [good]
     finally:
         tx.close()
     for r in reasons:
@@ -159,12 +128,12 @@ def test_corrupt_ring_records_are_counted_and_the_reader_carries_on(rx):
 def test_doorbell_past_the_published_position_reads_nothing_unpublished(rx):
     first, second = AbortRecord("r1", "a"), AbortRecord("r2", "b")
     before = {r: refused_count(r) for r in ("ring_position", "ring_length", "unknown_flag")}
-    tx = _attached_ring(rx, "p-lying-bell")
+    tx = attached_ring(rx, "p-lying-bell")
     try:
         tx.send_record(first)
         tx.socket.send_multipart([b"", encode_pos(tx.ring.write_pos + 4096)])
         tx.send_record(second)
-        assert _collect(rx, 2) == [first, second]
+        assert collect(rx, 2) == [first, second]
     finally:
         tx.close()
     assert refused_count("ring_position") == before["ring_position"] + 1
@@ -209,7 +178,7 @@ def test_idle_receiver_sleeps(rx):
     tx = make_transport(rx.endpoint, "p-idle", mode="shm", ring_bytes=1 << 16)
     try:
         tx.send_record(AbortRecord("r", "x"))
-        assert len(_collect(rx, 1)) == 1
+        assert len(collect(rx, 1)) == 1
         t0 = resource.getrusage(resource.RUSAGE_SELF)
         assert rx.recv(timeout=1.0) == []
         t1 = resource.getrusage(resource.RUSAGE_SELF)
@@ -227,11 +196,11 @@ def test_killed_prefill_process_is_reported_gone_then_reattaches(rx):
             proc = spawn_peer("tx", rx.endpoint, "p-crash", 5)  # same instance id both times
             procs.append(proc)
             assert proc.stdout.readline().strip() == "READY"
-            got = _collect(rx, 5)
+            got = collect(rx, 5)
             assert [r.req_id for r in got] == [f"req-p-crash-{i}" for i in range(5)]
             if round_ == 0:
                 proc.send_signal(signal.SIGKILL)
-                gone = _collect(rx, 1, timeout=10)
+                gone = collect(rx, 1, timeout=10)
                 assert isinstance(gone[0], PeerGone) and "died" in gone[0].reason
                 # the killed producer could not remove its ring: the consumer did
                 assert not set(os.listdir(SHM_DIR)) - before
@@ -263,79 +232,6 @@ def test_send_to_a_peer_taking_nothing_raises_instead_of_blocking(monkeypatch, m
     assert not t.is_alive(), "a send blocked"
     assert raised and "not taking messages" in str(raised[0])
     tx.close()  # does not block either
-
-
-def _woken_transport(rx: KVReceiver, name: str):
-    """A shm transport whose ring `rx` attached and which opened `rx`'s wake pipe."""
-    tx = _attached_ring(rx, name)
-    deadline = time.monotonic() + 10
-    while tx.waker is None:
-        assert time.monotonic() < deadline, "the transport never opened the wake pipe"
-        tx.recv_control(timeout=0.05)
-    return tx
-
-
-def test_wake_pipe_delivers_a_record_without_its_zmq_doorbell(rx):
-    rec = FirstTokenRecord("w", 3, -0.5, 1, [(3, -0.5)])
-    tx = _woken_transport(rx, "p-wake")
-    try:
-        word, body = records.encode(rec)
-        tx.waker.wake(tx.ring.publish(word, body))  # no ZMQ doorbell: the pipe alone
-        assert [i.item for i in rx.recv(timeout=5)] == [rec]
-    finally:
-        tx.close()
-
-
-def test_wake_pipe_never_lets_a_record_pass_a_control_message_sent_before_it(rx):
-    rec = FirstTokenRecord("w", 3, -0.5, 1, [(3, -0.5)])
-    msg = {"type": "hello", "version": 1}
-    tx = _woken_transport(rx, "p-wake-order")
-    try:
-        # The control message is counted and "on its way" (not yet sent) when the record is
-        # published and the pipe rung: the receiver must hold the record back.
-        before = tx.ring.write_pos
-        tx.ring.note_control()
-        word, body = records.encode(rec)
-        pos = tx.ring.publish(word, body)
-        tx.waker.wake(pos)
-        assert rx.recv(timeout=0.3) == []
-        tx.socket.send_multipart([control.encode(msg), encode_pos(before)])  # the late message
-        tx.socket.send_multipart([b"", encode_pos(pos)])  # and the record's ZMQ doorbell
-        assert _collect(rx, 2) == [msg, rec]
-        tx.send_record(rec)  # counts agree again: the pipe path reads at once
-        word, body = records.encode(rec)
-        tx.waker.wake(tx.ring.publish(word, body))
-        assert [i.item for i in rx.recv(timeout=5)] == [rec, rec]
-    finally:
-        tx.close()
-
-
-def test_wake_writer_refuses_what_is_not_a_fifo_and_outlives_its_reader(tmp_path):
-    plain = tmp_path / "plain"
-    plain.write_bytes(b"")
-    assert WakeWriter.open(str(plain), 1) is None  # never writes into a regular file
-    assert WakeWriter.open(str(tmp_path / "missing"), 1) is None
-    pipe = WakePipe()
-    writer = WakeWriter.open(pipe.path, 7)
-    for pos in (64, 192, 128):
-        writer.wake(pos)
-    assert pipe.drain() == {7: 192}
-    assert pipe.drain() == {}
-    pipe.close()
-    assert not os.path.exists(pipe.dir)
-    writer.wake(256)  # the reader is gone: no error, no signal
-    writer.close()
-
-
-def test_a_dead_processs_wake_pipe_is_swept_by_the_next_one():
-    child = spawn_peer("wakepipe")
-    path = child.stdout.readline().split()[1]
-    assert os.path.exists(path)
-    child.kill()  # SIGKILL: it cannot remove its pipe
-    child.wait()
-    child.stdout.close()
-    WakePipe().close()
-    assert not os.path.exists(os.path.dirname(path))
 
 
 def test_a_second_connection_with_a_peers_identity_does_not_take_its_place(rx):
@@ -378,116 +274,6 @@ def test_shm_links_are_named_with_nothing_usable(rx):
         other.close()
     finally:
         tx.close()
-
-
-def test_ring_records_held_one_by_one_go_back_as_each_copy_completes(rx):
-    """A KV record held from its own position (`hold(peer, fence, rec.ring_pos)`, as the decode
-    node does) gives its space back once its copy and those before it completed, while later
-    records stay held: the sender refills the ring while the later copies run."""
-    kv = torch.randn(2, 2, 12, 8, 2, 16, dtype=torch.bfloat16)
-    tx = make_transport(rx.endpoint, "p-one-by-one", mode="shm", ring_bytes=64 << 10,
-                        max_record_bytes=8 << 10)
-    try:
-        tx.send_kv("r", kv, list(range(12)))  # four records of two layers' halves
-        recs, deadline = [], time.monotonic() + 10
-        while len(recs) < 4:
-            assert time.monotonic() < deadline
-            recs += [i for i in rx.recv(timeout=0.2) if isinstance(i.item, KVRecord)]
-        peer = recs[0].peer
-        ring = rx.rings[peer]
-        positions = [i.item.ring_pos for i in recs]
-        assert positions == sorted(set(positions)) and len(positions) == 4
-        fences = [Fence() for _ in recs]
-        for pos, fence in zip(positions, fences):
-            rx.hold(peer, fence, pos)
-        rx.release()
-        assert ring.read_pos == positions[0]
-        fences[1].done = True  # out of order: the first still holds everything after it
-        rx.release()
-        assert ring.read_pos == positions[0]
-        fences[0].done = True
-        rx.release()
-        assert ring.read_pos == positions[2]  # the first two records' space is back
-        for fence in fences:
-            fence.done = True
-        rx.release()
-        assert ring.read_pos == ring.cursor and rx.num_held == 0
-    finally:
-        tx.close()
-
-
-def test_held_ring_records_stay_until_their_copies_complete(rx):
-    """`hold(peer, fence)` keeps the ring space of the last `recv()`'s records from that peer
-    until the fence completes (the decode node's copies on CUDA, which nothing waits for); the
-    sender, short of space, waits for it; the KV arrives intact."""
-    torch.manual_seed(2)
-    kv = torch.randn(4, 2, 40, 8, 2, 16, dtype=torch.bfloat16)
-    src_ids, dst_ids = list(range(39, 9, -1)), list(range(30))
-    dst = torch.zeros_like(kv)
-    tx = make_transport(rx.endpoint, "p-held", mode="shm", ring_bytes=64 << 10,
-                        max_record_bytes=16 << 10)
-    sender = threading.Thread(target=lambda: tx.send_kv("r", kv, src_ids))
-    sender.start()
-    # NOTE: every record, not until the sender returns: its last records may still be unread
-    expected = len(plan_chunks(kv.shape[0], len(src_ids), unit_bytes(kv), 16 << 10))
-    try:
-        fences, got, deadline = [], 0, time.monotonic() + 20
-        held_seen = False
-        while got < expected:
-            assert time.monotonic() < deadline
-            for f in fences:  # the copies of the batch before complete now
-                f.done = True
-            fences = []
-            batch = [i for i in rx.recv(timeout=0.2) if isinstance(i.item, KVRecord)]
-            if not batch:
-                continue
-            ring = rx.rings[batch[0].peer]
-            start = ring.read_pos  # released up to here by this recv(): the batch begins here
-            for inc in batch:
-                install_kv(inc.item, dst, dst_ids)
-                got += 1
-            fences.append(Fence())
-            rx.hold(batch[0].peer, fences[-1])
-            rx.release()
-            assert ring.read_pos == start < ring.cursor  # kept until the fence completes
-            held_seen = True
-        sender.join(timeout=20)
-        assert held_seen and torch.equal(dst[:, :, dst_ids], kv[:, :, src_ids])
-    finally:
-        tx.close()
-
-
-def test_a_kv_frame_buffer_is_taken_again_only_once_zmq_sent_it():
-    """`FrameBuffers`: the ZMQ transport's KV chunks go out without a copy, so a buffer whose
-    frame ZMQ has not sent yet is never handed out again; sent ones are, and idle ones are not
-    hoarded."""
-    import zmq
-
-    from shm_ipc.zmq_transport import FrameBuffers
-
-    ctx = zmq.Context()
-    tx, rx = ctx.socket(zmq.PAIR), ctx.socket(zmq.PAIR)
-    tx.bind("inproc://frames")
-    rx.connect("inproc://frames")
-    frames = FrameBuffers(pin=False, keep=2)
-    first = frames.take(100_000)
-    assert first.numel() >= 100_000
-    tracker = tx.send(memoryview(first.numpy()), copy=False, track=True)
-    frames.give(first, tracker)
-    held = rx.recv(copy=False)  # received but not released: the frame is still in use
-    second = frames.take(100_000)
-    assert second.data_ptr() != first.data_ptr()
-    del held
-    tracker.wait(5)
-    third = frames.take(50_000)
-    assert third.data_ptr() == first.data_ptr()  # sent: taken again
-    for buf in (second, third, frames.take(10), frames.take(10)):
-        frames.give(buf, None)
-    frames.take(1)
-    assert len(frames.idle) <= 2
-    tx.close()
-    rx.close()
-    ctx.term()
 
 
 def test_a_limited_read_leaves_the_rest_on_the_socket_in_order(rx):
