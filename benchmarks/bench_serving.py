@@ -7,6 +7,7 @@ metrics, so that the serving path can be held against the engine.
 
 A warm-up run comes first (--warmup prompts); the nodes' figures (decode step and batch, a
 request's way in, the decode loop's host time per step by phase, the device's step gap, the
+prefill node's steps (prompts per step, their share of the run's time), the
 share over 2.5 and 5 ms of the decode node's steps, of its intervals between sends, of the
 router's gaps and of the client's: where the inter-token tail comes from; the share of first tokens and of gaps over 100 ms as the client,
 the router and the prefill node saw them: where the far tail arises) are the measured run's
