@@ -15,7 +15,8 @@ accepted.
 from __future__ import annotations
 
 from pd.wire.sampling_params import MAX_LOGIT_BIAS, MAX_STRUCTURED_SPEC, MAX_TOP_LOGPROBS
-from router.protocol import CHAT_ROLES, MAX_CHOICES, MAX_STOP_STRINGS, MAX_TOOLS
+from router.chat_request import CHAT_ROLES, MAX_TOOLS
+from router.protocol import MAX_CHOICES, MAX_STOP_STRINGS
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 

@@ -1,4 +1,5 @@
-"""OpenAI request validation for `/v1/completions` and `/v1/chat/completions`.
+"""OpenAI request validation for `/v1/completions` and `/v1/chat/completions` (the chat
+request's own parts, its messages and tools, in `router.chat_request`).
 
 `decode_body(raw)` turns the request's bytes into JSON (400 for what is not JSON, nested past
 Python's recursion limit, or holds a string that is not Unicode: a lone surrogate escape).
@@ -25,11 +26,9 @@ from dataclasses import dataclass, field
 from pd.wire.sampling_params import MAX_LOGIT_BIAS, MAX_TOP_LOGPROBS, SamplingParams
 from router.errors import bad_param
 from router.structured import STRUCTURED_FIELDS, parse_structured
-from router.tool_calls import tool_choice_schema
 
 MAX_CHOICES = 128  # prompts x n in one request
 MAX_STOP_STRINGS = 16
-CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 _SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "presence_penalty",
                     "frequency_penalty", "repetition_penalty", "ignore_eos", "min_tokens")
 _COMMON = {"model", "max_tokens", "n", "stream", "stream_options", "stop", "stop_token_ids",
@@ -144,7 +143,7 @@ def _num(body: dict, name: str, lo: float, hi: float, *, lo_open: bool = False) 
         raise bad_param(name, f"must be in {'(' if lo_open else '['}{lo:g}, {hi:g}], got {v!r}")
 
 
-def _int(body: dict, name: str, lo: int, hi: int | None = None) -> int | None:
+def int_param(body: dict, name: str, lo: int, hi: int | None = None) -> int | None:
     v = body.get(name)
     if v is None:
         return None
@@ -157,7 +156,7 @@ def _int(body: dict, name: str, lo: int, hi: int | None = None) -> int | None:
     return v
 
 
-def _bool(body: dict, name: str) -> bool | None:
+def bool_param(body: dict, name: str) -> bool | None:
     v = body.get(name)
     if v is not None and not isinstance(v, bool):
         raise bad_param(name, f"must be a boolean, got {v!r}")
@@ -170,7 +169,7 @@ def _neutral(body: dict, name: str, *allowed) -> None:
         raise bad_param(name, f"is not supported by this server (got {v!r})", "unsupported")
 
 
-def _common(body: dict, allowed: set[str], endpoint: str) -> ApiRequest:
+def common_request(body: dict, allowed: set[str], endpoint: str) -> ApiRequest:
     if not isinstance(body, dict):
         raise bad_param("", "the request body must be a JSON object")
     model = body.get("model")
@@ -178,17 +177,17 @@ def _common(body: dict, allowed: set[str], endpoint: str) -> ApiRequest:
         raise bad_param("model", "must be a non-empty string (or left out: the served model)")
     req = ApiRequest(endpoint=endpoint, model=model, ignored=sorted(set(body) - allowed))
     # NOTE: 0 passes here; only echo takes it (`parse_completion`, `_check_tokens`)
-    req.max_tokens = _int(body, "max_tokens", 0)
-    req.n = _int(body, "n", 1, MAX_CHOICES) or 1
-    req.stream = bool(_bool(body, "stream"))
+    req.max_tokens = int_param(body, "max_tokens", 0)
+    req.n = int_param(body, "n", 1, MAX_CHOICES) or 1
+    req.stream = bool(bool_param(body, "stream"))
     opts = body.get("stream_options")
     if opts is not None:
         if not isinstance(opts, dict) or set(opts) - {"include_usage", "continuous_usage_stats"}:
             raise bad_param("stream_options", "must be an object with 'include_usage'")
         if not req.stream:
             raise bad_param("stream_options", "is only allowed when stream is true")
-        req.include_usage = bool(_bool(opts, "include_usage"))
-        req.continuous_usage = req.include_usage and bool(_bool(opts, "continuous_usage_stats"))
+        req.include_usage = bool(bool_param(opts, "include_usage"))
+        req.continuous_usage = req.include_usage and bool(bool_param(opts, "continuous_usage_stats"))
     stop = body.get("stop")
     if isinstance(stop, str):
         stop = [stop]
@@ -203,16 +202,16 @@ def _common(body: dict, allowed: set[str], endpoint: str) -> ApiRequest:
         if ids is None:
             raise bad_param("stop_token_ids", "must be a list of non-negative integers")
         req.stop_token_ids = ids
-    req.seed = _int(body, "seed", -(2**63), 2**63 - 1)
+    req.seed = int_param(body, "seed", -(2**63), 2**63 - 1)
     _num(body, "temperature", 0.0, math.inf)
     _num(body, "top_p", 0.0, 1.0, lo_open=True)
-    ints = {"top_k": _int(body, "top_k", -1)}
+    ints = {"top_k": int_param(body, "top_k", -1)}
     _num(body, "min_p", 0.0, 1.0)
     _num(body, "presence_penalty", -2.0, 2.0)
     _num(body, "frequency_penalty", -2.0, 2.0)
     _num(body, "repetition_penalty", 0.0, math.inf, lo_open=True)
-    _bool(body, "ignore_eos")
-    ints["min_tokens"] = _int(body, "min_tokens", 0)
+    bool_param(body, "ignore_eos")
+    ints["min_tokens"] = int_param(body, "min_tokens", 0)
     req.sampling = {k: ints.get(k, body[k]) for k in _SAMPLING_FIELDS if body.get(k) is not None}
     user = body.get("user")
     if user is not None and not isinstance(user, str):
@@ -241,7 +240,7 @@ def _logit_bias(v) -> tuple[tuple[int, float], ...]:
     return tuple(pairs)
 
 
-def _check_tokens(req: ApiRequest, max_tokens_name: str) -> None:
+def check_tokens(req: ApiRequest, max_tokens_name: str) -> None:
     if req.max_tokens == 0 and not req.echo:
         raise bad_param(max_tokens_name, "must be >= 1 (0 only with echo: the prompt alone)")
     min_tokens = req.sampling.get("min_tokens", 0)
@@ -252,7 +251,7 @@ def _check_tokens(req: ApiRequest, max_tokens_name: str) -> None:
 
 
 def parse_completion(body: dict) -> ApiRequest:
-    req = _common(body, COMPLETION_FIELDS, "completions")
+    req = common_request(body, COMPLETION_FIELDS, "completions")
     if req.max_tokens is None and "max_tokens" not in body:
         req.max_tokens = 16  # the OpenAI default for completions
     prompt = body.get("prompt")
@@ -270,137 +269,12 @@ def parse_completion(body: dict) -> ApiRequest:
                                       "list of non-negative token ids")
         prompts.append(p)
     req.prompts = prompts
-    lp = _int(body, "logprobs", 0, MAX_TOP_LOGPROBS)
+    lp = int_param(body, "logprobs", 0, MAX_TOP_LOGPROBS)
     req.logprobs = lp
-    req.echo = bool(_bool(body, "echo"))
+    req.echo = bool(bool_param(body, "echo"))
     _neutral(body, "suffix", "")
-    best_of = _int(body, "best_of", 1)
+    best_of = int_param(body, "best_of", 1)
     if best_of is not None and best_of != req.n:
         raise bad_param("best_of", "must equal n (best_of > n is not supported)", "unsupported")
-    _check_tokens(req, "max_tokens")
-    return req
-
-
-def _message(i: int, m) -> dict:
-    where = f"messages[{i}]"
-    if not isinstance(m, dict):
-        raise bad_param("messages", f"{where} must be an object")
-    role = m.get("role")
-    if role not in CHAT_ROLES:
-        raise bad_param("messages", f"{where}.role must be one of {', '.join(CHAT_ROLES)}, "
-                                    f"got {role!r}")
-    content = m.get("content")
-    if isinstance(content, list):
-        parts = []
-        for part in content:
-            if not (isinstance(part, dict) and part.get("type") == "text"
-                    and isinstance(part.get("text"), str)):
-                raise bad_param("messages", f"{where}.content parts must be "
-                                            f"{{'type': 'text', 'text': str}}")
-            parts.append(part["text"])
-        content = "".join(parts)
-    elif content is None and role == "assistant":
-        content = ""
-    if not isinstance(content, str):
-        raise bad_param("messages", f"{where}.content must be a string or a list of text parts")
-    out = {"role": role, "content": content}
-    if isinstance(m.get("name"), str):
-        out["name"] = m["name"]
-    if role == "assistant" and m.get("tool_calls") is not None:
-        out["tool_calls"] = _history_calls(where, m["tool_calls"])
-    if role == "tool" and m.get("tool_call_id") is not None:
-        if not isinstance(m["tool_call_id"], str):
-            raise bad_param("messages", f"{where}.tool_call_id must be a string")
-        out["tool_call_id"] = m["tool_call_id"]
-    return out
-
-
-MAX_TOOLS = 128
-
-
-def _tools(v) -> list[dict] | None:
-    """OpenAI function tools, as the chat template receives them; None for none."""
-    if v is None or v == []:
-        return None
-    if not isinstance(v, list) or len(v) > MAX_TOOLS:
-        raise bad_param("tools", f"must be a list of at most {MAX_TOOLS} tools")
-    out = []
-    for i, t in enumerate(v):
-        f = t.get("function") if isinstance(t, dict) else None
-        if not (isinstance(t, dict) and t.get("type") == "function" and isinstance(f, dict)
-                and isinstance(f.get("name"), str) and f["name"]
-                and isinstance(f.get("parameters", {}), dict)
-                and isinstance(f.get("description", ""), str)):
-            raise bad_param("tools", f"tools[{i}] must be {{'type': 'function', 'function': "
-                                     f"{{'name': str, 'description': str, 'parameters': object}}}}")
-        out.append({"type": "function", "function": {
-            k: f[k] for k in ("name", "description", "parameters") if k in f}})
-    return out
-
-
-def _tool_choice(v, tools: list[dict] | None) -> str:
-    """none, auto, required, or "function:<name>" for the function a {"type": "function",
-    "function": {"name": ...}} choice forces (one of the tools)."""
-    if v is None:
-        return "auto" if tools else "none"
-    if v == "none" or (v in ("auto", "required") and tools):
-        return v
-    if isinstance(v, dict) and tools:
-        f = v.get("function")
-        name = f.get("name") if v.get("type") == "function" and isinstance(f, dict) else None
-        if name not in {t["function"]["name"] for t in tools}:
-            raise bad_param("tool_choice", "a named choice must be {'type': 'function', "
-                                           "'function': {'name': <one of the tools>}}")
-        return f"function:{name}"
-    raise bad_param("tool_choice", f"must be none, auto, required or a named function (the "
-                                   f"last three with tools), got {v!r:.40}")
-
-
-def _history_calls(where: str, calls) -> list[dict]:
-    """An assistant message's earlier tool calls, arguments as objects for the template."""
-    if not isinstance(calls, list):
-        raise bad_param("messages", f"{where}.tool_calls must be a list")
-    out = []
-    for call in calls:
-        f = call.get("function") if isinstance(call, dict) else None
-        if not (isinstance(f, dict) and isinstance(f.get("name"), str)
-                and isinstance(f.get("arguments", "{}"), str)):
-            raise bad_param("messages", f"{where}.tool_calls entries must be {{'id': str, "
-                                        f"'type': 'function', 'function': {{'name': str, "
-                                        f"'arguments': str}}}}")
-        try:
-            args = json.loads(f.get("arguments", "{}"))
-        except ValueError:
-            args = f["arguments"]
-        out.append({"id": call.get("id"), "type": "function",
-                    "function": {"name": f["name"], "arguments": args}})
-    return out
-
-
-def parse_chat(body: dict) -> ApiRequest:
-    req = _common(body, CHAT_FIELDS, "chat")
-    mct = _int(body, "max_completion_tokens", 1)
-    if mct is not None:
-        req.max_tokens = mct
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise bad_param("messages", "is required and must be a non-empty list")
-    req.messages = [_message(i, m) for i, m in enumerate(messages)]
-    want = _bool(body, "logprobs")
-    top = _int(body, "top_logprobs", 0, MAX_TOP_LOGPROBS)
-    if top is not None and not want:
-        raise bad_param("top_logprobs", "requires logprobs to be true")
-    req.logprobs = (top or 0) if want else None
-    req.tools = _tools(body.get("tools"))
-    req.tool_choice = _tool_choice(body.get("tool_choice"), req.tools)
-    parallel = _bool(body, "parallel_tool_calls")
-    if req.tool_choice not in ("none", "auto"):
-        if "structured_output" in req.sampling:
-            raise bad_param("tool_choice", "a forced tool choice constrains the reply itself: it "
-                                           "cannot be combined with another structured output")
-        # NOTE: compact JSON (no free whitespace): a model may otherwise pad the calls with
-        # whitespace until max_tokens and never close them
-        schema = tool_choice_schema(req.tools, req.tool_choice, parallel is not False)
-        req.sampling["structured_output"] = ("json_compact", json.dumps(schema, ensure_ascii=False))
-    _check_tokens(req, "max_completion_tokens")
+    check_tokens(req, "max_tokens")
     return req

@@ -29,7 +29,8 @@ from router.config import ServerConfig
 from router.errors import APIError, bad_param, model_not_found, unauthorized
 from router.metrics import CONTENT_TYPE_LATEST, RouterMetrics
 from router.openapi import openapi_document
-from router.protocol import decode_body, parse_chat, parse_completion
+from router.chat_request import parse_chat
+from router.protocol import decode_body, parse_completion
 from router.responses import dumps
 
 log = logging.getLogger(__name__)

@@ -124,7 +124,8 @@ def test_completion_top_logprobs_hold_the_sampled_token():
     ({"structured_outputs": {"json_object": True}}, ("json_object", "")),
 ])
 def test_structured_output_fields_become_one_spec(body, spec):
-    from router.protocol import parse_chat, parse_completion
+    from router.chat_request import parse_chat
+    from router.protocol import parse_completion
 
     for req in (parse_completion({"prompt": "x", **body}),
                 parse_chat({"messages": [{"role": "user", "content": "x"}], **body})):

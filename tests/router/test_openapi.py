@@ -7,7 +7,8 @@ import jsonschema
 import pytest
 
 from router.openapi import openapi_document
-from router.protocol import CHAT_FIELDS, COMPLETION_FIELDS, parse_chat, parse_completion
+from router.chat_request import parse_chat
+from router.protocol import CHAT_FIELDS, COMPLETION_FIELDS, parse_completion
 from tests.router.conftest import MODEL, ScriptedBackend, echo_script
 
 DOC = openapi_document(MODEL, max_model_len=256, vocab_size=512)
