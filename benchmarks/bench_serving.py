@@ -181,8 +181,8 @@ def main() -> None:
         steps = delta("decode", "pd_batch_size_count")
         # the prefill node's share of the GPU it shares with the decode node: its steps (each
         # reads every weight once), prompts per step, and their wall time per second of the run
-        prefill = (delta("prefill", "pd_batch_size_count"),
-                   delta("prefill", "pd_batch_size_sum") / max(delta("prefill", "pd_batch_size_count"), 1.0),
+        prefill_steps = delta("prefill", "pd_batch_size_count")
+        prefill = (prefill_steps, delta("prefill", "pd_batch_size_sum") / max(prefill_steps, 1.0),
                    delta("prefill", "pd_step_duration_seconds_sum") / wall)
         host = {k[1].split('"')[1]: 1000 * delta(*k) / max(steps, 1.0)
                 for k in last if k[0] == "decode" and k[1].startswith("phase=")}
