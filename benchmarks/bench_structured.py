@@ -6,12 +6,15 @@ tokenizer padded to that many ids made each grammar walk cost 20 us instead of 1
 
     python benchmarks/bench_structured.py [--device cuda] [--synthetic-1b] [--batch 1 32]
                                           [--max-tokens 128] [--repeats 3]
-                                          [--grammars none regex json]
+                                          [--grammars none regex json json-masked]
 
-A grammar's mask is filled on the host per request per step and applied by the sampler, and
-the overlap loop waits for each step's tokens before the next mask (its forward runs
-meanwhile): the table shows that cost beside the plain rate, and the wall time per step with the
-decode loop's host time per step by phase. Timings only, no assertions; best of `--repeats`.
+Greedy rows check each token against the grammar after sampling (the step runs as a plain
+one) and sample under the mask only where a token was refused ("taken back": the refusals per
+1000 tokens); the `-masked` rows (PD_CHECKED_GRAMMAR=0) fill each mask on the host per request
+per step for the sampler, the overlap loop waiting for each step's tokens before the next mask
+(its forward runs meanwhile). The table shows the cost beside the plain rate, and the wall time
+per step with the decode loop's host time per step by phase. Timings only, no assertions;
+best of `--repeats`.
 """
 
 from __future__ import annotations
@@ -33,6 +36,9 @@ SCHEMA = {"type": "object", "properties": {
     "size": {"type": "integer"}}, "required": ["name", "tags", "size"]}
 SPECS = {"none": None, "regex": ("regex", "[a-z0-9 ,.()=+]+"),
          "json": ("json", json.dumps(SCHEMA))}
+# the same grammars with every token sampled under its mask (PD_CHECKED_GRAMMAR=0), where the
+# rows above check greedy tokens after sampling (`pd.engine.grammar.CheckedSampling`)
+SPECS.update({f"{k}-masked": v for k, v in list(SPECS.items()) if v is not None})
 PHASES = ("schedule", "launch", "wait", "process")
 
 
@@ -61,11 +67,12 @@ def main() -> None:
     # the decode loop's host time per step by phase (`pd.engine.loop_stats.HostTimes`), in us
     host = llm.engine.loop.times
     print(f"{'batch':>5} {'grammar':>12} {'tokens':>7} {'seconds':>8} {'tok/s':>9} {'vs none':>8} "
-          f"{'us/step':>7} " + " ".join(f"{k:>8}" for k in PHASES))
+          f"{'us/step':>7} " + " ".join(f"{k:>8}" for k in PHASES) + f" {'back/1k':>7}")
     for batch in args.batch:
         base = None
         for name in args.grammars:
             spec = SPECS[name]
+            os.environ["PD_CHECKED_GRAMMAR"] = "0" if name.endswith("-masked") else "1"
             # NOTE: min_tokens keeps every request going as long (a grammar may let EOS in early)
             params = SamplingParams(max_tokens=args.max_tokens, min_tokens=args.max_tokens,
                                     temperature=0.0, structured_output=spec)
@@ -75,20 +82,21 @@ def main() -> None:
                                                        structured_output=spec))
             best = None
             for _ in range(args.repeats):
-                before = dict(host.total)
+                before, back = dict(host.total), llm.engine.loop.num_taken_back
                 start = time.perf_counter()
                 outs = llm.generate(batch_prompts, params)
                 secs = time.perf_counter() - start
                 tokens = sum(len(o.token_ids) for o in outs)
                 phases = {k: (host.total[k] - before[k]) / args.max_tokens * 1e6 for k in PHASES}
+                back = (llm.engine.loop.num_taken_back - back) / tokens * 1000
                 if best is None or tokens / secs > best[0] / best[1]:
-                    best = (tokens, secs, phases)
+                    best = (tokens, secs, phases, back)
             tps = best[0] / best[1]
             base = base or tps
             step_us = best[1] / args.max_tokens * 1e6
             print(f"{batch:>5} {name:>12} {best[0]:>7} {best[1]:>8.3f} {tps:>9.0f} "
                   f"{tps / base:>7.2f}x {step_us:>7.0f} "
-                  + " ".join(f"{best[2][k]:>8.0f}" for k in PHASES))
+                  + " ".join(f"{best[2][k]:>8.0f}" for k in PHASES) + f" {best[3]:>7.1f}")
 
 
 if __name__ == "__main__":

@@ -75,8 +75,8 @@ TAIL=8 step mtp_device_time python3 benchmarks/gpu/profile_mtp.py --k 3 --batch 
 TAIL=8 step skinny_prologues python3 benchmarks/gpu/bench_skinny.py --prologues --rows 1 4
 TAIL=8 step mtp_no_prologue env PD_PROLOGUE=0 python3 benchmarks/bench_mtp.py --device cuda \
     --ks 0,3 --max-tokens 256 --repeats 3 --logprobs off --overlap on
-TAIL=7 step structured python3 benchmarks/bench_structured.py --device cuda --synthetic-1b \
-    --batch 1 32 --max-tokens 128 --repeats 2
+TAIL=13 step structured python3 benchmarks/bench_structured.py --device cuda --synthetic-1b \
+    --batch 1 32 --max-tokens 128 --repeats 2 --grammars none json json-masked regex regex-masked
 fi
 if [[ $PART == all || $PART == 4 ]]; then  # prefix caching through pd launch
 TAIL=5 step host_step python3 benchmarks/bench_host_step.py

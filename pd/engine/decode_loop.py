@@ -52,6 +52,9 @@ from pd.engine.step_inputs import ForwardInput
 log = logging.getLogger(__name__)
 
 ENV_DISABLE = "PD_DISABLE_OVERLAP"
+# a step's decoding rows with grammars from which the next step checks greedy ones after
+# sampling rather than masks them (`DecodeLoop.grammar_modes`)
+CHECK_FROM_ROWS = 16
 
 
 def overlap_disabled_by_env(environ) -> bool:
@@ -97,6 +100,8 @@ class DecodeLoop(SpecSteps):
         self.num_syncs = 0  # overlap steps that had to wait for the previous one first
         self.num_ahead = 0  # steps launched while the previous one was still unprocessed
         self.num_deferred = 0  # of those, steps whose sampler waited for the previous one's tokens
+        self.num_taken_back = 0  # tokens a grammar checked after sampling refused (`take_back`)
+        self.checking = False  # grammars checked after sampling, not masked (`grammar_modes`)
         self.batch_size = 0  # requests in the step launched last (0: none)
         self.times = HostTimes()
 
@@ -135,6 +140,7 @@ class DecodeLoop(SpecSteps):
             # NOTE: step N+1 is already queued behind step N; only now does the host wait for N.
             self.num_ahead += cur is not None
             if defer and cur is not None and any(cur.batch.reqs[i].grammar is not None
+                                                 and cur.batch.reqs[i].grammar.masks_now
                                                  for i in cur.inp.sample_reqs):
                 masks = self.runner.mask_buffer(len(cur.inp.sample_reqs))
             emitted += self.process(last, cur, masks)
@@ -166,13 +172,17 @@ class DecodeLoop(SpecSteps):
         """Whether step N+1 can be scheduled before step N's tokens are on the host (its
         blocks are there without preempting), and whether its sampler needs them there first
         (a request's penalties or grammar): then only its forward can go ahead."""
-        need, host_tokens = 0, False
+        need, host_tokens, checking = 0, False, self.checking
         # NOTE: per request every step: locals, no property or method calls (`blocks_needed`)
         members, rows, bs = last.members, last.rows, self.scheduler.block_size
         for req in self.scheduler.running:
             row = members.get(req, -1)
             pending = row >= 0 and rows[row] >= 0
-            if pending and req.params.needs_host_tokens:
+            # NOTE: a grammar checked after sampling needs no token on the host first, unless
+            # a refusal asked for masked steps (`CheckedSampling`)
+            if pending and req.params.needs_host_tokens and (
+                    req.grammar is None or req.grammar.checked is None or not checking
+                    or req.grammar.checked.masked_left > 0):
                 host_tokens = True
             more = -(-(len(req.token_ids) + pending) // bs) - len(req.block_ids)
             if more > 0:
@@ -192,6 +202,7 @@ class DecodeLoop(SpecSteps):
         mml = self.max_model_len
         done = frozenset(r for r in pending if len(r.token_ids) >= mml or len(r.token_ids)
                          - len(r.prompt_token_ids) >= r.params.max_tokens)
+
         preemptions = self.scheduler.num_preemptions
         try:
             t = time.perf_counter()
@@ -202,6 +213,7 @@ class DecodeLoop(SpecSteps):
                 return None
             if last is not None and self.scheduler.num_preemptions != preemptions:
                 raise RuntimeError("a step preempted while another was in flight")
+            self.grammar_modes(batch)
             prev = last.out if last else None
             inp, out = (self.executor.launch(self.runner, batch, prev, defer=True) if defer
                         else self.executor.launch(self.runner, batch, prev))
@@ -252,11 +264,15 @@ class DecodeLoop(SpecSteps):
         if f.inp.rows:
             plain = f.out.logprobs_cpu is None  # no request asked for logprobs
             sampled = self.unpack(f)
-            self.walk_grammars(f, sampled if plain else [s[0] for s in sampled], nxt, masks)
+            refused = self.walk_grammars(f, sampled if plain else [s[0] for s in sampled], nxt,
+                                         masks)
             for row, i in enumerate(f.rows):
                 if i < 0:
                     continue  # invalid slot: the request ended after this step was launched
                 req = f.batch.reqs[i]
+                if refused and req in refused:
+                    self.take_back(req, nxt)
+                    continue
                 if not plain:
                     req.append_token(*sampled[row])
                 elif req.grammar is None:
@@ -282,23 +298,59 @@ class DecodeLoop(SpecSteps):
 
     @staticmethod
     def walk_grammars(f: InFlight, token_ids: list[int], nxt: InFlight | None,
-                      masks) -> None:
+                      masks) -> list[Req]:
         """The grammar work of step f's tokens, at once on several threads (`step_masks`):
         each request's grammar walks its new token (which appending it then takes), then, with
-        `masks`, fills its mask of nxt's row."""
+        `masks`, fills its mask of nxt's row where nxt samples it masked. Returns the requests
+        whose token a grammar checked after sampling refused (`take_back`)."""
         tokens = {}
         for row, i in enumerate(f.rows):
             if i >= 0 and f.batch.reqs[i].grammar is not None:
                 tokens[f.batch.reqs[i]] = token_ids[row]
+        if not tokens and masks is None:
+            return []
+        walkers = list(tokens)
         jobs = []
         if masks is not None:
             for j, i in enumerate(nxt.inp.sample_reqs):
                 req = nxt.batch.reqs[i]
-                if req.grammar is not None:
+                if req.grammar is not None and req.grammar.masks_now:
                     jobs.append((req.grammar, tokens.pop(req, None), j))
         jobs += [(req.grammar, token, None) for req, token in tokens.items()]
-        if len(jobs) > 1 or masks is not None:
-            step_masks(jobs, masks)
+        step_masks(jobs, masks)
+        return [r for r in walkers if r.grammar.checked is not None and r.grammar.checked.refused]
+
+    def grammar_modes(self, batch: ScheduledBatch) -> None:
+        """Each decoding row's grammar that may be checked after sampling
+        (`CheckedSampling`): checked this step or masked (`CheckedSampling.launch`). The loop
+        checks them where the step before had `CHECK_FROM_ROWS` or more: then their masks, on
+        the host every step, do not fit beside the forward (inside JSON strings over a 128k
+        vocabulary, 60-150 us each), while a few requests' masks do and cost nothing (on the
+        H100, JSON at batch 8: 0.86-0.97x masked). The mode is the step before's so that `can_predict`, which runs before this step is scheduled,
+        knew it: a row masked in a step launched ahead needs its token before on the host
+        first (the step's sampler is deferred). A masked row makes the runner build the
+        step's rows anew (not the last graphed step's)."""
+        checking, masked, rows = self.checking, False, 0
+        for i, req in enumerate(batch.reqs):
+            grammar = req.grammar
+            if (grammar is not None and grammar.checked is not None and batch.samples(i)
+                    and len(req.token_ids) > len(req.prompt_token_ids)):
+                masked |= grammar.checked.launch(checking)
+                rows += 1
+        self.checking = rows >= CHECK_FROM_ROWS
+        if masked:
+            self.runner.graphed_rows = ([], None)
+
+    def take_back(self, req: Req, nxt: InFlight | None) -> None:
+        """A token the request's grammar refused (checked after sampling): it is dropped, the
+        request's slot in `nxt` (launched with that token as its input) is discarded, and its
+        position is computed again, sampled under the mask (`CheckedSampling.take_back`)."""
+        req.grammar.checked.take_back()
+        if nxt is not None and nxt.members.get(req, -1) >= 0:
+            nxt.rows[nxt.members[req]] = -1
+            nxt.members[req] = -1
+        req.num_computed_tokens = len(req.token_ids) - 1
+        self.num_taken_back += 1
 
     def unpack(self, f: InFlight) -> list[SampledToken] | list[int]:
         """Step f's sampled tokens by row: their ids alone when no row asked for logprobs."""

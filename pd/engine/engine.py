@@ -20,13 +20,14 @@ import numpy as np
 
 from pd.engine.allocator import BlockAllocator
 from pd.engine.decode_loop import DecodeLoop
-from pd.engine.grammar import Grammars
+from pd.engine.grammar import Grammars, checked_grammars
 from pd.engine.prefix import PrefixCache
 from pd.config import EngineConfig
 from pd.wire.geometry import geometry
 from pd.spec.mtp import MTPDrafter
 from pd.engine.request import Req
 from pd.engine.runner import ModelRunner
+from pd.engine.sampler import GREEDY_EPS
 from pd.wire.sampling_params import SamplingParams
 from pd.engine.scheduler import Scheduler
 from pd.spec.verify import SpecDecoder
@@ -87,8 +88,14 @@ class Engine:
     def bind_grammar(self, req: Req) -> None:
         """Give a request with structured output its grammar's matcher (before any output token
         is appended); `GrammarError` (a ValueError) for a spec that does not compile."""
-        if req.params.structured_output is not None:
-            req.grammar = self.grammars.matcher(req.params.structured_output)
+        params = req.params
+        if params.structured_output is not None:
+            # greedy rows of the plain decode loop are checked after sampling, not masked
+            # (`pd.engine.grammar.CheckedSampling`); MTP's steps mask their drafts' positions
+            checked = (self.spec is None and params.temperature < GREEDY_EPS
+                       and params.logprobs is None and not params.has_penalties
+                       and not params.logit_bias and checked_grammars(os.environ))
+            req.grammar = self.grammars.matcher(params.structured_output, checked)
 
     @property
     def max_model_len(self) -> int:

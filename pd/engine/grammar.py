@@ -64,16 +64,95 @@ def _choice_grammar(spec: str) -> str:
     return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
 
 
+ENV_CHECKED = "PD_CHECKED_GRAMMAR"
+
+
+def checked_grammars(environ) -> bool:
+    """PD_CHECKED_GRAMMAR: 0/false/no/off samples every grammar row under its mask; 1/true/
+    yes/on or unset lets the decode loop check greedy rows after sampling (`CheckedSampling`)."""
+    value = environ.get(ENV_CHECKED, "").strip().lower()
+    if value in ("", "1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"{ENV_CHECKED}={environ[ENV_CHECKED]!r}: expected 1/0, true/false, yes/no "
+                     f"or on/off")
+
+
+class CheckedSampling:
+    """A greedy request's grammar checked after sampling rather than masked before, where a
+    step has many such requests (`DecodeLoop.grammar_modes`): the decode loop samples its row
+    without the mask (the step is then a plain one: graphed, the argmax in the graph, nothing
+    for the host to wait for) and walks the token; the grammar refusing it, the loop takes it
+    back (`DecodeLoop.take_back`: the token is dropped, the row's slot in the step launched
+    after it is discarded, the position is computed again) and the row's next steps sample
+    masked. Lossless: where the grammar allows the argmax of the logits, that is the
+    argmax of the masked logits too (ties: the lowest id, either way). Worth it where masks
+    cost more than the rare step taken back: inside a JSON string nearly every token is
+    allowed, and a mask over 128k tokens takes 60-150 us of host against 2-30 us elsewhere.
+    After a refusal `masked_left` steps sample masked: 1, doubled by each refusal up to
+    `MAX_MASKED`, back to 1 after `CALM` tokens past the masked run without one (a model that
+    keeps leaving the grammar pays a masked step, not a taken-back one, for most tokens)."""
+
+    MAX_MASKED = 32
+    CALM = 16
+
+    __slots__ = ("masked", "masked_left", "backoff", "streak", "last_run", "refused",
+                 "_refused_at", "taken_back")
+
+    def __init__(self) -> None:
+        self.masked = True  # how the row was sampled in the step launched last (`launch`)
+        self.masked_left = 0  # steps still to sample masked
+        self.backoff = 1  # masked steps the next refusal asks for
+        self.streak = 0  # tokens accepted since the last refusal
+        self.last_run = 0  # the masked steps the last refusal asked for
+        self.refused = False  # a refused token the loop has not taken back yet
+        self._refused_at = -1  # the matcher's position at the last refusal
+        self.taken_back = 0  # refusals, for tests and benchmarks
+
+    def launch(self, checking: bool) -> bool:
+        """The row's mode in a step being launched, masked (True) or checked after: masked
+        unless the loop is `checking` its grammars and no refusal asks for masked steps."""
+        self.masked = not checking or self.masked_left > 0
+        if checking and self.masked:
+            self.masked_left -= 1
+        return self.masked
+
+    def refuse(self, position: int) -> bool:
+        """A walk refused at the matcher's `position` (tokens it accepted): True where the
+        loop takes the token back; False at a position refused before (the masked step after
+        it sampled a token the grammar refuses too: its mask allowed none), which ends the
+        request as a refusal without checking does."""
+        if position == self._refused_at:
+            return False
+        self._refused_at = position
+        self.refused = True
+        return True
+
+    def take_back(self) -> None:
+        """The loop took the refused token back: the next steps sample masked."""
+        self.refused = False
+        self.taken_back += 1
+        if self.streak - self.last_run >= self.CALM:
+            self.backoff = 1
+        self.masked_left = self.last_run = self.backoff
+        self.backoff = min(2 * self.backoff, self.MAX_MASKED)
+        self.streak = 0
+
+
 class GrammarState:
     """One request's matcher (see the module docstring)."""
 
-    def __init__(self, matcher, vocab_size: int) -> None:
+    def __init__(self, matcher, vocab_size: int, checked: bool = False) -> None:
         self._m = matcher
         self.num_words = -(-vocab_size // 32)
         self.failed = False  # a token the grammar refused was appended: the request ends
         # tokens walked by `walk` ahead of their `accept`, each with what the matcher said
         # (None: the state was terminated, nothing walked)
         self._walked: deque[tuple[int, bool | None]] = deque()
+        # checked sampling (see `CheckedSampling`): None where every token is sampled masked
+        self.checked = CheckedSampling() if checked else None
+        self._position = 0  # tokens the matcher accepted (for `CheckedSampling.refuse`)
 
     @property
     def terminated(self) -> bool:
@@ -94,6 +173,7 @@ class GrammarState:
         if self.terminated:
             return False
         ok = self._m.accept_token(token)
+        self._position += ok
         if not ok:
             self.failed = True
             log.warning("structured output: the grammar refused token %d; the request ends", token)
@@ -106,10 +186,23 @@ class GrammarState:
 
     def walked(self, token: int, ok: bool | None) -> None:
         """Record a walk of `token` the matcher made (`ok`: what it said; None: not made,
-        the state was terminated)."""
+        the state was terminated). Under checked sampling a refused token is not recorded:
+        `CheckedSampling.refused` is set, and the decode loop takes the token back."""
         if ok is False:
+            if self.checked is not None and self.checked.refuse(self._position):
+                return
             self.failed = True
+        elif ok:
+            self._position += 1
+            if self.checked is not None:
+                self.checked.streak += 1
         self._walked.append((token, ok))
+
+    @property
+    def masks_now(self) -> bool:
+        """Whether the step launched last samples this request under its mask."""
+        return self.checked is None or self.checked.masked
+
 
     def _unwalk(self, popped: list) -> None:
         """Undo every walk not taken (an accept of another token: not what the decode loop
@@ -119,6 +212,7 @@ class GrammarState:
         walked = sum(ok is True for _, ok in popped)
         if walked:
             self._m.rollback(walked)
+            self._position -= walked
         if any(ok is False for _, ok in popped):
             self.failed = False  # set by the refused walk, on a state that was not terminated
 
@@ -152,7 +246,8 @@ class GrammarState:
         return masks + [masks[-1]] * (num - len(masks))
 
 
-WORKERS = min(8, os.cpu_count() or 1)  # threads a step's masks may be filled on, at most
+# threads a step's masks may be filled on, at most (PD_GRAMMAR_THREADS overrides)
+WORKERS = max(1, int(os.environ.get("PD_GRAMMAR_THREADS", 0)) or min(8, os.cpu_count() or 1))
 # the mask filling (seconds) that pays for one more thread: a part of a step's masks handed
 # to another thread costs ~10-20 us (xgrammar's own threads, started and joined on every
 # call, cost more: 32 regex masks over 128k tokens on the H100's host took 143 us on one of
@@ -168,8 +263,11 @@ def _new_batch(threads: int):
 
 @functools.cache
 def _batch():
-    """The walks' matcher batch (`step_masks`), on xgrammar's threads."""
-    return _new_batch(WORKERS)
+    """The walks' matcher batch (`step_masks`), on this thread: a walk takes 1-2 us, and
+    xgrammar starts and joins its threads on every call (32 walks inside a JSON string: 60 us
+    on one thread, 48 on two, on the 2-core CPU; on the H100's host a checked step's walks
+    and its few masks took ~300 us on xgrammar's eight)."""
+    return _new_batch(1)
 
 
 class _Filler:
@@ -221,7 +319,7 @@ def step_masks(jobs: list[tuple[GrammarState, int | None, int | None]],
                out: torch.Tensor | None) -> None:
     """A step's grammar work at once: each job (state, token, row) walks `token` (unless None;
     `GrammarState.walk`), then fills the state's next mask into out[row] (unless None). The
-    walks are one call into xgrammar (on its `WORKERS` threads), the masks are filled in parts
+    walks are one call into xgrammar (on this thread, `_batch`), the masks are filled in parts
     on as many threads as their recent cost pays for (`_Filler`): a JSON string's mask over
     128k tokens takes 60-150 us. One matcher's fill holds the GIL (two Python threads took
     1.1-1.2x the time one took for two masks); a batch call lets it go."""
@@ -306,8 +404,10 @@ class Grammars:
             raise GrammarError(f"{kind}: {str(e).strip().splitlines()[-1][:300]}") from None
         raise GrammarError(f"unknown structured output kind {kind!r}")
 
-    def matcher(self, spec: tuple[str, str]) -> GrammarState:
+    def matcher(self, spec: tuple[str, str], checked: bool = False) -> GrammarState:
+        """A request's state; `checked`: its tokens sampled without the mask and checked
+        after (`CheckedSampling`)."""
         import xgrammar  # noqa: PLC0415 (imported by `_compiler` already)
 
         compiled = self.compile(spec)
-        return GrammarState(xgrammar.GrammarMatcher(compiled), self.vocab_size)
+        return GrammarState(xgrammar.GrammarMatcher(compiled), self.vocab_size, checked)

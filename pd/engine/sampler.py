@@ -59,6 +59,9 @@ class SamplingRow:
     # structured output: the tokens its grammar allows here, int32 bitmask words on the host
     # (`pd.engine.grammar.GrammarState.mask`); None: no grammar
     allowed: torch.Tensor | None = None
+    # a grammar checked after sampling (`pd.engine.grammar.CheckedSampling`): no mask this
+    # step, and the row takes the argmax of its logits as a row without a grammar does
+    checked: bool = False
 
     @property
     def is_greedy(self) -> bool:
@@ -69,7 +72,9 @@ class SamplingRow:
         """Greedy on the raw logits: no penalty, bias or min_tokens ban (the argmax a decode
         graph takes is this row's token)."""
         p = self.params
-        return self.is_greedy and not p.processes_logits and self.step >= p.min_tokens
+        return (self.is_greedy and self.step >= p.min_tokens
+                and (not p.processes_logits or (self.checked and not p.has_penalties
+                                                and not p.logit_bias)))
 
     @property
     def banned_token_ids(self) -> tuple[int, ...]:
@@ -203,6 +208,31 @@ def _one_block(masks: list[torch.Tensor]) -> torch.Tensor | None:
     return first.as_strided((len(masks), width), (width, 1))
 
 
+def _whole_buffer(masks: list[torch.Tensor], rows: list[int], num_rows: int
+                  ) -> torch.Tensor | None:
+    """Where masks[k] is row rows[k] of one [num_rows, W] buffer (as `DecodeLoop.process`
+    fills a step's masks: row j for the step's row j, some rows not masked, their grammars
+    checked after sampling), that buffer [num_rows, W] with every other row allowing all
+    tokens (-1, written here: those rows are this step's and unused): one copy and no index,
+    rather than the masks stacked and their rows copied through the staging buffers. Else
+    None."""
+    first, width = masks[0], masks[0].numel()
+    if first.dim() != 1 or first.stride(0) != 1 or first.storage_offset() < rows[0] * width:
+        return None
+    start = first.storage_offset() - rows[0] * width
+    storage = first.untyped_storage()
+    if (start + num_rows * width) * first.element_size() > storage.nbytes():
+        return None
+    for m, j in zip(masks, rows):
+        if (m.dim() != 1 or m.numel() != width or m.storage_offset() != start + j * width
+                or m.untyped_storage().data_ptr() != storage.data_ptr()):
+            return None
+    whole = first.as_strided((num_rows, width), (width, 1), start)
+    others = sorted(set(range(num_rows)) - set(rows))
+    whole[others] = -1
+    return whole
+
+
 def apply_grammar(x: torch.Tensor, rows: list[SamplingRow]) -> None:
     """-inf on every token a row's grammar does not allow (`SamplingRow.allowed`), in place on
     logits [B, V]; tokens past the mask's words are not allowed. One copy of the masks to the
@@ -214,6 +244,10 @@ def apply_grammar(x: torch.Tensor, rows: list[SamplingRow]) -> None:
     dev = x.device
     allowed = [rows[i].allowed for i in masked]
     block = _one_block(allowed)
+    if block is None and dev.type == "cuda":
+        block = _whole_buffer(allowed, masked, len(rows))
+        if block is not None:
+            masked = range(len(rows))
     # NOTE: a buffer of the runner's HostRing is not reused before this step is processed
     bits = block.to(dev, non_blocking=True) if block is not None else \
         to_device(torch.stack(allowed), dev)

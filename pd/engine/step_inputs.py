@@ -210,8 +210,10 @@ class StepInputs:
     def sampling_row(req: Req, allowed: torch.Tensor | None = None, mask: bool = True) -> SamplingRow:
         """The sampler's row of a request's next token; `allowed`: its grammar's mask when the
         caller filled it (`sampling_rows`), else filled here unless `mask` is False."""
-        if allowed is None and mask and req.grammar is not None:
-            allowed = req.grammar.mask()
+        grammar = req.grammar
+        checked = grammar is not None and not grammar.masks_now  # `CheckedSampling`
+        if allowed is None and mask and grammar is not None and not checked:
+            allowed = grammar.mask()
         # NOTE: positional, each property read once: a decode step builds one per request
         # (256 rows: 183 -> 91 us on the CPU)
         params = req.params
@@ -219,20 +221,23 @@ class StepInputs:
         return SamplingRow(params, req.output_token_ids if penalties else [],
                            req.prompt_token_ids if penalties else [],
                            len(req.token_ids) - len(req.prompt_token_ids), req.eos_token_ids,
-                           allowed)
+                           allowed, checked)
 
     def sampling_rows(self, reqs: list[Req], masks: bool = True,
                       filled: torch.Tensor | None = None) -> list[SamplingRow]:
         """`sampling_row` of each request, the grammars' masks filled together (`fill_masks`)
         into one buffer of `mask_buffer`, or left out (`masks` False), or already in `filled`
-        (row j: reqs[j]'s, as `DecodeLoop.process` fills them)."""
-        if not masks or not any(r.grammar is not None for r in reqs):
+        (row j: reqs[j]'s, as `DecodeLoop.process` fills them). A row whose grammar is checked
+        after sampling this step (`CheckedSampling`) has none."""
+        masked = [r.grammar if r.grammar is not None and r.grammar.masks_now else None
+                  for r in reqs] if masks else []
+        if not any(masked):
             return [self.sampling_row(r, mask=False) for r in reqs]
         if filled is None:
             filled = self.mask_buffer(len(reqs))
-            fill_masks([r.grammar for r in reqs], filled)
-        return [self.sampling_row(r, filled[j] if r.grammar is not None else None)
-                for j, r in enumerate(reqs)]
+            fill_masks(masked, filled)
+        return [self.sampling_row(r, filled[j] if g is not None else None)
+                for j, (r, g) in enumerate(zip(reqs, masked))]
 
     def mask_buffer(self, num_rows: int) -> torch.Tensor:
         """[num_rows, ceil(V / 32)] int32 for a step's grammar masks: a `HostRing` buffer

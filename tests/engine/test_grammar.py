@@ -207,6 +207,33 @@ def test_sampler_masks_exactly_the_refused_tokens():
     assert torch.equal(x, y) and (x == -torch.inf).any()
 
 
+def test_scattered_masks_of_one_buffer_travel_as_that_buffer():
+    """Some rows masked (the others' grammars checked after sampling, or none), their masks
+    rows of one buffer: on CUDA the whole buffer goes, the other rows allowing every token
+    (`_whole_buffer`), with the result of the masks stacked (the CPU's way)."""
+    from pd.engine.sampler import _whole_buffer
+
+    vocab, gen = 70, torch.Generator().manual_seed(1)
+    logits = torch.randn(4, vocab, generator=gen)
+    buf = torch.randint(-2**31, 2**31 - 1, (8, 3), generator=gen, dtype=torch.int64).to(torch.int32)
+    want = buf.clone()
+    whole = _whole_buffer([buf[1], buf[3]], [1, 3], 4)
+    assert whole.data_ptr() == buf.data_ptr() and whole.shape == (4, 3)
+    assert torch.equal(whole[[1, 3]], want[[1, 3]]) and (whole[[0, 2]] == -1).all()
+    assert torch.equal(buf[4:], want[4:])  # rows past the step's are not touched
+    assert _whole_buffer([buf[1], buf[3]], [2, 3], 4) is None  # not rows 2 and 3 of a buffer
+    assert _whole_buffer([buf[6]], [0], 4) is None  # rows 6..9 of an 8-row buffer
+
+    def rows(masks):
+        return [SamplingRow(SP(), [], [], 0, allowed=masks[j] if j % 2 else None)
+                for j in range(4)]
+
+    x, y = logits.to(DEVICE), logits.clone()
+    apply_grammar(x, rows(want.clone()))  # rows 1 and 3 of one buffer
+    apply_grammar(y, rows({1: want[1].clone(), 3: want[3].clone()}))
+    assert torch.equal(x.cpu(), y) and (y == -torch.inf).any()
+
+
 def masked_greedy_reference(model_dir, grammars, prompt, spec, max_tokens, eos) -> list[int]:
     """transformers' logits of the whole sequence, masked by a fresh matcher, argmax."""
     import transformers
@@ -341,3 +368,72 @@ def test_a_steps_masks_get_the_threads_their_recent_cost_pays_for(grammars, tiny
     for st, row in zip(states, [5, 3, 1, 0, 2]):
         assert torch.equal(out[row], st.mask())
     assert not out[4].any()
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_checked_sampling_equals_masked_sampling(tiny_model_dir, overlap, monkeypatch):
+    """Greedy rows checked after sampling (a step of CHECK_FROM_ROWS or more of them) give the
+    tokens of rows sampled under their masks (PD_CHECKED_GRAMMAR=0), with tokens taken back on
+    the way (this small model leaves the grammars often) and, with overlap, fewer steps whose
+    sampler waited for the step before; below CHECK_FROM_ROWS rows every row is masked."""
+    from pd.engine import decode_loop
+    from pd.engine.llm import LLM
+
+    prompts = [[3 + (11 * i + j) % 300 for i in range(9)] for j in range(3 * len(SPECS))]
+    params = [SP(max_tokens=24, temperature=0.0, structured_output=SPECS[j % len(SPECS)])
+              for j in range(len(prompts))]
+    runs, loops = {}, {}
+    assert len(prompts) >= decode_loop.CHECK_FROM_ROWS
+    for mode in ("checked", "masked", "few"):
+        monkeypatch.setenv("PD_CHECKED_GRAMMAR", "0" if mode == "masked" else "1")
+        llm = LLM(tiny_model_dir, num_blocks=256, overlap=overlap, device=DEVICE,
+                  dtype="float32")
+        n = decode_loop.CHECK_FROM_ROWS - 1 if mode == "few" else len(prompts)
+        runs[mode] = [o.token_ids for o in llm.generate(prompts[:n], params[:n])]
+        loops[mode] = llm.engine.loop
+    assert runs["checked"] == runs["masked"] and runs["few"] == runs["masked"][:n]
+    assert loops["checked"].num_taken_back > 0
+    assert loops["masked"].num_taken_back == loops["few"].num_taken_back == 0
+    if overlap:  # masked rows make a step wait for the one before; checked ones do not
+        assert loops["checked"].num_deferred < loops["masked"].num_deferred
+
+
+def test_checked_sampling_masks_after_refusals_and_gives_up_on_an_empty_mask():
+    """After a refusal the next step samples masked, then 2, 4, ... steps (up to MAX_MASKED)
+    while refusals keep coming, back to one after CALM tokens past the masked run without
+    one; a second refusal at the same position (the mask allowed nothing) ends the request as
+    unchecked ones do; a loop that is not checking masks every step."""
+    from pd.engine.grammar import CheckedSampling, GrammarState
+
+    class Matcher:  # refuses the token 0, accepts any other
+        def is_terminated(self):
+            return False
+
+        def accept_token(self, t):
+            return t != 0
+
+    state = GrammarState(Matcher(), 64, checked=True)
+    c = state.checked
+    assert c.launch(False) and state.masks_now  # not checking: masked
+    assert not c.launch(True) and not state.masks_now
+    state.walk(0)
+    assert c.refused and not state.failed
+    c.take_back()
+    assert [c.launch(True) for _ in range(2)] == [True, False]
+    for want in (2, 4):  # refused again soon after: longer masked runs
+        state.walk(5)
+        state.walk(0)
+        c.take_back()
+        assert [c.launch(True) for _ in range(want + 1)] == [True] * want + [False]
+    for _ in range(4 + CheckedSampling.CALM - 1):  # the masked run, then not quite calm
+        state.walk(5)
+    state.walk(0)
+    c.take_back()
+    assert [c.launch(True) for _ in range(9)] == [True] * 8 + [False]
+    for _ in range(8 + CheckedSampling.CALM):  # calm: one masked step again
+        state.walk(5)
+    state.walk(0)
+    c.take_back()
+    assert [c.launch(True) for _ in range(2)] == [True, False]
+    state.walk(0)  # refused again at that position: the masked step's token too
+    assert state.failed and state.terminated and not c.refused and c.taken_back == 5
