@@ -41,7 +41,7 @@ from collections import deque
 from typing import Callable, NamedTuple
 
 from pd.engine.executor import make_executor
-from pd.engine.grammar import step_masks
+from pd.engine.grammar_steps import GrammarSteps
 from pd.engine.loop_stats import HostTimes, SpecChoice, StepGaps
 from pd.engine.request import FinishReason, Req, ReqStatus
 from pd.engine.runner import ForwardOutput, ModelRunner, SampledToken, unpack_sampled
@@ -52,9 +52,6 @@ from pd.engine.step_inputs import ForwardInput
 log = logging.getLogger(__name__)
 
 ENV_DISABLE = "PD_DISABLE_OVERLAP"
-# a step's decoding rows with grammars from which the next step checks greedy ones after
-# sampling rather than masks them (`DecodeLoop.grammar_modes`)
-CHECK_FROM_ROWS = 16
 
 
 def overlap_disabled_by_env(environ) -> bool:
@@ -76,7 +73,7 @@ class InFlight(NamedTuple):
     free_after: list[Req]  # finished while in flight: their blocks are freed once this step is done
 
 
-class DecodeLoop(SpecSteps):
+class DecodeLoop(SpecSteps, GrammarSteps):
     def __init__(self, runner: ModelRunner, scheduler: Scheduler, *, overlap: bool = True,
                  executor=None, on_gap: Callable[[float], None] | None = None,
                  spec=None, spec_fallback: bool = False,
@@ -295,62 +292,6 @@ class DecodeLoop(SpecSteps):
         self.measure(False, f.batch, len(emitted))
         self.times.add("process", t)
         return emitted
-
-    @staticmethod
-    def walk_grammars(f: InFlight, token_ids: list[int], nxt: InFlight | None,
-                      masks) -> list[Req]:
-        """The grammar work of step f's tokens, at once on several threads (`step_masks`):
-        each request's grammar walks its new token (which appending it then takes), then, with
-        `masks`, fills its mask of nxt's row where nxt samples it masked. Returns the requests
-        whose token a grammar checked after sampling refused (`take_back`)."""
-        tokens = {}
-        for row, i in enumerate(f.rows):
-            if i >= 0 and f.batch.reqs[i].grammar is not None:
-                tokens[f.batch.reqs[i]] = token_ids[row]
-        if not tokens and masks is None:
-            return []
-        walkers = list(tokens)
-        jobs = []
-        if masks is not None:
-            for j, i in enumerate(nxt.inp.sample_reqs):
-                req = nxt.batch.reqs[i]
-                if req.grammar is not None and req.grammar.masks_now:
-                    jobs.append((req.grammar, tokens.pop(req, None), j))
-        jobs += [(req.grammar, token, None) for req, token in tokens.items()]
-        step_masks(jobs, masks)
-        return [r for r in walkers if r.grammar.checked is not None and r.grammar.checked.refused]
-
-    def grammar_modes(self, batch: ScheduledBatch) -> None:
-        """Each decoding row's grammar that may be checked after sampling
-        (`CheckedSampling`): checked this step or masked (`CheckedSampling.launch`). The loop
-        checks them where the step before had `CHECK_FROM_ROWS` or more: then their masks, on
-        the host every step, do not fit beside the forward (inside JSON strings over a 128k
-        vocabulary, 60-150 us each), while a few requests' masks do and cost nothing (on the
-        H100, JSON at batch 8: 0.86-0.97x masked). The mode is the step before's so that `can_predict`, which runs before this step is scheduled,
-        knew it: a row masked in a step launched ahead needs its token before on the host
-        first (the step's sampler is deferred). A masked row makes the runner build the
-        step's rows anew (not the last graphed step's)."""
-        checking, masked, rows = self.checking, False, 0
-        for i, req in enumerate(batch.reqs):
-            grammar = req.grammar
-            if (grammar is not None and grammar.checked is not None and batch.samples(i)
-                    and len(req.token_ids) > len(req.prompt_token_ids)):
-                masked |= grammar.checked.launch(checking)
-                rows += 1
-        self.checking = rows >= CHECK_FROM_ROWS
-        if masked:
-            self.runner.graphed_rows = ([], None)
-
-    def take_back(self, req: Req, nxt: InFlight | None) -> None:
-        """A token the request's grammar refused (checked after sampling): it is dropped, the
-        request's slot in `nxt` (launched with that token as its input) is discarded, and its
-        position is computed again, sampled under the mask (`CheckedSampling.take_back`)."""
-        req.grammar.checked.take_back()
-        if nxt is not None and nxt.members.get(req, -1) >= 0:
-            nxt.rows[nxt.members[req]] = -1
-            nxt.members[req] = -1
-        req.num_computed_tokens = len(req.token_ids) - 1
-        self.num_taken_back += 1
 
     def unpack(self, f: InFlight) -> list[SampledToken] | list[int]:
         """Step f's sampled tokens by row: their ids alone when no row asked for logprobs."""

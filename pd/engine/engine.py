@@ -20,7 +20,8 @@ import numpy as np
 
 from pd.engine.allocator import BlockAllocator
 from pd.engine.decode_loop import DecodeLoop
-from pd.engine.grammar import Grammars, checked_grammars
+from pd.engine.checked_grammar import checked_grammars
+from pd.engine.grammar import Grammars
 from pd.engine.prefix import PrefixCache
 from pd.config import EngineConfig
 from pd.wire.geometry import geometry

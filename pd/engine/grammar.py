@@ -20,7 +20,9 @@ module keeps that behind two small types:
   token (or a token it refused was appended). `step_masks` does a step's walks and masks at
   once (the walks one call into xgrammar, the masks in parts on as many threads as they are
   worth, `_Filler`); the decode loop walks each request's new token there (`walk`) before
-  appending it, whose `accept` then takes that walk's result.
+  appending it, whose `accept` then takes that walk's result. A greedy request's state may
+  be checked after sampling rather than masked (`checked`, `pd.engine.checked_grammar`): a
+  walk its grammar refuses then sets `checked.refused` for the loop to take the token back.
 
 The sampler applies the masks on the logits' device (`pd.engine.sampler.apply_grammar`).
 Across P and D each node binds its own state: the prefill node samples the first token under
@@ -42,6 +44,7 @@ from pathlib import Path
 
 import torch
 
+from pd.engine.checked_grammar import CheckedSampling
 from pd.engine.regex_expansion import expand_plus
 
 log = logging.getLogger(__name__)
@@ -62,82 +65,6 @@ def _choice_grammar(spec: str) -> str:
         raise GrammarError("choice: must be a non-empty list of non-empty strings")
     # NOTE: an EBNF string literal takes JSON's escapes
     return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
-
-
-ENV_CHECKED = "PD_CHECKED_GRAMMAR"
-
-
-def checked_grammars(environ) -> bool:
-    """PD_CHECKED_GRAMMAR: 0/false/no/off samples every grammar row under its mask; 1/true/
-    yes/on or unset lets the decode loop check greedy rows after sampling (`CheckedSampling`)."""
-    value = environ.get(ENV_CHECKED, "").strip().lower()
-    if value in ("", "1", "true", "yes", "on"):
-        return True
-    if value in ("0", "false", "no", "off"):
-        return False
-    raise ValueError(f"{ENV_CHECKED}={environ[ENV_CHECKED]!r}: expected 1/0, true/false, yes/no "
-                     f"or on/off")
-
-
-class CheckedSampling:
-    """A greedy request's grammar checked after sampling rather than masked before, where a
-    step has many such requests (`DecodeLoop.grammar_modes`): the decode loop samples its row
-    without the mask (the step is then a plain one: graphed, the argmax in the graph, nothing
-    for the host to wait for) and walks the token; the grammar refusing it, the loop takes it
-    back (`DecodeLoop.take_back`: the token is dropped, the row's slot in the step launched
-    after it is discarded, the position is computed again) and the row's next steps sample
-    masked. Lossless: where the grammar allows the argmax of the logits, that is the
-    argmax of the masked logits too (ties: the lowest id, either way). Worth it where masks
-    cost more than the rare step taken back: inside a JSON string nearly every token is
-    allowed, and a mask over 128k tokens takes 60-150 us of host against 2-30 us elsewhere.
-    After a refusal `masked_left` steps sample masked: 1, doubled by each refusal up to
-    `MAX_MASKED`, back to 1 after `CALM` tokens past the masked run without one (a model that
-    keeps leaving the grammar pays a masked step, not a taken-back one, for most tokens)."""
-
-    MAX_MASKED = 32
-    CALM = 16
-
-    __slots__ = ("masked", "masked_left", "backoff", "streak", "last_run", "refused",
-                 "_refused_at", "taken_back")
-
-    def __init__(self) -> None:
-        self.masked = True  # how the row was sampled in the step launched last (`launch`)
-        self.masked_left = 0  # steps still to sample masked
-        self.backoff = 1  # masked steps the next refusal asks for
-        self.streak = 0  # tokens accepted since the last refusal
-        self.last_run = 0  # the masked steps the last refusal asked for
-        self.refused = False  # a refused token the loop has not taken back yet
-        self._refused_at = -1  # the matcher's position at the last refusal
-        self.taken_back = 0  # refusals, for tests and benchmarks
-
-    def launch(self, checking: bool) -> bool:
-        """The row's mode in a step being launched, masked (True) or checked after: masked
-        unless the loop is `checking` its grammars and no refusal asks for masked steps."""
-        self.masked = not checking or self.masked_left > 0
-        if checking and self.masked:
-            self.masked_left -= 1
-        return self.masked
-
-    def refuse(self, position: int) -> bool:
-        """A walk refused at the matcher's `position` (tokens it accepted): True where the
-        loop takes the token back; False at a position refused before (the masked step after
-        it sampled a token the grammar refuses too: its mask allowed none), which ends the
-        request as a refusal without checking does."""
-        if position == self._refused_at:
-            return False
-        self._refused_at = position
-        self.refused = True
-        return True
-
-    def take_back(self) -> None:
-        """The loop took the refused token back: the next steps sample masked."""
-        self.refused = False
-        self.taken_back += 1
-        if self.streak - self.last_run >= self.CALM:
-            self.backoff = 1
-        self.masked_left = self.last_run = self.backoff
-        self.backoff = min(2 * self.backoff, self.MAX_MASKED)
-        self.streak = 0
 
 
 class GrammarState:

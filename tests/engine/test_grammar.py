@@ -376,19 +376,19 @@ def test_checked_sampling_equals_masked_sampling(tiny_model_dir, overlap, monkey
     tokens of rows sampled under their masks (PD_CHECKED_GRAMMAR=0), with tokens taken back on
     the way (this small model leaves the grammars often) and, with overlap, fewer steps whose
     sampler waited for the step before; below CHECK_FROM_ROWS rows every row is masked."""
-    from pd.engine import decode_loop
+    from pd.engine import grammar_steps
     from pd.engine.llm import LLM
 
     prompts = [[3 + (11 * i + j) % 300 for i in range(9)] for j in range(3 * len(SPECS))]
     params = [SP(max_tokens=24, temperature=0.0, structured_output=SPECS[j % len(SPECS)])
               for j in range(len(prompts))]
     runs, loops = {}, {}
-    assert len(prompts) >= decode_loop.CHECK_FROM_ROWS
+    assert len(prompts) >= grammar_steps.CHECK_FROM_ROWS
     for mode in ("checked", "masked", "few"):
         monkeypatch.setenv("PD_CHECKED_GRAMMAR", "0" if mode == "masked" else "1")
         llm = LLM(tiny_model_dir, num_blocks=256, overlap=overlap, device=DEVICE,
                   dtype="float32")
-        n = decode_loop.CHECK_FROM_ROWS - 1 if mode == "few" else len(prompts)
+        n = grammar_steps.CHECK_FROM_ROWS - 1 if mode == "few" else len(prompts)
         runs[mode] = [o.token_ids for o in llm.generate(prompts[:n], params[:n])]
         loops[mode] = llm.engine.loop
     assert runs["checked"] == runs["masked"] and runs["few"] == runs["masked"][:n]
@@ -403,7 +403,8 @@ def test_checked_sampling_masks_after_refusals_and_gives_up_on_an_empty_mask():
     while refusals keep coming, back to one after CALM tokens past the masked run without
     one; a second refusal at the same position (the mask allowed nothing) ends the request as
     unchecked ones do; a loop that is not checking masks every step."""
-    from pd.engine.grammar import CheckedSampling, GrammarState
+    from pd.engine.checked_grammar import CheckedSampling
+    from pd.engine.grammar import GrammarState
 
     class Matcher:  # refuses the token 0, accepts any other
         def is_terminated(self):

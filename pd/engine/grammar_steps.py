@@ -1,0 +1,76 @@
+"""The decode loop's grammar work (`GrammarSteps`, a mix-in of
+`pd.engine.decode_loop.DecodeLoop`): a step's tokens walked and the next step's masks filled at
+once (`walk_grammars`), each greedy grammar's mode for a step being launched, checked after
+sampling or masked (`grammar_modes`, `pd.engine.checked_grammar`), and a refused token taken
+back (`take_back`)."""
+
+from __future__ import annotations
+
+from pd.engine.grammar import step_masks
+from pd.engine.request import Req
+from pd.engine.scheduler import ScheduledBatch
+
+# a step's decoding rows with grammars from which the next step checks greedy ones after
+# sampling rather than masks them (`GrammarSteps.grammar_modes`)
+CHECK_FROM_ROWS = 16
+
+
+class GrammarSteps:
+    """`DecodeLoop`'s grammar work (a mix-in: it reads the loop's `runner`, sets its `checking`
+    and counts `num_taken_back`; `f` and `nxt` are the loop's `InFlight` steps)."""
+
+    @staticmethod
+    def walk_grammars(f, token_ids: list[int], nxt, masks) -> list[Req]:
+        """The grammar work of step f's tokens, at once on several threads (`step_masks`):
+        each request's grammar walks its new token (which appending it then takes), then, with
+        `masks`, fills its mask of nxt's row where nxt samples it masked. Returns the requests
+        whose token a grammar checked after sampling refused (`take_back`)."""
+        tokens = {}
+        for row, i in enumerate(f.rows):
+            if i >= 0 and f.batch.reqs[i].grammar is not None:
+                tokens[f.batch.reqs[i]] = token_ids[row]
+        if not tokens and masks is None:
+            return []
+        walkers = list(tokens)
+        jobs = []
+        if masks is not None:
+            for j, i in enumerate(nxt.inp.sample_reqs):
+                req = nxt.batch.reqs[i]
+                if req.grammar is not None and req.grammar.masks_now:
+                    jobs.append((req.grammar, tokens.pop(req, None), j))
+        jobs += [(req.grammar, token, None) for req, token in tokens.items()]
+        step_masks(jobs, masks)
+        return [r for r in walkers if r.grammar.checked is not None and r.grammar.checked.refused]
+
+    def grammar_modes(self, batch: ScheduledBatch) -> None:
+        """Each decoding row's grammar that may be checked after sampling
+        (`pd.engine.checked_grammar.CheckedSampling`): checked this step or masked (its
+        `launch`). The loop checks them where the step before had `CHECK_FROM_ROWS` or more:
+        then their masks, on the host every step, do not fit beside the forward (inside JSON
+        strings over a 128k vocabulary, 60-150 us each), while a few requests' masks do and
+        cost nothing (on the H100, JSON at batch 8: 0.80-0.98x masked). The mode is the step
+        before's so that `can_predict`, which runs before this step is scheduled, knew it: a
+        row masked in a step launched ahead needs its token before on the host first (the
+        step's sampler is deferred). A masked row makes the runner build the step's rows anew
+        (not the last graphed step's)."""
+        checking, masked, rows = self.checking, False, 0
+        for i, req in enumerate(batch.reqs):
+            grammar = req.grammar
+            if (grammar is not None and grammar.checked is not None and batch.samples(i)
+                    and len(req.token_ids) > len(req.prompt_token_ids)):
+                masked |= grammar.checked.launch(checking)
+                rows += 1
+        self.checking = rows >= CHECK_FROM_ROWS
+        if masked:
+            self.runner.graphed_rows = ([], None)
+
+    def take_back(self, req: Req, nxt) -> None:
+        """A token the request's grammar refused (checked after sampling): it is dropped, the
+        request's slot in `nxt` (launched with that token as its input) is discarded, and its
+        position is computed again, sampled under the mask (`CheckedSampling.take_back`)."""
+        req.grammar.checked.take_back()
+        if nxt is not None and nxt.members.get(req, -1) >= 0:
+            nxt.rows[nxt.members[req]] = -1
+            nxt.members[req] = -1
+        req.num_computed_tokens = len(req.token_ids) - 1
+        self.num_taken_back += 1
