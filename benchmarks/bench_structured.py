@@ -8,9 +8,10 @@ tokenizer padded to that many ids made each grammar walk cost 20 us instead of 1
                                           [--max-tokens 128] [--repeats 3]
                                           [--grammars none regex json json-masked]
 
-Greedy rows check each token against the grammar after sampling (the step runs as a plain
-one) and sample under the mask only where a token was refused ("taken back": the refusals per
-1000 tokens); the `-masked` rows (PD_CHECKED_GRAMMAR=0) fill each mask on the host per request
+Where a step has 16 or more of them, greedy rows check each token against the grammar after
+sampling (the step runs as a plain one) and sample under the mask only where a token was
+refused ("taken back": the refusals per 1000 tokens), below that they are masked; the
+`-masked` rows (PD_CHECKED_GRAMMAR=0) fill each mask on the host per request
 per step for the sampler, the overlap loop waiting for each step's tokens before the next mask
 (its forward runs meanwhile). The table shows the cost beside the plain rate, and the wall time
 per step with the decode loop's host time per step by phase. Timings only, no assertions;
@@ -37,7 +38,7 @@ SCHEMA = {"type": "object", "properties": {
 SPECS = {"none": None, "regex": ("regex", "[a-z0-9 ,.()=+]+"),
          "json": ("json", json.dumps(SCHEMA))}
 # the same grammars with every token sampled under its mask (PD_CHECKED_GRAMMAR=0), where the
-# rows above check greedy tokens after sampling (`pd.engine.grammar.CheckedSampling`)
+# rows above check greedy tokens after sampling (`pd.engine.checked_grammar.CheckedSampling`)
 SPECS.update({f"{k}-masked": v for k, v in list(SPECS.items()) if v is not None})
 PHASES = ("schedule", "launch", "wait", "process")
 

@@ -199,7 +199,6 @@ class DecodeLoop(SpecSteps, GrammarSteps):
         mml = self.max_model_len
         done = frozenset(r for r in pending if len(r.token_ids) >= mml or len(r.token_ids)
                          - len(r.prompt_token_ids) >= r.params.max_tokens)
-
         preemptions = self.scheduler.num_preemptions
         try:
             t = time.perf_counter()

@@ -92,7 +92,7 @@ class Engine:
         params = req.params
         if params.structured_output is not None:
             # greedy rows of the plain decode loop are checked after sampling, not masked
-            # (`pd.engine.grammar.CheckedSampling`); MTP's steps mask their drafts' positions
+            # (`pd.engine.checked_grammar.CheckedSampling`); MTP's steps mask their drafts' positions
             checked = (self.spec is None and params.temperature < GREEDY_EPS
                        and params.logprobs is None and not params.has_penalties
                        and not params.logit_bias and checked_grammars(os.environ))

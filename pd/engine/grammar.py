@@ -130,7 +130,6 @@ class GrammarState:
         """Whether the step launched last samples this request under its mask."""
         return self.checked is None or self.checked.masked
 
-
     def _unwalk(self, popped: list) -> None:
         """Undo every walk not taken (an accept of another token: not what the decode loop
         does, but the state stays right)."""

@@ -59,7 +59,7 @@ class SamplingRow:
     # structured output: the tokens its grammar allows here, int32 bitmask words on the host
     # (`pd.engine.grammar.GrammarState.mask`); None: no grammar
     allowed: torch.Tensor | None = None
-    # a grammar checked after sampling (`pd.engine.grammar.CheckedSampling`): no mask this
+    # a grammar checked after sampling (`pd.engine.checked_grammar.CheckedSampling`): no mask this
     # step, and the row takes the argmax of its logits as a row without a grammar does
     checked: bool = False
 
@@ -210,7 +210,7 @@ def _one_block(masks: list[torch.Tensor]) -> torch.Tensor | None:
 
 def _whole_buffer(masks: list[torch.Tensor], rows: list[int], num_rows: int
                   ) -> torch.Tensor | None:
-    """Where masks[k] is row rows[k] of one [num_rows, W] buffer (as `DecodeLoop.process`
+    """Where masks[k] is row rows[k] of one [num_rows, W] buffer (as the decode loop
     fills a step's masks: row j for the step's row j, some rows not masked, their grammars
     checked after sampling), that buffer [num_rows, W] with every other row allowing all
     tokens (-1, written here: those rows are this step's and unused): one copy and no index,

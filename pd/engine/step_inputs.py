@@ -229,8 +229,10 @@ class StepInputs:
         into one buffer of `mask_buffer`, or left out (`masks` False), or already in `filled`
         (row j: reqs[j]'s, as `DecodeLoop.process` fills them). A row whose grammar is checked
         after sampling this step (`CheckedSampling`) has none."""
+        if not masks or not any(r.grammar is not None for r in reqs):
+            return [self.sampling_row(r, mask=False) for r in reqs]
         masked = [r.grammar if r.grammar is not None and r.grammar.masks_now else None
-                  for r in reqs] if masks else []
+                  for r in reqs]
         if not any(masked):
             return [self.sampling_row(r, mask=False) for r in reqs]
         if filled is None:
