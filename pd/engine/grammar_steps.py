@@ -48,7 +48,7 @@ class GrammarSteps:
         `launch`). The loop checks them where the step before had `CHECK_FROM_ROWS` or more:
         then their masks, on the host every step, do not fit beside the forward (inside JSON
         strings over a 128k vocabulary, 60-150 us each), while a few requests' masks do and
-        cost nothing (on the H100, JSON at batch 8: 0.80-0.98x masked). The mode is the step
+        cost nothing (on the H100, JSON at batch 8: 0.79-0.98x masked). The mode is the step
         before's so that `can_predict`, which runs before this step is scheduled, knew it: a
         row masked in a step launched ahead needs its token before on the host first (the
         step's sampler is deferred). A masked row makes the runner build the step's rows anew
