@@ -43,6 +43,11 @@ def test_pd_equals_single_process(cluster, client, reference, transport, budget)
     prompts = mixed_prompts(32)
     params = [SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=k)
               for k in (0, 1, 5, None) * 8]
+    if budget:
+        # NOTE: a prompt of 13 chunks, so that the decode node's KVAccept, which a part waits
+        # for, comes before its last chunk even on a loaded CPU (with 5 chunks it once did not)
+        prompts.append([3 + (7 * i) % 500 for i in range(400)])
+        params.append(params[0])
     ids = [client.submit(prefill.addr, decode.kv_addr, p, sp) for p, sp in zip(prompts, params)]
     results = client.wait(ids, timeout=90)
     expected = reference.generate(prompts, params)
