@@ -157,6 +157,19 @@ _DTYPES = {
 }
 
 
+def env_flag(environ, name: str, default: bool) -> bool:
+    """A PD_ switch from the environment: 1/true/yes/on or 0/false/no/off (any case), `default`
+    when unset or empty; ValueError for anything else."""
+    value = environ.get(name, "").strip().lower()
+    if not value:
+        return default
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"{name}={environ[name]!r}: expected 1/0, true/false, yes/no or on/off")
+
+
 def parse_dtype(name: "str | torch.dtype") -> "torch.dtype":
     import torch
 

@@ -6,6 +6,7 @@ decides, the decode loop takes refused tokens back). `checked_grammars` reads th
 
 from __future__ import annotations
 
+from pd.config import env_flag
 
 ENV_CHECKED = "PD_CHECKED_GRAMMAR"
 
@@ -13,13 +14,7 @@ ENV_CHECKED = "PD_CHECKED_GRAMMAR"
 def checked_grammars(environ) -> bool:
     """PD_CHECKED_GRAMMAR: 0/false/no/off samples every grammar row under its mask; 1/true/
     yes/on or unset lets the decode loop check greedy rows after sampling (`CheckedSampling`)."""
-    value = environ.get(ENV_CHECKED, "").strip().lower()
-    if value in ("", "1", "true", "yes", "on"):
-        return True
-    if value in ("0", "false", "no", "off"):
-        return False
-    raise ValueError(f"{ENV_CHECKED}={environ[ENV_CHECKED]!r}: expected 1/0, true/false, yes/no "
-                     f"or on/off")
+    return env_flag(environ, ENV_CHECKED, True)
 
 
 class CheckedSampling:
@@ -33,9 +28,10 @@ class CheckedSampling:
     logits, that is the argmax of the masked logits too (ties: the lowest id, either way).
     Worth it where masks cost more than the rare step taken back: inside a JSON string nearly
     every token is allowed, and a mask over 128k tokens takes 60-150 us of host against 2-30
-    us elsewhere. After a refusal `masked_left` steps sample masked: 1, doubled by each refusal up to
-    `MAX_MASKED`, back to 1 after `CALM` tokens past the masked run without one (a model that
-    keeps leaving the grammar pays a masked step, not a taken-back one, for most tokens)."""
+    us elsewhere. After a refusal `masked_left` steps sample masked: 1, doubled by each
+    refusal up to `MAX_MASKED`, back to 1 after `CALM` tokens past the masked run without one
+    (a model that keeps leaving the grammar pays a masked step, not a taken-back one, for most
+    tokens)."""
 
     MAX_MASKED = 32
     CALM = 16

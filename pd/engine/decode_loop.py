@@ -40,6 +40,7 @@ import time
 from collections import deque
 from typing import Callable, NamedTuple
 
+from pd.config import env_flag
 from pd.engine.executor import make_executor
 from pd.engine.grammar_steps import GrammarSteps
 from pd.engine.loop_stats import HostTimes, SpecChoice, StepGaps
@@ -56,12 +57,7 @@ ENV_DISABLE = "PD_DISABLE_OVERLAP"
 
 def overlap_disabled_by_env(environ) -> bool:
     """PD_DISABLE_OVERLAP: 1/true/yes/on disable the overlap loop; 0/false/no/off or unset don't."""
-    value = environ.get(ENV_DISABLE, "").strip().lower()
-    if value in ("", "0", "false", "no", "off"):
-        return False
-    if value in ("1", "true", "yes", "on"):
-        return True
-    raise ValueError(f"{ENV_DISABLE}={environ[ENV_DISABLE]!r}: expected 1/0, true/false, yes/no or on/off")
+    return env_flag(environ, ENV_DISABLE, False)
 
 
 class InFlight(NamedTuple):
@@ -307,9 +303,7 @@ class DecodeLoop(SpecSteps, GrammarSteps):
         if holder is None or req not in holder.members:
             self.scheduler.finish(req, reason)
             return
-        row = holder.members[req]
-        if row >= 0:
-            holder.rows[row] = -1
+        self.discard_slot(holder, req)
         # NOTE: the launched step still writes this request's KV; its blocks must not be
         # handed to anyone (a KV import on the host) before that step has completed.
         held, req.hold_blocks_on_finish = req.hold_blocks_on_finish, True
@@ -317,6 +311,15 @@ class DecodeLoop(SpecSteps, GrammarSteps):
         req.hold_blocks_on_finish = held
         if not held:
             holder.free_after.append(req)
+
+    @staticmethod
+    def discard_slot(step, req: Req) -> None:
+        """Make the request's slot in a launched step (`InFlight`, or an MTP step's
+        `SpecFlight`), if it has one, an invalid slot: its result is discarded (the request
+        ended, or the token its input was is taken back)."""
+        row = step.members.get(req, -1)
+        if row >= 0:
+            step.rows[row] = -1
 
     def abort(self, req: Req) -> None:
         """End a request now (the client went away); takes effect within one step."""

@@ -91,8 +91,9 @@ class Engine:
         is appended); `GrammarError` (a ValueError) for a spec that does not compile."""
         params = req.params
         if params.structured_output is not None:
-            # greedy rows of the plain decode loop are checked after sampling, not masked
-            # (`pd.engine.checked_grammar.CheckedSampling`); MTP's steps mask their drafts' positions
+            # greedy rows of the plain decode loop may be checked after sampling, not masked
+            # (`pd.engine.checked_grammar.CheckedSampling`); MTP's steps mask their drafts'
+            # positions
             checked = (self.spec is None and params.temperature < GREEDY_EPS
                        and params.logprobs is None and not params.has_penalties
                        and not params.logit_bias and checked_grammars(os.environ))

@@ -16,8 +16,9 @@ CHECK_FROM_ROWS = 16
 
 
 class GrammarSteps:
-    """`DecodeLoop`'s grammar work (a mix-in: it reads the loop's `runner`, sets its `checking`
-    and counts `num_taken_back`; `f` and `nxt` are the loop's `InFlight` steps)."""
+    """`DecodeLoop`'s grammar work (a mix-in: it reads the loop's `runner`, sets its `checking`,
+    counts `num_taken_back` and calls its `discard_slot`; `f` and `nxt` are the loop's
+    `InFlight` steps)."""
 
     @staticmethod
     def walk_grammars(f, token_ids: list[int], nxt, masks) -> list[Req]:
@@ -69,8 +70,7 @@ class GrammarSteps:
         request's slot in `nxt` (launched with that token as its input) is discarded, and its
         position is computed again, sampled under the mask (`CheckedSampling.take_back`)."""
         req.grammar.checked.take_back()
-        if nxt is not None and nxt.members.get(req, -1) >= 0:
-            nxt.rows[nxt.members[req]] = -1
-            nxt.members[req] = -1
+        if nxt is not None:
+            self.discard_slot(nxt, req)
         req.num_computed_tokens = len(req.token_ids) - 1
         self.num_taken_back += 1
