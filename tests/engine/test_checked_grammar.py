@@ -1,0 +1,82 @@
+"""Checked sampling (`pd.engine.checked_grammar`, `pd.engine.grammar_steps`): greedy rows whose
+grammar is checked after sampling give the tokens of rows sampled under their masks, with and
+without overlap, and none is checked below CHECK_FROM_ROWS rows; after a refusal the masked
+steps back off and come back to one, and a refusal the mask could not help ends the request.
+`PD_TEST_DEVICE=cuda` runs the engines on the GPU."""
+
+from __future__ import annotations
+
+import pytest
+
+from pd.wire.sampling_params import SamplingParams as SP
+from tests.engine.test_grammar import DEVICE, SPECS
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_checked_sampling_equals_masked_sampling(tiny_model_dir, overlap, monkeypatch):
+    """Greedy rows checked after sampling (a step of CHECK_FROM_ROWS or more of them) give the
+    tokens of rows sampled under their masks (PD_CHECKED_GRAMMAR=0), with tokens taken back on
+    the way (this small model leaves the grammars often) and, with overlap, fewer steps whose
+    sampler waited for the step before; below CHECK_FROM_ROWS rows every row is masked."""
+    from pd.engine import grammar_steps
+    from pd.engine.llm import LLM
+
+    prompts = [[3 + (11 * i + j) % 300 for i in range(9)] for j in range(3 * len(SPECS))]
+    params = [SP(max_tokens=24, temperature=0.0, structured_output=SPECS[j % len(SPECS)])
+              for j in range(len(prompts))]
+    runs, loops = {}, {}
+    assert len(prompts) >= grammar_steps.CHECK_FROM_ROWS
+    for mode in ("checked", "masked", "few"):
+        monkeypatch.setenv("PD_CHECKED_GRAMMAR", "0" if mode == "masked" else "1")
+        llm = LLM(tiny_model_dir, num_blocks=256, overlap=overlap, device=DEVICE,
+                  dtype="float32")
+        n = grammar_steps.CHECK_FROM_ROWS - 1 if mode == "few" else len(prompts)
+        runs[mode] = [o.token_ids for o in llm.generate(prompts[:n], params[:n])]
+        loops[mode] = llm.engine.loop
+    assert runs["checked"] == runs["masked"] and runs["few"] == runs["masked"][:n]
+    assert loops["checked"].num_taken_back > 0
+    assert loops["masked"].num_taken_back == loops["few"].num_taken_back == 0
+    if overlap:  # masked rows make a step wait for the one before; checked ones do not
+        assert loops["checked"].num_deferred < loops["masked"].num_deferred
+
+
+def test_checked_sampling_masks_after_refusals_and_gives_up_on_an_empty_mask():
+    """After a refusal the next step samples masked, then 2, 4, ... steps (up to MAX_MASKED)
+    while refusals keep coming, back to one after CALM tokens past the masked run without
+    one; a second refusal at the same position (the mask allowed nothing) ends the request as
+    unchecked ones do; a loop that is not checking masks every step."""
+    from pd.engine.checked_grammar import CheckedSampling
+    from pd.engine.grammar import GrammarState
+
+    class Matcher:  # refuses the token 0, accepts any other
+        def is_terminated(self):
+            return False
+
+        def accept_token(self, t):
+            return t != 0
+
+    state = GrammarState(Matcher(), 64, checked=True)
+    c = state.checked
+    assert c.launch(False) and state.masks_now  # not checking: masked
+    assert not c.launch(True) and not state.masks_now
+    state.walk(0)
+    assert c.refused and not state.failed
+    c.take_back()
+    assert [c.launch(True) for _ in range(2)] == [True, False]
+    for want in (2, 4):  # refused again soon after: longer masked runs
+        state.walk(5)
+        state.walk(0)
+        c.take_back()
+        assert [c.launch(True) for _ in range(want + 1)] == [True] * want + [False]
+    for _ in range(4 + CheckedSampling.CALM - 1):  # the masked run, then not quite calm
+        state.walk(5)
+    state.walk(0)
+    c.take_back()
+    assert [c.launch(True) for _ in range(9)] == [True] * 8 + [False]
+    for _ in range(8 + CheckedSampling.CALM):  # calm: one masked step again
+        state.walk(5)
+    state.walk(0)
+    c.take_back()
+    assert [c.launch(True) for _ in range(2)] == [True, False]
+    state.walk(0)  # refused again at that position: the masked step's token too
+    assert state.failed and state.terminated and not c.refused and c.taken_back == 5
