@@ -316,7 +316,7 @@ class DecodeLoop(SpecSteps, GrammarSteps):
     def discard_slot(step, req: Req) -> None:
         """Make the request's slot in a launched step (`InFlight`, or an MTP step's
         `SpecFlight`), if it has one, an invalid slot: its result is discarded (the request
-        ended, or the token its input was is taken back)."""
+        ended, or the token that was its input is taken back)."""
         row = step.members.get(req, -1)
         if row >= 0:
             step.rows[row] = -1
