@@ -31,16 +31,20 @@ class CheckedSampling:
     us elsewhere. After a refusal `masked_left` steps sample masked: 1, doubled by each
     refusal up to `MAX_MASKED`, back to 1 after `CALM` tokens past the masked run without one
     (a model that keeps leaving the grammar pays a masked step, not a taken-back one, for most
-    tokens)."""
+    tokens). A masked step of a checking loop launched ahead of its inputs' tokens samples the
+    row late (`late`): the step runs as a plain one, and once the host has walked the token
+    before, the row is sampled again from the step's kept logits under its mask
+    (`GrammarSteps.resample_late`), so the other rows never wait for it."""
 
     MAX_MASKED = 32
     CALM = 16
 
-    __slots__ = ("masked", "masked_left", "backoff", "streak", "last_run", "refused",
+    __slots__ = ("masked", "late", "masked_left", "backoff", "streak", "last_run", "refused",
                  "_refused_at", "taken_back")
 
     def __init__(self) -> None:
         self.masked = True  # how the row was sampled in the step launched last (`launch`)
+        self.late = False  # and, masked, whether after that step's launch (`launch`)
         self.masked_left = 0  # steps still to sample masked
         self.backoff = 1  # masked steps the next refusal asks for
         self.streak = 0  # tokens accepted since the last refusal
@@ -49,13 +53,16 @@ class CheckedSampling:
         self._refused_at = -1  # the matcher's position at the last refusal
         self.taken_back = 0  # refusals, for tests and benchmarks
 
-    def launch(self, checking: bool) -> bool:
-        """The row's mode in a step being launched, masked (True) or checked after: masked
-        unless the loop is `checking` its grammars and no refusal asks for masked steps."""
+    def launch(self, checking: bool, late: bool = False) -> bool:
+        """The row's mode in a step being launched, masked or checked after: masked unless the
+        loop is `checking` its grammars and no refusal asks for masked steps; a masked step of
+        a checking loop samples the row late where the loop can (`late`). True: masked at the
+        launch."""
         self.masked = not checking or self.masked_left > 0
+        self.late = checking and self.masked and late
         if checking and self.masked:
             self.masked_left -= 1
-        return self.masked
+        return self.masked and not self.late
 
     def refuse(self, position: int) -> bool:
         """A walk refused at the matcher's `position` (tokens it accepted): True where the

@@ -67,6 +67,7 @@ class InFlight(NamedTuple):
     rows: list[int]  # batch index of each sampled row; -1: an invalid slot, its result discarded
     members: dict[Req, int]  # each request of the batch -> its sampled row, or -1
     free_after: list[Req]  # finished while in flight: their blocks are freed once this step is done
+    late: list[Req]  # sampled again under their grammars' masks once launched (`resample_late`)
 
 
 class DecodeLoop(SpecSteps, GrammarSteps):
@@ -94,6 +95,7 @@ class DecodeLoop(SpecSteps, GrammarSteps):
         self.num_ahead = 0  # steps launched while the previous one was still unprocessed
         self.num_deferred = 0  # of those, steps whose sampler waited for the previous one's tokens
         self.num_taken_back = 0  # tokens a grammar checked after sampling refused (`take_back`)
+        self.num_resampled = 0  # rows sampled again under their masks (`resample_late`)
         self.checking = False  # grammars checked after sampling, not masked (`grammar_modes`)
         self.batch_size = 0  # requests in the step launched last (0: none)
         self.times = HostTimes()
@@ -132,12 +134,14 @@ class DecodeLoop(SpecSteps, GrammarSteps):
         if last is not None:
             # NOTE: step N+1 is already queued behind step N; only now does the host wait for N.
             self.num_ahead += cur is not None
-            if defer and cur is not None and any(cur.batch.reqs[i].grammar is not None
-                                                 and cur.batch.reqs[i].grammar.masks_now
-                                                 for i in cur.inp.sample_reqs):
+            if cur is not None and (cur.late or defer and any(
+                    cur.batch.reqs[i].grammar is not None and cur.batch.reqs[i].grammar.masks_now
+                    for i in cur.inp.sample_reqs)):
                 masks = self.runner.mask_buffer(len(cur.inp.sample_reqs))
             emitted += self.process(last, cur, masks)
-        if defer and cur is not None:
+        if cur is not None and cur.late:
+            self.resample_late(cur, masks)
+        elif defer and cur is not None:
             # NOTE: step N's tokens are on the host now (and in the requests' grammars, whose
             # masks for N+1 `process` filled): step N+1's sampler follows its forward, which
             # ran meanwhile
@@ -165,17 +169,17 @@ class DecodeLoop(SpecSteps, GrammarSteps):
         """Whether step N+1 can be scheduled before step N's tokens are on the host (its
         blocks are there without preempting), and whether its sampler needs them there first
         (a request's penalties or grammar): then only its forward can go ahead."""
-        need, host_tokens, checking = 0, False, self.checking
+        need, host_tokens, checking, late = 0, False, self.checking, self.executor.can_defer
         # NOTE: per request every step: locals, no property or method calls (`blocks_needed`)
         members, rows, bs = last.members, last.rows, self.scheduler.block_size
         for req in self.scheduler.running:
             row = members.get(req, -1)
             pending = row >= 0 and rows[row] >= 0
-            # NOTE: a grammar checked after sampling needs no token on the host first, unless
-            # a refusal asked for masked steps (`CheckedSampling`)
+            # NOTE: a grammar checked after sampling needs no token on the host first, nor one
+            # whose masked steps a refusal asked for, sampled late (`grammar_modes`)
             if pending and req.params.needs_host_tokens and (
                     req.grammar is None or req.grammar.checked is None or not checking
-                    or req.grammar.checked.masked_left > 0):
+                    or req.grammar.checked.masked_left > 0 and not late):
                 host_tokens = True
             more = -(-(len(req.token_ids) + pending) // bs) - len(req.block_ids)
             if more > 0:
@@ -205,10 +209,15 @@ class DecodeLoop(SpecSteps, GrammarSteps):
                 return None
             if last is not None and self.scheduler.num_preemptions != preemptions:
                 raise RuntimeError("a step preempted while another was in flight")
-            self.grammar_modes(batch)
+            late = self.grammar_modes(batch, last is not None and not defer
+                                      and self.executor.can_defer)
             prev = last.out if last else None
-            inp, out = (self.executor.launch(self.runner, batch, prev, defer=True) if defer
-                        else self.executor.launch(self.runner, batch, prev))
+            if defer:
+                inp, out = self.executor.launch(self.runner, batch, prev, defer=True)
+            elif late:
+                inp, out = self.executor.launch(self.runner, batch, prev, late=True)
+            else:
+                inp, out = self.executor.launch(self.runner, batch, prev)
             self.times.add("launch", t)
         finally:
             for req in pending:
@@ -223,7 +232,7 @@ class DecodeLoop(SpecSteps, GrammarSteps):
         members = dict.fromkeys(batch.reqs, -1)
         for row, i in enumerate(inp.sample_reqs):
             members[batch.reqs[i]] = row
-        return InFlight(batch, inp, out, list(inp.sample_reqs), members, [])
+        return InFlight(batch, inp, out, list(inp.sample_reqs), members, [], late)
 
     def record_busy(self, seconds: float) -> None:
         """A processed step's device time (`busy`, and the node's metric where it gave one)."""

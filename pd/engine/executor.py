@@ -5,8 +5,10 @@
   (the step's `copy_done`). Launching never waits for the device. A step whose sampler needs
   the host to know the previous step's tokens first (grammars, penalties) can be launched in
   two parts (`can_defer`): the forward now, the sampler (`sample_deferred`) once the loop has
-  read the previous step, while the forward runs. `ThreadExecutor` splits such steps the same
-  way on its worker.
+  read the previous step, while the forward runs. A step launched `late` runs whole and keeps
+  its logits, and some of its rows are sampled again (`resample`, under grammar masks the loop
+  fills meanwhile) before its end. `ThreadExecutor` splits such steps the same way on its
+  worker.
 - `ThreadExecutor` (CPU, overlap on): the device part runs on one worker thread, in launch
   order, like a stream; torch releases the GIL inside its ops, so the host schedules and
   streams while the worker computes. `copy_done` is the worker's future.
@@ -37,7 +39,8 @@ class HostCompletion:
     def __init__(self) -> None:
         self.future: Future = Future()
         self.started = self.ended = 0.0
-        self.logits: Future | None = None  # a deferred sampling's forward (`ThreadExecutor`)
+        # a deferred sampling's forward, or a late step's kept logits (`ThreadExecutor`)
+        self.logits: Future | None = None
 
     def run_part(self, fn, *args):
         """The first part of a step run in two (its start is the step's): fn's result."""
@@ -65,7 +68,8 @@ class HostCompletion:
 class CudaCompletion:
     def __init__(self, start: torch.cuda.Event, end: torch.cuda.Event, logits=None) -> None:
         self.start, self.end = start, end
-        self.logits = logits  # a deferred sampling's input (`CudaExecutor.launch(defer=True)`)
+        # a deferred sampling's input, or a late step's kept logits (`CudaExecutor.launch`)
+        self.logits = logits
 
     def wait(self) -> None:
         self.end.synchronize()
@@ -110,7 +114,7 @@ class ThreadExecutor(InlineExecutor):
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pd-device")
 
     def launch(self, runner: ModelRunner, batch: ScheduledBatch, prev: ForwardOutput | None,
-               defer: bool = False) -> tuple[ForwardInput, ForwardOutput]:
+               defer: bool = False, late: bool = False) -> tuple[ForwardInput, ForwardOutput]:
         inp = runner.prepare(batch, masks=not defer)
         bufs = runner.alloc_output(inp)
         done = HostCompletion()
@@ -119,6 +123,9 @@ class ThreadExecutor(InlineExecutor):
         # next_tokens (its future ids) only after step N wrote them.
         if defer:  # the forward now; `sample_deferred` queues the rest
             done.logits = self.pool.submit(done.run_part, runner.forward_rows, inp, prev_tokens)
+        elif late:  # the step now, its logits kept; `resample` queues the rest
+            done.logits = self.pool.submit(done.run_part, runner.execute, inp, prev_tokens,
+                                           *bufs, True)
         else:
             self.pool.submit(done.run, runner.execute, inp, prev_tokens, *bufs)
         return inp, ForwardOutput(*bufs, done)
@@ -132,6 +139,14 @@ class ThreadExecutor(InlineExecutor):
             runner.emit(sampled, out.next_tokens_gpu, out.next_tokens_cpu, out.logprobs_cpu)
 
         self.pool.submit(done.run, finish)
+
+    def resample(self, runner: ModelRunner, out: ForwardOutput, index: list[int],
+                 rows: list) -> None:
+        """Rows `index` of a step launched `late`, sampled again as `rows`, then its end."""
+        done = out.copy_done
+        part, done.logits = done.logits, None
+        self.pool.submit(done.run, lambda: runner.resample(
+            part.result(), index, rows, out.next_tokens_gpu, out.next_tokens_cpu))
 
     def close(self) -> None:
         self.pool.shutdown(wait=True)
@@ -153,9 +168,10 @@ class CudaExecutor:
         self.events = EventRing()
 
     def launch(self, runner: ModelRunner, batch: ScheduledBatch, prev: ForwardOutput | None,
-               defer: bool = False) -> tuple[ForwardInput, ForwardOutput]:
+               defer: bool = False, late: bool = False) -> tuple[ForwardInput, ForwardOutput]:
         """Enqueue the step; with `defer` only up to its rows' logits, and its rows without
-        their grammars' masks: `sample_deferred` enqueues the rest."""
+        their grammars' masks: `sample_deferred` enqueues the rest; with `late` all of it, its
+        logits kept for `resample`."""
         start, end = self.events.take(), self.events.take()
         # NOTE: KV installed by the node (on the current stream) must land before a step that
         # reads it; the compute stream waits for what is queued there, without a host wait.
@@ -172,11 +188,11 @@ class CudaExecutor:
             if defer:
                 logits = runner.forward_rows(inp, prev_tokens)
                 return inp, ForwardOutput(*bufs, CudaCompletion(start, end, logits))
-            runner.execute(inp, prev_tokens, *bufs)
+            logits = runner.execute(inp, prev_tokens, *bufs, late)
             end.record(self.stream)  # after the host copies: waiting on it means the results are there
         finally:
             torch.cuda.set_stream(self.node_stream)
-        return inp, ForwardOutput(*bufs, CudaCompletion(start, end))
+        return inp, ForwardOutput(*bufs, CudaCompletion(start, end, logits))
 
     def sample_deferred(self, runner: ModelRunner, out: ForwardOutput, rows: list) -> None:
         """The sampler of a step launched with `defer`, over `rows` built now, then its end."""
@@ -186,6 +202,19 @@ class CudaExecutor:
             logits, done.logits = done.logits, None
             sampled = runner.sample_rows(logits, rows)
             runner.emit(sampled, out.next_tokens_gpu, out.next_tokens_cpu, out.logprobs_cpu)
+            done.end.record(self.stream)
+        finally:
+            torch.cuda.set_stream(self.node_stream)
+
+    def resample(self, runner: ModelRunner, out: ForwardOutput, index: list[int],
+                 rows: list) -> None:
+        """Rows `index` of a step launched `late`, sampled again as `rows`; its end is recorded
+        again after them (and after the tokens' new copy to the host)."""
+        done = out.copy_done
+        torch.cuda.set_stream(self.stream)
+        try:
+            logits, done.logits = done.logits, None
+            runner.resample(logits, index, rows, out.next_tokens_gpu, out.next_tokens_cpu)
             done.end.record(self.stream)
         finally:
             torch.cuda.set_stream(self.node_stream)

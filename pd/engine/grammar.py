@@ -127,8 +127,15 @@ class GrammarState:
 
     @property
     def masks_now(self) -> bool:
-        """Whether the step launched last samples this request under its mask."""
-        return self.checked is None or self.checked.masked
+        """Whether the step launched last samples this request under its mask at its launch
+        (or its deferred sampler)."""
+        return self.checked is None or (self.checked.masked and not self.checked.late)
+
+    @property
+    def masks_late(self) -> bool:
+        """Whether the step launched last samples this request under its mask late, after
+        sampling it without (`CheckedSampling.late`)."""
+        return self.checked is not None and self.checked.late
 
     def _unwalk(self, popped: list) -> None:
         """Undo every walk not taken (an accept of another token: not what the decode loop

@@ -1,10 +1,13 @@
 """The decode loop's grammar work (`GrammarSteps`, a mix-in of
 `pd.engine.decode_loop.DecodeLoop`): a step's tokens walked and the next step's masks filled at
 once (`walk_grammars`), each greedy grammar's mode for a step being launched, checked after
-sampling or masked (`grammar_modes`, `pd.engine.checked_grammar`), and a refused token taken
-back (`take_back`)."""
+sampling or masked, at its launch or late (`grammar_modes`, `pd.engine.checked_grammar`), the
+late rows sampled again under their masks (`resample_late`), and a refused token taken back
+(`take_back`)."""
 
 from __future__ import annotations
+
+import time
 
 from pd.engine.grammar import step_masks
 from pd.engine.request import Req
@@ -16,16 +19,17 @@ CHECK_FROM_ROWS = 16
 
 
 class GrammarSteps:
-    """`DecodeLoop`'s grammar work (a mix-in: it reads the loop's `runner`, sets its `checking`,
-    counts `num_taken_back` and calls its `discard_slot`; `f` and `nxt` are the loop's
-    `InFlight` steps)."""
+    """`DecodeLoop`'s grammar work (a mix-in: it reads the loop's `runner` and `executor`, sets
+    its `checking`, counts `num_taken_back` and `num_resampled`, adds to its `times` and calls its `discard_slot`;
+    `f`, `nxt` and `cur` are the loop's `InFlight` steps)."""
 
     @staticmethod
     def walk_grammars(f, token_ids: list[int], nxt, masks) -> list[Req]:
         """The grammar work of step f's tokens, at once on several threads (`step_masks`):
         each request's grammar walks its new token (which appending it then takes), then, with
-        `masks`, fills its mask of nxt's row where nxt samples it masked. Returns the requests
-        whose token a grammar checked after sampling refused (`take_back`)."""
+        `masks`, fills its mask of nxt's row where nxt samples it masked after this (its
+        deferred sampler's rows, or its late ones: `resample_late`). Returns the requests whose
+        token a grammar checked after sampling refused (`take_back`)."""
         tokens = {}
         for row, i in enumerate(f.rows):
             if i >= 0 and f.batch.reqs[i].grammar is not None:
@@ -35,15 +39,17 @@ class GrammarSteps:
         walkers = list(tokens)
         jobs = []
         if masks is not None:
+            late = bool(nxt.late)
             for j, i in enumerate(nxt.inp.sample_reqs):
                 req = nxt.batch.reqs[i]
-                if req.grammar is not None and req.grammar.masks_now:
+                if req.grammar is not None and (req.grammar.masks_late if late
+                                                else req.grammar.masks_now):
                     jobs.append((req.grammar, tokens.pop(req, None), j))
         jobs += [(req.grammar, token, None) for req, token in tokens.items()]
         step_masks(jobs, masks)
         return [r for r in walkers if r.grammar.checked is not None and r.grammar.checked.refused]
 
-    def grammar_modes(self, batch: ScheduledBatch) -> None:
+    def grammar_modes(self, batch: ScheduledBatch, late: bool = False) -> list[Req]:
         """Each decoding row's grammar that may be checked after sampling
         (`pd.engine.checked_grammar.CheckedSampling`): checked this step or masked (its
         `launch`). The loop checks them where the step before had `CHECK_FROM_ROWS` or more:
@@ -51,19 +57,43 @@ class GrammarSteps:
         strings over a 128k vocabulary, 60-150 us each), while a few requests' masks do and
         cost nothing (on the H100, JSON at batch 8: 0.79-0.98x masked). The mode is the step
         before's so that `can_predict`, which runs before this step is scheduled, knew it: a
-        row masked in a step launched ahead needs its token before on the host first (the
-        step's sampler is deferred). A masked row makes the runner build the step's rows anew
-        (not the last graphed step's)."""
-        checking, masked, rows = self.checking, False, 0
+        row masked in a step launched ahead of its token needs that token on the host first,
+        so with `late` (a step launched ahead, its sampler not deferred) a checking loop's
+        masked rows are sampled late (`resample_late`), and otherwise the step's sampler is
+        deferred. A row masked at launch makes the runner build the step's rows anew (not the
+        last graphed step's). Returns the requests sampled late."""
+        checking, masked, rows, late_reqs = self.checking, False, 0, []
         for i, req in enumerate(batch.reqs):
             grammar = req.grammar
             if (grammar is not None and grammar.checked is not None and batch.samples(i)
                     and len(req.token_ids) > len(req.prompt_token_ids)):
-                masked |= grammar.checked.launch(checking)
+                if grammar.checked.launch(checking, late):
+                    masked = True
+                elif grammar.checked.late:
+                    late_reqs.append(req)
                 rows += 1
         self.checking = rows >= CHECK_FROM_ROWS
         if masked:
             self.runner.graphed_rows = ([], None)
+        return late_reqs
+
+    def resample_late(self, cur, masks) -> None:
+        """Step cur's late rows (`grammar_modes`), whose masks `walk_grammars` filled in
+        `masks` (row j: cur's row j), sampled again from cur's logits under them; their tokens
+        replace the ones cur sampled without, before any later step reads them
+        (`executor.resample`). Called once for each step launched with late rows, whatever
+        is left of them (a row whose request ended or whose input was taken back stays as
+        it was: its slot is discarded)."""
+        t = time.perf_counter()
+        index, rows = [], []
+        for req in cur.late:
+            j = cur.members.get(req, -1)
+            if j >= 0 and cur.rows[j] >= 0:
+                index.append(j)
+                rows.append(self.runner.sampling_row(req, masks[j]))
+        self.executor.resample(self.runner, cur.out, index, rows)
+        self.num_resampled += len(index)
+        self.times.add("launch", t)
 
     def take_back(self, req: Req, nxt) -> None:
         """A token the request's grammar refused (checked after sampling): it is dropped, the

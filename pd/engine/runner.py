@@ -242,10 +242,34 @@ class ModelRunner(StepInputs):
     @torch.inference_mode()
     def execute(self, inp: ForwardInput, prev_tokens: torch.Tensor | None,
                 next_tokens: torch.Tensor, tokens_cpu: torch.Tensor,
-                logprobs_cpu: torch.Tensor | None) -> None:
+                logprobs_cpu: torch.Tensor | None, keep_logits: bool = False
+                ) -> torch.Tensor | None:
         """The device part of a step: forward, sample, write `next_tokens` (read by the next
-        step in stream order) and start the copies to the host buffers. Never waits."""
-        self.emit(self.sample(inp, prev_tokens), next_tokens, tokens_cpu, logprobs_cpu)
+        step in stream order) and start the copies to the host buffers. Never waits. With
+        `keep_logits`, returns the logits [S, V] of its sampled rows, for `resample` (a graphed
+        step's are its graphs' buffer, valid until the next replay)."""
+        forwarded = self.forward_rows(inp, prev_tokens)
+        logits = None
+        if keep_logits:
+            logits = (forwarded if isinstance(forwarded, torch.Tensor)
+                      else self.graphs.logits[:len(inp.rows)])
+        self.emit(self.sample_rows(forwarded, inp.rows), next_tokens, tokens_cpu, logprobs_cpu)
+        return logits
+
+    @torch.inference_mode()
+    def resample(self, logits: torch.Tensor, index: list[int], rows: list[SamplingRow],
+                 next_tokens: torch.Tensor, tokens_cpu: torch.Tensor) -> None:
+        """Rows `index` of a step `execute` ran (`logits` kept), sampled again as `rows` (their
+        grammars' masks, filled since), in place in its `next_tokens`, and the step's tokens
+        copied to the host again. Never waits."""
+        if not index:
+            return
+        idx = self.to_device(torch.tensor(index, dtype=torch.int64))
+        next_tokens.index_copy_(0, idx, self.sampler(logits[idx], rows).token_ids)
+        if next_tokens.is_cuda:
+            copy_async(tokens_cpu, next_tokens)
+        else:
+            tokens_cpu.copy_(next_tokens)
 
     @torch.inference_mode()
     def emit(self, out: SamplerOutput | None, next_tokens: torch.Tensor, tokens_cpu: torch.Tensor,

@@ -36,15 +36,19 @@ def test_checked_sampling_equals_masked_sampling(tiny_model_dir, overlap, monkey
     assert runs["checked"] == runs["masked"] and runs["few"] == runs["masked"][:n]
     assert loops["checked"].num_taken_back > 0
     assert loops["masked"].num_taken_back == loops["few"].num_taken_back == 0
-    if overlap:  # masked rows make a step wait for the one before; checked ones do not
+    if overlap:  # masked rows make a step wait for the one before; checked ones do not,
+        # nor, sampled late, the masked steps after a refusal
         assert loops["checked"].num_deferred < loops["masked"].num_deferred
+        assert loops["checked"].num_resampled > 0
+    assert loops["masked"].num_resampled == loops["few"].num_resampled == 0
 
 
 def test_checked_sampling_masks_after_refusals_and_gives_up_on_an_empty_mask():
     """After a refusal the next step samples masked, then 2, 4, ... steps (up to MAX_MASKED)
     while refusals keep coming, back to one after CALM tokens past the masked run without
-    one; a second refusal at the same position (the mask allowed nothing) ends the request as
-    unchecked ones do; a loop that is not checking masks every step."""
+    one; a masked step launched ahead of its input's token is sampled late; a second refusal at
+    the same position (the mask allowed nothing) ends the request as unchecked ones do; a loop
+    that is not checking masks every step."""
     from pd.engine.checked_grammar import CheckedSampling
     from pd.engine.grammar import GrammarState
 
@@ -78,5 +82,11 @@ def test_checked_sampling_masks_after_refusals_and_gives_up_on_an_empty_mask():
     state.walk(0)
     c.take_back()
     assert [c.launch(True) for _ in range(2)] == [True, False]
+    state.walk(5)
+    state.walk(0)
+    c.take_back()  # a masked step of a loop that can sample late: no mask at the launch
+    for _ in range(2):  # refused soon after the last: two masked steps
+        assert not c.launch(True, late=True) and state.masks_late and not state.masks_now
+    assert not c.launch(True, late=True) and not state.masks_late  # checked again
     state.walk(0)  # refused again at that position: the masked step's token too
-    assert state.failed and state.terminated and not c.refused and c.taken_back == 5
+    assert state.failed and state.terminated and not c.refused and c.taken_back == 6
