@@ -141,12 +141,12 @@ class ThreadExecutor(InlineExecutor):
         self.pool.submit(done.run, finish)
 
     def resample(self, runner: ModelRunner, out: ForwardOutput, index: list[int],
-                 rows: list) -> None:
-        """Rows `index` of a step launched `late`, sampled again as `rows`, then its end."""
+                 masks: torch.Tensor) -> None:
+        """Rows `index` of a step launched `late`, taken again under `masks`, then its end."""
         done = out.copy_done
         part, done.logits = done.logits, None
         self.pool.submit(done.run, lambda: runner.resample(
-            part.result(), index, rows, out.next_tokens_gpu, out.next_tokens_cpu))
+            part.result(), index, masks, out.next_tokens_gpu, out.next_tokens_cpu))
 
     def close(self) -> None:
         self.pool.shutdown(wait=True)
@@ -207,14 +207,14 @@ class CudaExecutor:
             torch.cuda.set_stream(self.node_stream)
 
     def resample(self, runner: ModelRunner, out: ForwardOutput, index: list[int],
-                 rows: list) -> None:
-        """Rows `index` of a step launched `late`, sampled again as `rows`; its end is recorded
-        again after them (and after the tokens' new copy to the host)."""
+                 masks: torch.Tensor) -> None:
+        """Rows `index` of a step launched `late`, taken again under `masks`; its end is
+        recorded again after them (and after the tokens' new copy to the host)."""
         done = out.copy_done
         torch.cuda.set_stream(self.stream)
         try:
             logits, done.logits = done.logits, None
-            runner.resample(logits, index, rows, out.next_tokens_gpu, out.next_tokens_cpu)
+            runner.resample(logits, index, masks, out.next_tokens_gpu, out.next_tokens_cpu)
             done.end.record(self.stream)
         finally:
             torch.cuda.set_stream(self.node_stream)

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import time
 
+import numpy as np
+
 from pd.engine.grammar import step_masks
 from pd.engine.request import Req
 from pd.engine.scheduler import ScheduledBatch
@@ -79,19 +81,24 @@ class GrammarSteps:
 
     def resample_late(self, cur, masks) -> None:
         """Step cur's late rows (`grammar_modes`), whose masks `walk_grammars` filled in
-        `masks` (row j: cur's row j), sampled again from cur's logits under them; their tokens
-        replace the ones cur sampled without, before any later step reads them
+        `masks` (row j: cur's row j), taken again from cur's logits under them, less the tokens
+        min_tokens bans there (greedy rows: `Engine.bind_grammar` checks no other); their
+        tokens replace the ones cur sampled without, before any later step reads them
         (`executor.resample`). Called once for each step launched with late rows, whatever
         is left of them (a row whose request ended or whose input was taken back stays as
         it was: its slot is discarded)."""
         t = time.perf_counter()
-        index, rows = [], []
+        index, words = [], None
         for req in cur.late:
             j = cur.members.get(req, -1)
             if j >= 0 and cur.rows[j] >= 0:
                 index.append(j)
-                rows.append(self.runner.sampling_row(req, masks[j]))
-        self.executor.resample(self.runner, cur.out, index, rows)
+                for tok in self.runner.sampling_row(req, mask=False).banned_token_ids:
+                    if words is None:
+                        words = masks.numpy().view(np.uint32)
+                    if tok >> 5 < words.shape[1]:
+                        words[j, tok >> 5] &= np.uint32(~(1 << (tok & 31)) & 0xFFFFFFFF)
+        self.executor.resample(self.runner, cur.out, index, masks)
         self.num_resampled += len(index)
         self.times.add("launch", t)
 

@@ -23,6 +23,7 @@ from typing import NamedTuple
 
 import torch
 
+from kernels.masked_argmax import masked_argmax
 from pd.config import EngineConfig, ModelConfig, dtype_name
 from pd.model import parallel
 from pd.model.context import ForwardContext, forward_context
@@ -257,15 +258,17 @@ class ModelRunner(StepInputs):
         return logits
 
     @torch.inference_mode()
-    def resample(self, logits: torch.Tensor, index: list[int], rows: list[SamplingRow],
+    def resample(self, logits: torch.Tensor, index: list[int], masks: torch.Tensor,
                  next_tokens: torch.Tensor, tokens_cpu: torch.Tensor) -> None:
-        """Rows `index` of a step `execute` ran (`logits` kept), sampled again as `rows` (their
-        grammars' masks, filled since), in place in its `next_tokens`, and the step's tokens
-        copied to the host again. Never waits."""
+        """Greedy rows `index` of a step `execute` ran (`logits` kept) taken again under their
+        masks (row j of `masks`, a `mask_buffer` filled since, for row j), in place in its
+        `next_tokens` (`kernels.masked_argmax`), and the step's tokens copied to the host
+        again. Never waits."""
         if not index:
             return
         idx = self.to_device(torch.tensor(index, dtype=torch.int64))
-        next_tokens.index_copy_(0, idx, self.sampler(logits[idx], rows).token_ids)
+        bits = masks.to(self.device, non_blocking=True) if next_tokens.is_cuda else masks
+        masked_argmax(logits, bits, idx, next_tokens)
         if next_tokens.is_cuda:
             copy_async(tokens_cpu, next_tokens)
         else:
