@@ -1,9 +1,10 @@
 """`masked_argmax`: the greedy token of some rows of a step's logits under their grammars'
-bitmasks, written into the step's tokens, as one Triton kernel with a torch twin.
+bitmasks, written into a step's tokens, as one Triton kernel with a torch twin.
 
 A late row of checked sampling (`pd.engine.checked_grammar`) is sampled again once the host has
-its mask: the argmax of its logits over the tokens its mask allows, the lowest id on ties, as
-the sampler's masked greedy row gives it. The sampler would copy the rows to float32, mask them
+its mask, and so is a refused token's position, from the step before's logits: the argmax of
+the logits over the tokens the mask allows, the lowest id on ties, as the sampler's masked
+greedy row gives it. The sampler would copy the rows to float32, mask them
 and reduce them in several launches; the kernel reads the logits (bfloat16 or float32) and the
 mask words once, one program per row walking the vocabulary in `BLOCK` columns. A row whose
 mask allows nothing gets token 0 (as torch's argmax of a row of -inf). On the current stream;
@@ -28,18 +29,22 @@ def _kernel():
     import triton.language as tl
 
     @triton.jit
-    def masked_argmax_kernel(x_ptr, bits_ptr, rows_ptr, out_ptr, stride_x, stride_bits,
-                             n_cols, n_words, BLOCK: tl.constexpr):
+    def masked_argmax_kernel(x_ptr, bits_ptr, rows_ptr, src_ptr, out_ptr, stride_x, stride_bits,
+                             n_cols, n_words, BLOCK: tl.constexpr, NUM_BLOCKS: tl.constexpr):
         row = tl.load(rows_ptr + tl.program_id(0))
+        src = tl.load(src_ptr + tl.program_id(0))
         best = tl.full((), float("-inf"), tl.float32)
         at = tl.full((), 0, tl.int32)
-        for start in range(0, n_cols, BLOCK):
+        # NOTE: a constant trip count (the vocabulary's blocks): triton's interpreter on the
+        # H100 machine took a loop bounded by an argument for a one-element array
+        for b in range(NUM_BLOCKS):
+            start = b * BLOCK
             cols = start + tl.arange(0, BLOCK)
             word = cols >> 5
             w = tl.load(bits_ptr + row * stride_bits + word,
                         mask=(cols < n_cols) & (word < n_words), other=0)
             allowed = (((w >> (cols & 31)) & 1) != 0) & (cols < n_cols)
-            x = tl.load(x_ptr + row * stride_x + cols, mask=allowed, other=float("-inf"))
+            x = tl.load(x_ptr + src * stride_x + cols, mask=allowed, other=float("-inf"))
             v, i = tl.max(x.to(tl.float32), 0, return_indices=True,
                           return_indices_tie_break_left=True)
             take = v > best  # strictly: an equal value further on keeps the lower id
@@ -51,36 +56,40 @@ def _kernel():
 
 
 def masked_argmax_ref(x: torch.Tensor, bits: torch.Tensor, rows: torch.Tensor,
-                      out: torch.Tensor) -> None:
-    """The torch twin: out[r] = argmax of x[r] over the tokens bits[r] allows, r in rows."""
+                      out: torch.Tensor, src: torch.Tensor | None = None) -> None:
+    """The torch twin: out[rows[m]] = argmax of x[src[m]] over the tokens bits[rows[m]]
+    allows."""
     if not rows.numel():
         return
-    y = x[rows].float()
+    y = x[rows if src is None else src].float()
     apply_token_mask_ref(y, bits[rows], torch.arange(rows.numel(), device=x.device))
     out[rows] = y.argmax(dim=-1)
 
 
 def masked_argmax(x: torch.Tensor, bits: torch.Tensor, rows: torch.Tensor, out: torch.Tensor,
-                  use_kernel: bool | None = None) -> None:
-    """In place on out [B] int64: for each r in rows [M] int64, the argmax of x[r] (x [B, V]
-    bfloat16, float16 or float32) over the tokens bits[r] allows (bits [B, W] int32: bit t % 32
-    of word t // 32 allows token t; tokens past the words are not allowed), the lowest id on
-    ties. All on x's device. The kernel on CUDA, else the twin."""
-    if (x.dim() != 2 or bits.dim() != 2 or rows.dim() != 1 or bits.shape[0] != x.shape[0]
-            or out.shape != x.shape[:1]):
+                  src: torch.Tensor | None = None, use_kernel: bool | None = None) -> None:
+    """In place on out [B] int64: for each m, out[rows[m]] = the argmax of x[src[m]] (src [M]
+    int64, by default rows; x [S, V] bfloat16, float16 or float32: the logits of this step or
+    of another) over the tokens bits[rows[m]] allows (bits [B, W] int32: bit t % 32 of word
+    t // 32 allows token t; tokens past the words are not allowed), the lowest id on ties.
+    All on x's device. The kernel on CUDA, else the twin."""
+    if (x.dim() != 2 or bits.dim() != 2 or rows.dim() != 1 or out.dim() != 1
+            or bits.shape[0] != out.shape[0] or (src is not None and src.shape != rows.shape)):
         raise ValueError(f"logits {tuple(x.shape)}, bitmask {tuple(bits.shape)}, rows "
                          f"{tuple(rows.shape)} and out {tuple(out.shape)} do not fit")
-    if bits.dtype != torch.int32 or rows.dtype != torch.int64 or out.dtype != torch.int64:
+    if (bits.dtype != torch.int32 or rows.dtype != torch.int64 or out.dtype != torch.int64
+            or (src is not None and src.dtype != torch.int64)):
         raise ValueError(f"want int32 words, int64 rows and int64 out, got {bits.dtype}, "
                          f"{rows.dtype}, {out.dtype}")
     if use_kernel is None:
         use_kernel = triton_usable(x)
     if not use_kernel:
-        masked_argmax_ref(x, bits, rows, out)
+        masked_argmax_ref(x, bits, rows, out, src)
         return
     if not rows.numel():
         return
     if x.stride(-1) != 1 or bits.stride(-1) != 1 or not out.is_contiguous():
         raise ValueError("masked_argmax needs contiguous rows and tokens")
-    _kernel()[(rows.numel(),)](x, bits, rows, out, x.stride(0), bits.stride(0), x.shape[1],
-                               bits.shape[1], BLOCK=BLOCK, num_warps=8)
+    _kernel()[(rows.numel(),)](x, bits, rows, rows if src is None else src, out, x.stride(0),
+                               bits.stride(0), x.shape[1], bits.shape[1], BLOCK=BLOCK,
+                               NUM_BLOCKS=-(-x.shape[1] // BLOCK), num_warps=8)

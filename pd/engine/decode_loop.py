@@ -67,7 +67,10 @@ class InFlight(NamedTuple):
     rows: list[int]  # batch index of each sampled row; -1: an invalid slot, its result discarded
     members: dict[Req, int]  # each request of the batch -> its sampled row, or -1
     free_after: list[Req]  # finished while in flight: their blocks are freed once this step is done
-    late: list[Req]  # sampled again under their grammars' masks once launched (`resample_late`)
+    # launched late (`grammar_modes`): its logits kept, its requests to sample again under their
+    # grammars' masks once launched (`resample_late`); None: not launched late
+    late: list[Req] | None
+    fixes: list[tuple[int, int]]  # (row of the step before, row here) to sample again (`take_back`)
 
 
 class DecodeLoop(SpecSteps, GrammarSteps):
@@ -96,6 +99,7 @@ class DecodeLoop(SpecSteps, GrammarSteps):
         self.num_deferred = 0  # of those, steps whose sampler waited for the previous one's tokens
         self.num_taken_back = 0  # tokens a grammar checked after sampling refused (`take_back`)
         self.num_resampled = 0  # rows sampled again under their masks (`resample_late`)
+        self.num_fixed = 0  # of those, refused tokens' positions, in the step after (`take_back`)
         self.checking = False  # grammars checked after sampling, not masked (`grammar_modes`)
         self.batch_size = 0  # requests in the step launched last (0: none)
         self.times = HostTimes()
@@ -134,13 +138,13 @@ class DecodeLoop(SpecSteps, GrammarSteps):
         if last is not None:
             # NOTE: step N+1 is already queued behind step N; only now does the host wait for N.
             self.num_ahead += cur is not None
-            if cur is not None and (cur.late or defer and any(
+            if cur is not None and (cur.late is not None or defer and any(
                     cur.batch.reqs[i].grammar is not None and cur.batch.reqs[i].grammar.masks_now
                     for i in cur.inp.sample_reqs)):
                 masks = self.runner.mask_buffer(len(cur.inp.sample_reqs))
             emitted += self.process(last, cur, masks)
-        if cur is not None and cur.late:
-            self.resample_late(cur, masks)
+        if cur is not None and cur.late is not None:
+            self.resample_late(last, cur, masks)
         elif defer and cur is not None:
             # NOTE: step N's tokens are on the host now (and in the requests' grammars, whose
             # masks for N+1 `process` filled): step N+1's sampler follows its forward, which
@@ -214,7 +218,7 @@ class DecodeLoop(SpecSteps, GrammarSteps):
             prev = last.out if last else None
             if defer:
                 inp, out = self.executor.launch(self.runner, batch, prev, defer=True)
-            elif late:
+            elif late is not None:
                 inp, out = self.executor.launch(self.runner, batch, prev, late=True)
             else:
                 inp, out = self.executor.launch(self.runner, batch, prev)
@@ -232,7 +236,7 @@ class DecodeLoop(SpecSteps, GrammarSteps):
         members = dict.fromkeys(batch.reqs, -1)
         for row, i in enumerate(inp.sample_reqs):
             members[batch.reqs[i]] = row
-        return InFlight(batch, inp, out, list(inp.sample_reqs), members, [], late)
+        return InFlight(batch, inp, out, list(inp.sample_reqs), members, [], late, [])
 
     def record_busy(self, seconds: float) -> None:
         """A processed step's device time (`busy`, and the node's metric where it gave one)."""
@@ -272,7 +276,7 @@ class DecodeLoop(SpecSteps, GrammarSteps):
                     continue  # invalid slot: the request ended after this step was launched
                 req = f.batch.reqs[i]
                 if refused and req in refused:
-                    self.take_back(req, nxt)
+                    self.take_back(req, row, f, nxt, masks)
                     continue
                 if not plain:
                     req.append_token(*sampled[row])

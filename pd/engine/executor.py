@@ -140,13 +140,18 @@ class ThreadExecutor(InlineExecutor):
 
         self.pool.submit(done.run, finish)
 
-    def resample(self, runner: ModelRunner, out: ForwardOutput, index: list[int],
+    def resample(self, runner: ModelRunner, out: ForwardOutput, parts: list,
                  masks: torch.Tensor) -> None:
-        """Rows `index` of a step launched `late`, taken again under `masks`, then its end."""
+        """Rows of a step launched `late` taken again under `masks` (`parts`: (a step launched
+        late, its rows, this step's rows), `ModelRunner.resample`), then its end."""
         done = out.copy_done
-        part, done.logits = done.logits, None
-        self.pool.submit(done.run, lambda: runner.resample(
-            part.result(), index, masks, out.next_tokens_gpu, out.next_tokens_cpu))
+
+        def finish() -> None:
+            runner.resample([(src.copy_done.logits.result(), rows, dst)
+                             for src, rows, dst in parts if rows], masks,
+                            out.next_tokens_gpu, out.next_tokens_cpu)
+
+        self.pool.submit(done.run, finish)
 
     def close(self) -> None:
         self.pool.shutdown(wait=True)
@@ -206,15 +211,16 @@ class CudaExecutor:
         finally:
             torch.cuda.set_stream(self.node_stream)
 
-    def resample(self, runner: ModelRunner, out: ForwardOutput, index: list[int],
+    def resample(self, runner: ModelRunner, out: ForwardOutput, parts: list,
                  masks: torch.Tensor) -> None:
-        """Rows `index` of a step launched `late`, taken again under `masks`; its end is
-        recorded again after them (and after the tokens' new copy to the host)."""
+        """Rows of a step launched `late` taken again under `masks` (`parts`: (a step launched
+        late, its rows, this step's rows), `ModelRunner.resample`); its end is recorded again
+        after them (and after the tokens' new copy to the host)."""
         done = out.copy_done
         torch.cuda.set_stream(self.stream)
         try:
-            logits, done.logits = done.logits, None
-            runner.resample(logits, index, masks, out.next_tokens_gpu, out.next_tokens_cpu)
+            runner.resample([(src.copy_done.logits, rows, dst) for src, rows, dst in parts
+                             if rows], masks, out.next_tokens_gpu, out.next_tokens_cpu)
             done.end.record(self.stream)
         finally:
             torch.cuda.set_stream(self.node_stream)

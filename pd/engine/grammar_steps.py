@@ -22,7 +22,8 @@ CHECK_FROM_ROWS = 16
 
 class GrammarSteps:
     """`DecodeLoop`'s grammar work (a mix-in: it reads the loop's `runner` and `executor`, sets
-    its `checking`, counts `num_taken_back` and `num_resampled`, adds to its `times` and calls its `discard_slot`;
+    its `checking`, counts `num_taken_back`, `num_resampled`
+    and `num_fixed`, adds to its `times` and calls its `discard_slot`;
     `f`, `nxt` and `cur` are the loop's `InFlight` steps)."""
 
     @staticmethod
@@ -41,7 +42,7 @@ class GrammarSteps:
         walkers = list(tokens)
         jobs = []
         if masks is not None:
-            late = bool(nxt.late)
+            late = nxt.late is not None
             for j, i in enumerate(nxt.inp.sample_reqs):
                 req = nxt.batch.reqs[i]
                 if req.grammar is not None and (req.grammar.masks_late if late
@@ -77,37 +78,52 @@ class GrammarSteps:
         self.checking = rows >= CHECK_FROM_ROWS
         if masked:
             self.runner.graphed_rows = ([], None)
-        return late_reqs
+        return late_reqs if checking and late else None
 
-    def resample_late(self, cur, masks) -> None:
+    def resample_late(self, last, cur, masks) -> None:
         """Step cur's late rows (`grammar_modes`), whose masks `walk_grammars` filled in
-        `masks` (row j: cur's row j), taken again from cur's logits under them, less the tokens
-        min_tokens bans there (greedy rows: `Engine.bind_grammar` checks no other); their
-        tokens replace the ones cur sampled without, before any later step reads them
-        (`executor.resample`). Called once for each step launched with late rows, whatever
-        is left of them (a row whose request ended or whose input was taken back stays as
-        it was: its slot is discarded)."""
+        `masks` (row j: cur's row j), taken again from cur's logits under them, and the rows
+        of cur whose input the step before (`last`) sampled and its grammar refused (`fixes`,
+        `take_back`) from last's logits; less the tokens min_tokens bans there (greedy rows:
+        `Engine.bind_grammar` checks no other). Their tokens replace the ones cur sampled
+        without, before any later step reads them (`executor.resample`). Called once for each
+        step launched late, whatever is left of its rows (a row whose request ended stays as it
+        was: its slot is discarded)."""
         t = time.perf_counter()
-        index, words = [], None
-        for req in cur.late:
-            j = cur.members.get(req, -1)
-            if j >= 0 and cur.rows[j] >= 0:
-                index.append(j)
-                for tok in self.runner.sampling_row(req, mask=False).banned_token_ids:
-                    if words is None:
-                        words = masks.numpy().view(np.uint32)
-                    if tok >> 5 < words.shape[1]:
-                        words[j, tok >> 5] &= np.uint32(~(1 << (tok & 31)) & 0xFFFFFFFF)
-        self.executor.resample(self.runner, cur.out, index, masks)
-        self.num_resampled += len(index)
+        members, valid = cur.members, cur.rows
+        late = [j for j in (members.get(req, -1) for req in cur.late) if j >= 0 and valid[j] >= 0]
+        fixes = [(i, j) for i, j in cur.fixes if valid[j] >= 0]
+        words = None
+        for j in late + [j for _, j in fixes]:
+            for tok in self.runner.sampling_row(cur.batch.reqs[valid[j]], mask=False).banned_token_ids:
+                if words is None:
+                    words = masks.numpy().view(np.uint32)
+                if tok >> 5 < words.shape[1]:
+                    words[j, tok >> 5] &= np.uint32(~(1 << (tok & 31)) & 0xFFFFFFFF)
+        parts = [(cur.out, late, late), (last.out, [i for i, _ in fixes], [j for _, j in fixes])]
+        self.executor.resample(self.runner, cur.out, parts, masks)
+        self.num_resampled += len(late) + len(fixes)
+        self.num_fixed += len(fixes)
         self.times.add("launch", t)
 
-    def take_back(self, req: Req, nxt) -> None:
-        """A token the request's grammar refused (checked after sampling): it is dropped, the
-        request's slot in `nxt` (launched with that token as its input) is discarded, and its
-        position is computed again, sampled under the mask (`CheckedSampling.take_back`)."""
+    def take_back(self, req: Req, row: int, f, nxt, masks) -> None:
+        """A token the request's grammar refused (checked after sampling, in row `row` of step
+        f): it is dropped and its position sampled again under the mask
+        (`CheckedSampling.take_back`). Where f and `nxt` (launched with that token as the
+        request's input) were launched late, nxt's slot is given the masked argmax of f's
+        logits (`resample_late`, with the mask filled here in `masks`), and the request's next
+        step reads it: one step lost. Otherwise nxt's slot is discarded and the position
+        computed again: two."""
         req.grammar.checked.take_back()
+        self.num_taken_back += 1
+        j = -1
+        if nxt is not None and nxt.late is not None and f.late is not None:
+            j = nxt.members.get(req, -1)
+        if j >= 0 and nxt.rows[j] >= 0:
+            nxt.fixes.append((row, j))
+            step_masks([(req.grammar, None, j)], masks)
+            req.num_computed_tokens = len(req.token_ids)
+            return
         if nxt is not None:
             self.discard_slot(nxt, req)
         req.num_computed_tokens = len(req.token_ids) - 1
-        self.num_taken_back += 1

@@ -124,6 +124,8 @@ class ModelRunner(StepInputs):
         self.host_buffers = HostRing(pin=self.device.type == "cuda")  # `alloc_output`'s
         # the last graphed decode step's requests and inputs, whose rows the next may reuse
         self.graphed_rows: tuple[list[Req], ForwardInput | None] = ([], None)
+        # `resample`'s masks and rows on the device (CUDA), grown as a step needs
+        self._late_bits = self._late_index = None
         log.info("model %s (%s, %d layers%s) on %s/%s, KV cache %d blocks x %d tokens (%.1f MiB)",
                  mc.model_id, mc.architecture, mc.num_layers, " + MTP" if mc.has_mtp else "",
                  cfg.device, dtype_name(self.dtype), num_blocks, cfg.block_size,
@@ -247,32 +249,50 @@ class ModelRunner(StepInputs):
                 ) -> torch.Tensor | None:
         """The device part of a step: forward, sample, write `next_tokens` (read by the next
         step in stream order) and start the copies to the host buffers. Never waits. With
-        `keep_logits`, returns the logits [S, V] of its sampled rows, for `resample` (a graphed
-        step's are its graphs' buffer, valid until the next replay)."""
+        `keep_logits`, returns the logits [S, V] of its sampled rows, for `resample`."""
         forwarded = self.forward_rows(inp, prev_tokens)
         logits = None
-        if keep_logits:
+        if keep_logits:  # NOTE: a graph's logits are copied: the next replay writes them
             logits = (forwarded if isinstance(forwarded, torch.Tensor)
-                      else self.graphs.logits[:len(inp.rows)])
+                      else self.graphs.logits[:len(inp.rows)].clone())
         self.emit(self.sample_rows(forwarded, inp.rows), next_tokens, tokens_cpu, logprobs_cpu)
         return logits
 
     @torch.inference_mode()
-    def resample(self, logits: torch.Tensor, index: list[int], masks: torch.Tensor,
-                 next_tokens: torch.Tensor, tokens_cpu: torch.Tensor) -> None:
-        """Greedy rows `index` of a step `execute` ran (`logits` kept) taken again under their
-        masks (row j of `masks`, a `mask_buffer` filled since, for row j), in place in its
+    def resample(self, parts: list[tuple[torch.Tensor, list[int], list[int]]],
+                 masks: torch.Tensor, next_tokens: torch.Tensor, tokens_cpu: torch.Tensor) -> None:
+        """Greedy rows of a step `execute` ran taken again under their masks, in place in its
         `next_tokens` (`kernels.masked_argmax`), and the step's tokens copied to the host
-        again. Never waits."""
-        if not index:
+        again. Each part is (logits kept by `execute`, their rows, the step's rows they give):
+        this step's own logits, or the step before's; row j's mask is row j of `masks` (a
+        `mask_buffer` filled since). Never waits."""
+        if not parts:
             return
-        idx = self.to_device(torch.tensor(index, dtype=torch.int64))
-        bits = masks.to(self.device, non_blocking=True) if next_tokens.is_cuda else masks
-        masked_argmax(logits, bits, idx, next_tokens)
-        if next_tokens.is_cuda:
-            copy_async(tokens_cpu, next_tokens)
-        else:
+        if not next_tokens.is_cuda:
+            for logits, src, rows in parts:
+                masked_argmax(logits, masks, torch.tensor(rows), next_tokens, torch.tensor(src))
             tokens_cpu.copy_(next_tokens)
+            return
+        # NOTE: raw copies into kept device buffers: a torch copy or a new tensor each cost
+        # tens of us of host per step on the H100 machine
+        rows = len(masks)
+        if self._late_bits is None or len(self._late_bits) < rows:
+            size = 1 << max(3, (rows - 1).bit_length())
+            self._late_bits = torch.empty(size, masks.shape[1], dtype=torch.int32,
+                                          device=self.device)
+            self._late_index = torch.empty(2 * size, dtype=torch.int64, device=self.device)
+        flat = [i for _, src, dst in parts for i in (*dst, *src)]
+        host = self.host_buffers.get((len(self._late_index),), name="late")
+        host.numpy()[:len(flat)] = flat
+        copy_async(self._late_bits[:rows], masks)
+        copy_async(self._late_index, host[:len(flat)])
+        at = 0
+        for logits, src, dst in parts:
+            k = len(dst)
+            masked_argmax(logits, self._late_bits[:rows], self._late_index[at:at + k],
+                          next_tokens, self._late_index[at + k:at + 2 * k])
+            at += 2 * k
+        copy_async(tokens_cpu, next_tokens)
 
     @torch.inference_mode()
     def emit(self, out: SamplerOutput | None, next_tokens: torch.Tensor, tokens_cpu: torch.Tensor,

@@ -1,6 +1,6 @@
 """`kernels.masked_argmax`: the twin gives each listed row's argmax over the tokens its bitmask
 allows (ties to the lowest id, a partial last word, a mask narrower than the vocabulary, a mask
-that allows nothing: token 0), leaves the other rows' tokens alone and refuses what does not
+that allows nothing: token 0), from its own logits' row or another's (`src`), leaves the other rows' tokens alone and refuses what does not
 fit; the Triton kernel equals the twin in triton's interpreter (CPU, CI) and on a CUDA
 machine, on bfloat16 and float32 logits."""
 
@@ -49,6 +49,12 @@ def test_twin_takes_the_argmax_of_the_allowed_tokens(vocab, width):
     assert (out == -7).sum() == 5 - idx.numel()  # rows not listed: untouched
     masked_argmax(x, bits, idx[:0], out)  # no row: nothing
     assert torch.equal(out, want)
+    # other logits' rows (`src`): another step's, of another batch size
+    y = torch.cat([x.flip(0), x[:1]])
+    src = 4 - idx
+    out2 = torch.full((5,), -7, dtype=torch.int64)
+    masked_argmax(y, bits, idx, out2, src)
+    assert torch.equal(out2, want)
 
 
 def test_wrapper_refuses_what_does_not_fit():
@@ -60,6 +66,8 @@ def test_wrapper_refuses_what_does_not_fit():
         masked_argmax(x, bits.long(), idx, out)
     with pytest.raises(ValueError, match="int64"):
         masked_argmax(x, bits, idx, out.int())
+    with pytest.raises(ValueError, match="do not fit"):
+        masked_argmax(x, bits, idx, out, idx[:1])
 
 
 def test_kernel_equals_twin_in_the_interpreter():
@@ -72,6 +80,10 @@ for rows, vocab, width in ((3, 70, 3), (4, 4100, 120), (2, 9000, 300)):
     a, b = torch.zeros(rows, dtype=torch.int64), torch.zeros(rows, dtype=torch.int64)
     masked_argmax(x, bits, idx, a, use_kernel=True)
     masked_argmax(x, bits, idx, b, use_kernel=False)
+    assert torch.equal(a, b), (rows, vocab, width, a, b)
+    src = idx.flip(0)
+    masked_argmax(x, bits, idx, a, src, use_kernel=True)
+    masked_argmax(x, bits, idx, b, src, use_kernel=False)
     assert torch.equal(a, b), (rows, vocab, width, a, b)
 print("ok")
 """)
@@ -88,4 +100,8 @@ def test_kernel_equals_twin(rows, vocab, width, dtype):
     b = a.clone()
     masked_argmax(x, bits, idx, a, use_kernel=True)
     masked_argmax(x, bits, idx, b, use_kernel=False)
+    assert torch.equal(a, b)
+    src = idx.flip(0)
+    masked_argmax(x, bits, idx, a, src, use_kernel=True)
+    masked_argmax(x, bits, idx, b, src, use_kernel=False)
     assert torch.equal(a, b)
