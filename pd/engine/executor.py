@@ -140,15 +140,15 @@ class ThreadExecutor(InlineExecutor):
 
         self.pool.submit(done.run, finish)
 
-    def resample(self, runner: ModelRunner, out: ForwardOutput, parts: list,
-                 masks: torch.Tensor) -> None:
-        """Rows of a step launched `late` taken again under `masks` (`parts`: (a step launched
-        late, its rows, this step's rows), `ModelRunner.resample`), then its end."""
+    def resample(self, runner: ModelRunner, out: ForwardOutput, prev: ForwardOutput | None,
+                 rows: list[int], src: list[int], masks: torch.Tensor) -> None:
+        """Rows of a step launched `late` taken again under `masks`, from its logits or those of
+        `prev` (the step before, launched late) (`ModelRunner.resample`), then its end."""
         done = out.copy_done
 
         def finish() -> None:
-            runner.resample([(src.copy_done.logits.result(), rows, dst)
-                             for src, rows, dst in parts if rows], masks,
+            runner.resample(rows, src, done.logits.result(),
+                            prev.copy_done.logits.result() if prev is not None else None, masks,
                             out.next_tokens_gpu, out.next_tokens_cpu)
 
         self.pool.submit(done.run, finish)
@@ -211,16 +211,17 @@ class CudaExecutor:
         finally:
             torch.cuda.set_stream(self.node_stream)
 
-    def resample(self, runner: ModelRunner, out: ForwardOutput, parts: list,
-                 masks: torch.Tensor) -> None:
-        """Rows of a step launched `late` taken again under `masks` (`parts`: (a step launched
-        late, its rows, this step's rows), `ModelRunner.resample`); its end is recorded again
-        after them (and after the tokens' new copy to the host)."""
+    def resample(self, runner: ModelRunner, out: ForwardOutput, prev: ForwardOutput | None,
+                 rows: list[int], src: list[int], masks: torch.Tensor) -> None:
+        """Rows of a step launched `late` taken again under `masks`, from its logits or those of
+        `prev` (the step before, launched late) (`ModelRunner.resample`); its end is recorded
+        again after them (and after the tokens' new copy to the host)."""
         done = out.copy_done
         torch.cuda.set_stream(self.stream)
         try:
-            runner.resample([(src.copy_done.logits, rows, dst) for src, rows, dst in parts
-                             if rows], masks, out.next_tokens_gpu, out.next_tokens_cpu)
+            runner.resample(rows, src, done.logits,
+                            prev.copy_done.logits if prev is not None else None, masks,
+                            out.next_tokens_gpu, out.next_tokens_cpu)
             done.end.record(self.stream)
         finally:
             torch.cuda.set_stream(self.node_stream)

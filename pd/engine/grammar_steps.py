@@ -100,8 +100,10 @@ class GrammarSteps:
                     words = masks.numpy().view(np.uint32)
                 if tok >> 5 < words.shape[1]:
                     words[j, tok >> 5] &= np.uint32(~(1 << (tok & 31)) & 0xFFFFFFFF)
-        parts = [(cur.out, late, late), (last.out, [i for i, _ in fixes], [j for _, j in fixes])]
-        self.executor.resample(self.runner, cur.out, parts, masks)
+        rows = late + [j for _, j in fixes]
+        src = late + [-i - 1 for i, _ in fixes]
+        self.executor.resample(self.runner, cur.out, last.out if fixes else None, rows, src,
+                               masks)
         self.num_resampled += len(late) + len(fixes)
         self.num_fixed += len(fixes)
         self.times.add("launch", t)

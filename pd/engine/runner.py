@@ -251,47 +251,53 @@ class ModelRunner(StepInputs):
         step in stream order) and start the copies to the host buffers. Never waits. With
         `keep_logits`, returns the logits [S, V] of its sampled rows, for `resample`."""
         forwarded = self.forward_rows(inp, prev_tokens)
-        logits = None
-        if keep_logits:  # NOTE: a graph's logits are copied: the next replay writes them
-            logits = (forwarded if isinstance(forwarded, torch.Tensor)
-                      else self.graphs.logits[:len(inp.rows)].clone())
+        logits = self.kept_logits(forwarded, len(inp.rows)) if keep_logits else None
         self.emit(self.sample_rows(forwarded, inp.rows), next_tokens, tokens_cpu, logprobs_cpu)
         return logits
 
+    def kept_logits(self, forwarded: torch.Tensor | SamplerOutput, num_rows: int) -> torch.Tensor:
+        """A step's logits [S, V] as `execute` keeps them: float32 (one step's and the next's
+        alike) and its own (a graph's are copied: the next replay writes them)."""
+        graphs = self.graphs
+        if isinstance(forwarded, torch.Tensor):
+            if forwarded.dtype == torch.float32 and (
+                    graphs is None or forwarded.untyped_storage().data_ptr()
+                    != graphs.logits.untyped_storage().data_ptr()):
+                return forwarded
+            return forwarded.to(torch.float32, copy=True)
+        return graphs.logits[:num_rows].to(torch.float32, copy=True)
+
     @torch.inference_mode()
-    def resample(self, parts: list[tuple[torch.Tensor, list[int], list[int]]],
-                 masks: torch.Tensor, next_tokens: torch.Tensor, tokens_cpu: torch.Tensor) -> None:
+    def resample(self, rows: list[int], src: list[int], logits: torch.Tensor,
+                 prev: torch.Tensor | None, masks: torch.Tensor, next_tokens: torch.Tensor,
+                 tokens_cpu: torch.Tensor) -> None:
         """Greedy rows of a step `execute` ran taken again under their masks, in place in its
-        `next_tokens` (`kernels.masked_argmax`), and the step's tokens copied to the host
-        again. Each part is (logits kept by `execute`, their rows, the step's rows they give):
-        this step's own logits, or the step before's; row j's mask is row j of `masks` (a
-        `mask_buffer` filled since). Never waits."""
-        if not parts:
+        `next_tokens` (`kernels.masked_argmax`, one launch), and the step's tokens copied to
+        the host again: row rows[m] from the logits `execute` kept of this step (`logits`, row
+        src[m]) or of the step before (`prev`, row -src[m] - 1), under row rows[m] of `masks`
+        (a `mask_buffer` filled since). Never waits."""
+        if not rows:
             return
         if not next_tokens.is_cuda:
-            for logits, src, rows in parts:
-                masked_argmax(logits, masks, torch.tensor(rows), next_tokens, torch.tensor(src))
+            masked_argmax(logits, masks, torch.tensor(rows), next_tokens, torch.tensor(src), prev)
             tokens_cpu.copy_(next_tokens)
             return
         # NOTE: raw copies into kept device buffers: a torch copy or a new tensor each cost
         # tens of us of host per step on the H100 machine
-        rows = len(masks)
-        if self._late_bits is None or len(self._late_bits) < rows:
-            size = 1 << max(3, (rows - 1).bit_length())
+        num = len(masks)
+        if self._late_bits is None or len(self._late_bits) < num:
+            size = 1 << max(3, (num - 1).bit_length())
             self._late_bits = torch.empty(size, masks.shape[1], dtype=torch.int32,
                                           device=self.device)
             self._late_index = torch.empty(2 * size, dtype=torch.int64, device=self.device)
-        flat = [i for _, src, dst in parts for i in (*dst, *src)]
+        k = len(rows)
         host = self.host_buffers.get((len(self._late_index),), name="late")
-        host.numpy()[:len(flat)] = flat
-        copy_async(self._late_bits[:rows], masks)
-        copy_async(self._late_index, host[:len(flat)])
-        at = 0
-        for logits, src, dst in parts:
-            k = len(dst)
-            masked_argmax(logits, self._late_bits[:rows], self._late_index[at:at + k],
-                          next_tokens, self._late_index[at + k:at + 2 * k])
-            at += 2 * k
+        index = host.numpy()
+        index[:k], index[k:2 * k] = rows, src
+        copy_async(self._late_bits[:num], masks)
+        copy_async(self._late_index, host[:2 * k])
+        masked_argmax(logits, self._late_bits[:num], self._late_index[:k], next_tokens,
+                      self._late_index[k:2 * k], prev)
         copy_async(tokens_cpu, next_tokens)
 
     @torch.inference_mode()

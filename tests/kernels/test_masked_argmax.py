@@ -1,6 +1,6 @@
 """`kernels.masked_argmax`: the twin gives each listed row's argmax over the tokens its bitmask
 allows (ties to the lowest id, a partial last word, a mask narrower than the vocabulary, a mask
-that allows nothing: token 0), from its own logits' row or another's (`src`), leaves the other rows' tokens alone and refuses what does not
+that allows nothing: token 0), from its own logits' row or another's, of these logits or another step's (`src`, `prev`), leaves the other rows' tokens alone and refuses what does not
 fit; the Triton kernel equals the twin in triton's interpreter (CPU, CI) and on a CUDA
 machine, on bfloat16 and float32 logits."""
 
@@ -49,11 +49,14 @@ def test_twin_takes_the_argmax_of_the_allowed_tokens(vocab, width):
     assert (out == -7).sum() == 5 - idx.numel()  # rows not listed: untouched
     masked_argmax(x, bits, idx[:0], out)  # no row: nothing
     assert torch.equal(out, want)
-    # other logits' rows (`src`): another step's, of another batch size
+    # other rows (`src`): of these logits, or of another step's (`prev`, another batch size)
     y = torch.cat([x.flip(0), x[:1]])
-    src = 4 - idx
     out2 = torch.full((5,), -7, dtype=torch.int64)
-    masked_argmax(y, bits, idx, out2, src)
+    masked_argmax(y, bits, idx, out2, 4 - idx)
+    assert torch.equal(out2, want)
+    src = torch.where(idx % 2 == 0, idx, -(4 - idx) - 1)  # odd rows from prev's flipped rows
+    out2.fill_(-7)
+    masked_argmax(x, bits, idx, out2, src, y)
     assert torch.equal(out2, want)
 
 
@@ -68,6 +71,8 @@ def test_wrapper_refuses_what_does_not_fit():
         masked_argmax(x, bits, idx, out.int())
     with pytest.raises(ValueError, match="do not fit"):
         masked_argmax(x, bits, idx, out, idx[:1])
+    with pytest.raises(ValueError, match="do not fit"):
+        masked_argmax(x, bits, idx, out, idx, x.double())
 
 
 def test_kernel_equals_twin_in_the_interpreter():
@@ -81,9 +86,10 @@ for rows, vocab, width in ((3, 70, 3), (4, 4100, 120), (2, 9000, 300)):
     masked_argmax(x, bits, idx, a, use_kernel=True)
     masked_argmax(x, bits, idx, b, use_kernel=False)
     assert torch.equal(a, b), (rows, vocab, width, a, b)
-    src = idx.flip(0)
-    masked_argmax(x, bits, idx, a, src, use_kernel=True)
-    masked_argmax(x, bits, idx, b, src, use_kernel=False)
+    src = torch.where(idx % 2 == 0, idx.flip(0), -idx - 1)
+    prev = x.flip(0) + 1
+    masked_argmax(x, bits, idx, a, src, prev, use_kernel=True)
+    masked_argmax(x, bits, idx, b, src, prev, use_kernel=False)
     assert torch.equal(a, b), (rows, vocab, width, a, b)
 print("ok")
 """)
@@ -101,7 +107,8 @@ def test_kernel_equals_twin(rows, vocab, width, dtype):
     masked_argmax(x, bits, idx, a, use_kernel=True)
     masked_argmax(x, bits, idx, b, use_kernel=False)
     assert torch.equal(a, b)
-    src = idx.flip(0)
-    masked_argmax(x, bits, idx, a, src, use_kernel=True)
-    masked_argmax(x, bits, idx, b, src, use_kernel=False)
+    src = torch.where(idx % 2 == 0, idx.flip(0), -idx - 1)
+    prev = x.flip(0) + 1
+    masked_argmax(x, bits, idx, a, src, prev, use_kernel=True)
+    masked_argmax(x, bits, idx, b, src, prev, use_kernel=False)
     assert torch.equal(a, b)
