@@ -17,7 +17,10 @@ When the host needs N's tokens before N+1's sampler (a running request with pena
 token sets the sampler builds on the host, or with a grammar, whose matcher walks each token
 before the next mask), step N+1's forward is launched ahead all the same and its sampler after
 step N is processed (the executors' `sample_deferred`; an executor without it makes the loop
-wait for step N first). The loop waits for step N before scheduling N+1 when the batch might
+wait for step N first). Greedy grammars checked after sampling (`pd.engine.grammar_steps`) ask
+for neither: such a step runs whole and keeps its logits, and its rows to sample under masks
+are taken again from them once step N is processed (`resample_late`), a refused token's
+position too, from step N's logits. The loop waits for step N before scheduling N+1 when the batch might
 preempt (preemption frees blocks that step N still writes). Without overlap, each step is
 launched and waited for at once. Both produce the same tokens. With MTP (a
 `pd.spec.verify.SpecDecoder` given as `spec`), each step verifies the requests' drafts and
