@@ -13,6 +13,7 @@ import numpy as np
 
 from pd.engine.grammar import step_masks
 from pd.engine.request import Req
+from pd.engine.sampler import banned_token_ids
 from pd.engine.scheduler import ScheduledBatch
 
 # a step's decoding rows with grammars from which the next step checks greedy ones after
@@ -93,13 +94,19 @@ class GrammarSteps:
         members, valid = cur.members, cur.rows
         late = [j for j in (members.get(req, -1) for req in cur.late) if j >= 0 and valid[j] >= 0]
         fixes = [(i, j) for i, j in cur.fixes if valid[j] >= 0]
-        words = None
+        at, cleared = [], []  # the bans' (row, word) and bit
         for j in late + [j for _, j in fixes]:
-            for tok in self.runner.sampling_row(cur.batch.reqs[valid[j]], mask=False).banned_token_ids:
-                if words is None:
-                    words = masks.numpy().view(np.uint32)
-                if tok >> 5 < words.shape[1]:
-                    words[j, tok >> 5] &= np.uint32(~(1 << (tok & 31)) & 0xFFFFFFFF)
+            req = cur.batch.reqs[valid[j]]
+            for tok in banned_token_ids(req.params, len(req.token_ids)
+                                        - len(req.prompt_token_ids), req.eos_token_ids):
+                at.append((j, tok >> 5))
+                cleared.append(~(1 << (tok & 31)) & 0xFFFFFFFF)
+        if at:
+            words = masks.numpy().view(np.uint32)
+            keep = [k for k, (_, w) in enumerate(at) if w < words.shape[1]]
+            rows_words = np.asarray([at[k] for k in keep], dtype=np.int64).reshape(-1, 2)
+            np.bitwise_and.at(words, (rows_words[:, 0], rows_words[:, 1]),
+                              np.asarray([cleared[k] for k in keep], dtype=np.uint32))
         rows = late + [j for _, j in fixes]
         src = late + [-i - 1 for i, _ in fixes]
         self.executor.resample(self.runner, cur.out, last.out if fixes else None, rows, src,

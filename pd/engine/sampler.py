@@ -79,12 +79,17 @@ class SamplingRow:
     @property
     def banned_token_ids(self) -> tuple[int, ...]:
         """Ids masked at this position because fewer than min_tokens were generated."""
-        p = self.params
-        if self.step >= p.min_tokens:
-            return ()
-        if p.ignore_eos:
-            return p.stop_token_ids
-        return p.stop_token_ids + tuple(self.eos_token_ids) + p.extra_eos_token_ids
+        return banned_token_ids(self.params, self.step, self.eos_token_ids)
+
+
+def banned_token_ids(p: SamplingParams, step: int, eos_token_ids) -> tuple[int, ...]:
+    """Ids masked at position `step` of a request's output because fewer than min_tokens were
+    generated (`SamplingRow.banned_token_ids`)."""
+    if step >= p.min_tokens:
+        return ()
+    if p.ignore_eos:
+        return p.stop_token_ids
+    return p.stop_token_ids + tuple(eos_token_ids) + p.extra_eos_token_ids
 
 
 @dataclass(slots=True)
