@@ -98,6 +98,26 @@ def test_min_tokens_masks_eos_and_stop_ids_until_reached():
     assert pick(1, ignore_eos=True, min_tokens=3, stop_token_ids=(EOS,)) == 10
 
 
+def test_min_tokens_bans_follow_their_rows_step_after_step():
+    """The bans' device indices are kept for a run of steps with the same bans: rows whose bans
+    trade places, or end, are masked by their own."""
+    logits = rand_logits(2, 40, 4)
+    logits[:, [EOS, 20]] = torch.tensor([50.0, 49.0])
+    under = dict(min_tokens=3, stop_token_ids=(20,), temperature=0.0, max_tokens=8)
+    plain = dict(temperature=0.0, max_tokens=8)
+    top = logits[0].clone()
+    top[[EOS, 20]] = -math.inf
+    rest = logits[1].clone()
+    rest[[EOS, 20]] = -math.inf
+    for _ in range(2):
+        got = Sampler(0)(logits, [row(step=0, **under), row(step=0, **plain)]).token_ids
+        assert got.tolist() == [top.argmax().item(), EOS]
+        got = Sampler(0)(logits, [row(step=0, **plain), row(step=0, **under)]).token_ids
+        assert got.tolist() == [EOS, rest.argmax().item()]
+        got = Sampler(0)(logits, [row(step=3, **under), row(step=3, **under)]).token_ids
+        assert got.tolist() == [EOS, EOS]
+
+
 # ---- truncation -------------------------------------------------------------------------------
 
 def ref_allowed(x: list[float], p: SP) -> dict[int, float]:
