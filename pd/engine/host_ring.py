@@ -1,8 +1,8 @@
 """Host buffers reused step after step instead of allocated per step (page-locked on CUDA, where
 an allocation per step costs host time and the copies from them must not block): `HostRing`
 for a step's fixed-shape buffers (`EventRing`: its timing events), `to_device` for small host
-data of any size (the sampler's indices and parameters, a grammar's masks), `copy_async` for a
-step's copies between a ring's buffer and the device."""
+data of any size (the sampler's indices and parameters, a grammar's masks; `list_to_device`
+from a list), `copy_async` for a step's copies between a ring's buffer and the device."""
 
 from __future__ import annotations
 
@@ -87,6 +87,12 @@ def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     if device.type != "cuda":
         return t
     return _STAGING.to_device(t.contiguous(), device)
+
+
+def list_to_device(data: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A tensor of `data` on `device` (`to_device`): building it never waits for the work
+    already queued (the overlap loop)."""
+    return to_device(torch.tensor(data, dtype=dtype), device)
 
 
 @functools.cache

@@ -38,8 +38,8 @@ from dataclasses import dataclass, field
 import torch
 
 from kernels.argmax import argmax
-from kernels.token_mask import apply_token_mask
-from pd.engine.host_ring import to_device
+from pd.engine.grammar_masks import apply_grammar
+from pd.engine.host_ring import list_to_device
 from pd.engine.logprobs import packed_logprobs
 from pd.wire.sampling_params import SamplingParams
 
@@ -134,15 +134,8 @@ def step_seed(seed: int, step: int) -> int:
     return _splitmix64(_splitmix64(seed & _MASK64) ^ (step & _MASK64)) >> 1
 
 
-def _host_to(data: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A tensor of `data` on `device`. On CUDA it goes through page-locked memory without
-    blocking (`host_ring.to_device`), so that building it never waits for the work already
-    queued (the overlap loop)."""
-    return to_device(torch.tensor(data, dtype=dtype), device)
-
-
 def _index(rows: list[int], device: torch.device) -> torch.Tensor:
-    return _host_to(rows, torch.int64, device)
+    return list_to_device(rows, torch.int64, device)
 
 
 def apply_penalties(x: torch.Tensor, rows: list[SamplingRow]) -> None:
@@ -166,12 +159,12 @@ def apply_penalties(x: torch.Tensor, rows: list[SamplingRow]) -> None:
                 out_keys.append(i * vocab + t)
                 out_vals.append(p.frequency_penalty * n + p.presence_penalty)
     if rep_keys:
-        keys, rp = _index(rep_keys, dev), _host_to(rep_vals, torch.float32, dev)
+        keys, rp = _index(rep_keys, dev), list_to_device(rep_vals, torch.float32, dev)
         vals = flat[keys]
         flat[keys] = torch.where(vals > 0, vals / rp, vals * rp)
     if out_keys:
         keys = _index(out_keys, dev)
-        flat[keys] -= _host_to(out_vals, torch.float32, dev)
+        flat[keys] -= list_to_device(out_vals, torch.float32, dev)
 
 
 # the flat indices of a step's min_tokens bans on the device, by the bans and the stream (a
@@ -210,70 +203,7 @@ def apply_logit_bias(x: torch.Tensor, rows: list[SamplingRow]) -> None:
                 keys.append(i * vocab + t)
                 vals.append(b)
     if keys:
-        x.view(-1).index_add_(0, _index(keys, x.device), _host_to(vals, torch.float32, x.device))
-
-
-def _one_block(masks: list[torch.Tensor]) -> torch.Tensor | None:
-    """The masks as one [M, W] view when they are consecutive rows of one buffer (as
-    `ModelRunner.sampling_rows` fills them), else None."""
-    first, width = masks[0], masks[0].numel()
-    if first.dim() != 1 or first.stride(0) != 1:
-        return None
-    base, ptr, step = first.untyped_storage().data_ptr(), first.data_ptr(), width * first.element_size()
-    for k, m in enumerate(masks):
-        if (m.dim() != 1 or m.numel() != width or m.data_ptr() != ptr + k * step
-                or m.untyped_storage().data_ptr() != base):
-            return None
-    return first.as_strided((len(masks), width), (width, 1))
-
-
-def _whole_buffer(masks: list[torch.Tensor], rows: list[int], num_rows: int
-                  ) -> torch.Tensor | None:
-    """Where masks[k] is row rows[k] of one [num_rows, W] buffer (as the decode loop
-    fills a step's masks: row j for the step's row j, some rows not masked, their grammars
-    checked after sampling), that buffer [num_rows, W] with every other row allowing all
-    tokens (-1, written here: those rows are this step's and unused): one copy and no index,
-    rather than the masks stacked and their rows copied through the staging buffers. Else
-    None."""
-    first, width = masks[0], masks[0].numel()
-    if first.dim() != 1 or first.stride(0) != 1 or first.storage_offset() < rows[0] * width:
-        return None
-    start = first.storage_offset() - rows[0] * width
-    storage = first.untyped_storage()
-    if (start + num_rows * width) * first.element_size() > storage.nbytes():
-        return None
-    for m, j in zip(masks, rows):
-        if (m.dim() != 1 or m.numel() != width or m.storage_offset() != start + j * width
-                or m.untyped_storage().data_ptr() != storage.data_ptr()):
-            return None
-    whole = first.as_strided((num_rows, width), (width, 1), start)
-    others = sorted(set(range(num_rows)) - set(rows))
-    whole[others] = -1
-    return whole
-
-
-def apply_grammar(x: torch.Tensor, rows: list[SamplingRow]) -> None:
-    """-inf on every token a row's grammar does not allow (`SamplingRow.allowed`), in place on
-    logits [B, V]; tokens past the mask's words are not allowed. One copy of the masks to the
-    device (straight from their page-locked buffer when they are its consecutive rows) and one
-    kernel (`kernels.token_mask`), no wait."""
-    masked = [i for i, r in enumerate(rows) if r.allowed is not None]
-    if not masked:
-        return
-    dev = x.device
-    allowed = [rows[i].allowed for i in masked]
-    block = _one_block(allowed)
-    if block is None and dev.type == "cuda":
-        block = _whole_buffer(allowed, masked, len(rows))
-        if block is not None:
-            masked = range(len(rows))
-    # NOTE: a buffer of the runner's HostRing is not reused before this step is processed
-    bits = block.to(dev, non_blocking=True) if block is not None else \
-        to_device(torch.stack(allowed), dev)
-    # NOTE: every row masked (a batch of grammars) needs no index copied from the host
-    index = (torch.arange(len(rows), device=dev) if len(masked) == len(rows)
-             else _index(masked, dev))
-    apply_token_mask(x, bits, index)
+        x.view(-1).index_add_(0, _index(keys, x.device), list_to_device(vals, torch.float32, x.device))
 
 
 def process_logits(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
@@ -332,7 +262,7 @@ def truncated_logits(x: torch.Tensor, params: list[SamplingParams]) -> torch.Ten
     top-k: the k-th largest; top-p: the smallest prefix of the sorted row (after top-k) whose
     mass reaches top_p; min-p: max + log(min_p), i.e. p >= min_p * p_max."""
     dev, vocab = x.device, x.shape[1]
-    cols = _host_to(
+    cols = list_to_device(
         [[p.temperature, p.top_p, p.min_p, p.top_k if 0 < p.top_k < vocab else 0] for p in params],
         torch.float32, dev,
     )  # [S, 4]

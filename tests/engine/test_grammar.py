@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from pd.engine.grammar import GrammarError, Grammars, fill_masks
-from pd.engine.sampler import SamplingRow, apply_grammar
+from pd.engine.grammar_masks import apply_grammar
+from pd.engine.sampler import SamplingRow
 from pd.wire.sampling_params import SamplingParams as SP
 
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 6},
@@ -211,7 +212,7 @@ def test_scattered_masks_of_one_buffer_travel_as_that_buffer():
     """Some rows masked (the others' grammars checked after sampling, or none), their masks
     rows of one buffer: on CUDA the whole buffer goes, the other rows allowing every token
     (`_whole_buffer`), with the result of the masks stacked (the CPU's way)."""
-    from pd.engine.sampler import _whole_buffer
+    from pd.engine.grammar_masks import _whole_buffer
 
     vocab, gen = 70, torch.Generator().manual_seed(1)
     logits = torch.randn(4, vocab, generator=gen)
