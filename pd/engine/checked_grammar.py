@@ -22,11 +22,13 @@ class CheckedSampling:
     step has many such requests (`pd.engine.grammar_steps.GrammarSteps.grammar_modes`): the
     decode loop samples its row without the mask (the step is then a plain one: graphed, the
     argmax in the graph, nothing for the host to wait for) and walks the token; the grammar
-    refusing it, the loop takes it back (`GrammarSteps.take_back`: the token is dropped, the
-    row's slot in the step launched after it is discarded, the position is computed again) and
-    the row's next steps sample masked. Lossless: where the grammar allows the argmax of the
+    refusing it, the loop takes it back (`GrammarSteps.take_back`: the token is dropped, and
+    the row's slot in the step launched after it, which read that token, gets the position's
+    masked token from the refused step's kept logits; where those steps were not launched
+    late, that slot is discarded and the position computed again) and the row's next steps
+    sample masked. Lossless: where the grammar allows the argmax of the
     logits, that is the argmax of the masked logits too (ties: the lowest id, either way).
-    Worth it where masks cost more than the rare step taken back: inside a JSON string nearly
+    Worth it where masks cost more than the rare step lost: inside a JSON string nearly
     every token is allowed, and a mask over 128k tokens takes 60-150 us of host against 2-30
     us elsewhere. After a refusal `masked_left` steps sample masked: 1, doubled by each
     refusal up to `MAX_MASKED`, back to 1 after `CALM` tokens past the masked run without one

@@ -20,8 +20,8 @@ step N is processed (the executors' `sample_deferred`; an executor without it ma
 wait for step N first). Greedy grammars checked after sampling (`pd.engine.grammar_steps`) ask
 for neither: such a step runs whole and keeps its logits, and its rows to sample under masks
 are taken again from them once step N is processed (`resample_late`), a refused token's
-position too, from step N's logits. The loop waits for step N before scheduling N+1 when the batch might
-preempt (preemption frees blocks that step N still writes). Without overlap, each step is
+position too, from step N's logits. The loop waits for step N before scheduling N+1 when the
+batch might preempt (preemption frees blocks that step N still writes). Without overlap, each step is
 launched and waited for at once. Both produce the same tokens. With MTP (a
 `pd.spec.verify.SpecDecoder` given as `spec`), each step verifies the requests' drafts and
 proposes the next ones. A graphed MTP step (`pd.spec.graphs`) whose requests all continue

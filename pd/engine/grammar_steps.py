@@ -23,9 +23,9 @@ CHECK_FROM_ROWS = 16
 
 class GrammarSteps:
     """`DecodeLoop`'s grammar work (a mix-in: it reads the loop's `runner` and `executor`, sets
-    its `checking`, counts `num_taken_back`, `num_resampled`
-    and `num_fixed`, adds to its `times` and calls its `discard_slot`;
-    `f`, `nxt` and `cur` are the loop's `InFlight` steps)."""
+    its `checking`, counts `num_taken_back`, `num_resampled` and `num_fixed`, adds to its
+    `times` and calls its `discard_slot`; `f`, `nxt`, `last` and `cur` are the loop's
+    `InFlight` steps)."""
 
     @staticmethod
     def walk_grammars(f, token_ids: list[int], nxt, masks) -> list[Req]:
@@ -65,7 +65,8 @@ class GrammarSteps:
         so with `late` (a step launched ahead, its sampler not deferred) a checking loop's
         masked rows are sampled late (`resample_late`), and otherwise the step's sampler is
         deferred. A row masked at launch makes the runner build the step's rows anew (not the
-        last graphed step's). Returns the requests sampled late."""
+        last graphed step's). Returns the requests sampled late where the step is launched
+        late (a checking loop's step launched ahead: it keeps its logits), else None."""
         checking, masked, rows, late_reqs = self.checking, False, 0, []
         for i, req in enumerate(batch.reqs):
             grammar = req.grammar
