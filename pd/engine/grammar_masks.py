@@ -5,15 +5,10 @@ by one kernel (`kernels.token_mask`), without a host wait."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
 from kernels.token_mask import apply_token_mask
 from pd.engine.host_ring import list_to_device, to_device
-
-if TYPE_CHECKING:
-    from pd.engine.sampler import SamplingRow
 
 
 def _one_block(masks: list[torch.Tensor]) -> torch.Tensor | None:
@@ -55,11 +50,12 @@ def _whole_buffer(masks: list[torch.Tensor], rows: list[int], num_rows: int
     return whole
 
 
-def apply_grammar(x: torch.Tensor, rows: list[SamplingRow]) -> None:
-    """-inf on every token a row's grammar does not allow (`SamplingRow.allowed`), in place on
-    logits [B, V]; tokens past the mask's words are not allowed. One copy of the masks to the
-    device (straight from their page-locked buffer when they are its consecutive rows) and one
-    kernel (`kernels.token_mask`), no wait."""
+def apply_grammar(x: torch.Tensor, rows: list) -> None:
+    """-inf on every token a row's grammar does not allow (the sampler's rows,
+    `pd.engine.sampler.SamplingRow`: their `allowed`), in place on logits [B, V]; tokens past
+    the mask's words are not allowed. One copy of the masks to the device (straight from their
+    page-locked buffer when they are its consecutive rows) and one kernel
+    (`kernels.token_mask`), no wait."""
     masked = [i for i, r in enumerate(rows) if r.allowed is not None]
     if not masked:
         return
