@@ -12,12 +12,11 @@ Where a step has 16 or more of them, greedy rows check each token against the gr
 sampling (the step runs as a plain one) and sample under the mask only where a token was
 refused ("taken back": the refusals per 1000 tokens; the masked steps after a refusal run as
 plain steps and sample those rows again under their masks late, "late" per 1000 tokens), below
-that they are masked; the
-`-masked` rows (PD_CHECKED_GRAMMAR=0) fill each mask on the host per request
-per step for the sampler, the overlap loop waiting for each step's tokens before the next mask
-(its forward runs meanwhile). The table shows the cost beside the plain rate, and the wall time
-per step with the decode loop's host time per step by phase. Timings only, no assertions;
-best of `--repeats`.
+that they are masked; the `-masked` rows (PD_CHECKED_GRAMMAR=0) fill each mask on the host per
+request per step for the sampler, the overlap loop waiting for each step's tokens before the
+next mask (its forward runs meanwhile). The table shows the cost beside the plain rate, and the
+wall time per step with the decode loop's host time per step by phase. Timings only, no
+assertions; best of `--repeats`.
 """
 
 from __future__ import annotations
@@ -70,7 +69,8 @@ def main() -> None:
     # the decode loop's host time per step by phase (`pd.engine.loop_stats.HostTimes`), in us
     host = llm.engine.loop.times
     print(f"{'batch':>5} {'grammar':>12} {'tokens':>7} {'seconds':>8} {'tok/s':>9} {'vs none':>8} "
-          f"{'us/step':>7} " + " ".join(f"{k:>8}" for k in PHASES) + f" {'back/1k':>7} {'late/1k':>7}")
+          f"{'us/step':>7} " + " ".join(f"{k:>8}" for k in PHASES)
+          + f" {'back/1k':>7} {'late/1k':>7}")
     for batch in args.batch:
         base = None
         for name in args.grammars:
@@ -101,7 +101,8 @@ def main() -> None:
             step_us = best[1] / args.max_tokens * 1e6
             print(f"{batch:>5} {name:>12} {best[0]:>7} {best[1]:>8.3f} {tps:>9.0f} "
                   f"{tps / base:>7.2f}x {step_us:>7.0f} "
-                  + " ".join(f"{best[2][k]:>8.0f}" for k in PHASES) + f" {best[3]:>7.1f} {best[4]:>7.1f}")
+                  + " ".join(f"{best[2][k]:>8.0f}" for k in PHASES)
+                  + f" {best[3]:>7.1f} {best[4]:>7.1f}")
 
 
 if __name__ == "__main__":
