@@ -6,9 +6,12 @@ its mask, and so is a refused token's position, from the step before's logits: t
 the logits over the tokens the mask allows, the lowest id on ties, as the sampler's masked
 greedy row gives it; both kinds of row in one launch. The sampler would copy the rows to
 float32, mask them and reduce them in several launches; the kernel reads the logits (bfloat16
-or float32) and the mask words once, one program per row walking the vocabulary in `BLOCK`
-columns. A row whose
-mask allows nothing gets token 0 (as torch's argmax of a row of -inf). On the current stream;
+or float32) and the mask words once. Each row is cut in chunks of `CHUNK` columns, one program
+each (a step's dozen rows over a 128k vocabulary keep the GPU busy: one program per row took
+42 us on the H100, most of a late step's own device time); a program writes its chunk's best
+value and column, counts itself done on the row's counter, and the row's last program picks
+the best chunk, the leftmost among equals, so ties still go to the lowest id. A row whose mask
+allows nothing gets token 0 (as torch's argmax of a row of -inf). On the current stream;
 `triton` is imported on first use; CPU machines run the twin.
 """
 
@@ -21,7 +24,7 @@ import torch
 from kernels.token_mask import apply_token_mask_ref
 from kernels.triton_support import triton_usable
 
-BLOCK = 4096  # columns per iteration of a row's program
+CHUNK = 2048  # columns per program
 
 
 @functools.cache
@@ -30,32 +33,57 @@ def _kernel():
     import triton.language as tl
 
     @triton.jit
-    def masked_argmax_kernel(x_ptr, prev_ptr, bits_ptr, rows_ptr, src_ptr, out_ptr, stride_x,
-                             stride_prev, stride_bits, n_cols, n_words, BLOCK: tl.constexpr,
-                             NUM_BLOCKS: tl.constexpr):
-        row = tl.load(rows_ptr + tl.program_id(0))
-        src = tl.load(src_ptr + tl.program_id(0))
+    def masked_argmax_kernel(x_ptr, prev_ptr, bits_ptr, rows_ptr, src_ptr, out_ptr, val_ptr,
+                             col_ptr, count_ptr, stride_x, stride_prev, stride_bits, n_cols,
+                             n_words, CHUNK: tl.constexpr, NUM_CHUNKS: tl.constexpr,
+                             CP: tl.constexpr):
+        m, c = tl.program_id(0), tl.program_id(1)
+        row = tl.load(rows_ptr + m)
+        src = tl.load(src_ptr + m)
         base = tl.where(src >= 0, x_ptr + src * stride_x, prev_ptr + (-src - 1) * stride_prev)
-        best = tl.full((), float("-inf"), tl.float32)
-        at = tl.full((), 0, tl.int32)
-        # NOTE: a constant trip count (the vocabulary's blocks): triton's interpreter on the
-        # H100 machine took a loop bounded by an argument for a one-element array
-        for b in range(NUM_BLOCKS):
-            start = b * BLOCK
-            cols = start + tl.arange(0, BLOCK)
-            word = cols >> 5
-            w = tl.load(bits_ptr + row * stride_bits + word,
-                        mask=(cols < n_cols) & (word < n_words), other=0)
-            allowed = (((w >> (cols & 31)) & 1) != 0) & (cols < n_cols)
-            x = tl.load(base + cols, mask=allowed, other=float("-inf"))
-            v, i = tl.max(x.to(tl.float32), 0, return_indices=True,
+        cols = c * CHUNK + tl.arange(0, CHUNK)
+        word = cols >> 5
+        w = tl.load(bits_ptr + row * stride_bits + word, mask=(cols < n_cols) & (word < n_words),
+                    other=0)
+        allowed = (((w >> (cols & 31)) & 1) != 0) & (cols < n_cols)
+        x = tl.load(base + cols, mask=allowed, other=float("-inf"))
+        best, at = tl.max(x.to(tl.float32), 0, return_indices=True,
                           return_indices_tie_break_left=True)
-            take = v > best  # strictly: an equal value further on keeps the lower id
-            at = tl.where(take, start + i, at)
-            best = tl.where(take, v, best)
-        tl.store(out_ptr + row, at.to(tl.int64))
+        if NUM_CHUNKS == 1:
+            tl.store(out_ptr + row, at.to(tl.int64))
+            return
+        tl.store(val_ptr + m * NUM_CHUNKS + c, best)
+        tl.store(col_ptr + m * NUM_CHUNKS + c, c * CHUNK + at)
+        # NOTE: the row's last program to finish picks its best chunk: its stores are done
+        # (barrier) before the release of the count, whose acquire by the last one makes the
+        # others' visible to its loads (which bypass L1); it leaves the count at zero again
+        tl.debug_barrier()
+        if tl.atomic_add(count_ptr + m, 1, sem="acq_rel") == NUM_CHUNKS - 1:
+            tl.atomic_xchg(count_ptr + m, 0)
+            j = tl.arange(0, CP)
+            vals = tl.load(val_ptr + m * NUM_CHUNKS + j, mask=j < NUM_CHUNKS,
+                           other=float("-inf"), cache_modifier=".cg")
+            _, k = tl.max(vals, 0, return_indices=True, return_indices_tie_break_left=True)
+            tl.store(out_ptr + row, tl.load(col_ptr + m * NUM_CHUNKS + k, cache_modifier=".cg")
+                     .to(tl.int64))
 
     return masked_argmax_kernel
+
+
+# per device: the chunks' best values and columns, and the rows' counters (zero between
+# launches), grown as a launch needs; one launch at a time per device (the decode loop's)
+_SCRATCH: dict[torch.device, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+
+
+def _scratch(device: torch.device, rows: int, chunks: int):
+    have = _SCRATCH.get(device)
+    if have is None or have[2].numel() < rows or have[0].numel() < rows * chunks:
+        n = 1 << max(5, (rows - 1).bit_length())
+        have = _SCRATCH[device] = (
+            torch.empty(n * chunks, dtype=torch.float32, device=device),
+            torch.empty(n * chunks, dtype=torch.int32, device=device),
+            torch.zeros(n, dtype=torch.int32, device=device))
+    return have
 
 
 def _sources(x: torch.Tensor, prev: torch.Tensor | None, src: torch.Tensor) -> torch.Tensor:
@@ -109,7 +137,9 @@ def masked_argmax(x: torch.Tensor, bits: torch.Tensor, rows: torch.Tensor, out: 
     if (x.stride(-1) != 1 or prev.stride(-1) != 1 or bits.stride(-1) != 1
             or not out.is_contiguous()):
         raise ValueError("masked_argmax needs contiguous rows and tokens")
-    _kernel()[(rows.numel(),)](x, prev, bits, rows, rows if src is None else src, out,
-                               x.stride(0), prev.stride(0), bits.stride(0), x.shape[1],
-                               bits.shape[1], BLOCK=BLOCK, NUM_BLOCKS=-(-x.shape[1] // BLOCK),
-                               num_warps=8)
+    chunks = -(-x.shape[1] // CHUNK)
+    vals, cols, counts = _scratch(x.device, rows.numel(), chunks)
+    _kernel()[(rows.numel(), chunks)](
+        x, prev, bits, rows, rows if src is None else src, out, vals, cols, counts, x.stride(0),
+        prev.stride(0), bits.stride(0), x.shape[1], bits.shape[1], CHUNK=CHUNK,
+        NUM_CHUNKS=chunks, CP=max(16, 1 << (chunks - 1).bit_length()), num_warps=4)
