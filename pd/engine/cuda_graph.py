@@ -10,7 +10,8 @@ the graph's layout and copies in one transfer on the current stream before the r
 step composes with the overlap loop's compute stream and never waits on the host.
 
 Each decode graph also runs the LM head into one static logits buffer (`logits`, in the model's
-dtype, shared by every graph) and the greedy argmax of it into `tokens`: a batch of plain
+dtype, shared by every graph) and the greedy argmax of it into `tokens`, passing over each
+row's banned ids (its inputs' last section: min_tokens' EOS and stop ids): a batch of plain
 greedy rows needs nothing after the replay. Greedy rows that ask for logprobs replay one more
 graph, of the tokens' logprobs packed for one host copy (`logprobs`, per padded batch and top
 count); any other sampling runs eagerly on `logits`.
@@ -116,6 +117,7 @@ class DecodeGraphs:
     def _forward(self, batch: int, width: int) -> torch.Tensor:
         layout = DecodeLayout(batch, width)
         ids, positions, slots, lens, future, tables = layout.views(self.staging)
+        bans = layout.bans(self.staging)
         ids = torch.where(future >= 0, self.tokens[future.clamp(min=0)], ids)
         keys = torch.arange(width * self.block_size, device=self.device)
         mask = (keys[None, :] < lens[:, None])[:, None, None, :]  # [B, 1, 1, max_kv]
@@ -125,7 +127,7 @@ class DecodeGraphs:
             max_kv_len=width * self.block_size, plain_decode=True)
         with forward_context(ctx):
             hidden, logits = self.model.forward_logits(ids, positions, out=self.logits[:batch])
-        argmax(logits, out=self.tokens[:batch])
+        argmax(logits, out=self.tokens[:batch], bans=bans)
         return hidden
 
     def pad_inputs(self, key: tuple[int, int]) -> None:

@@ -16,26 +16,36 @@ from typing import NamedTuple
 
 import numpy as np
 
+# the ids a graphed row's argmax may be told to pass over (min_tokens' EOS and stop ids)
+GRAPH_BANS = 8
+
 
 class DecodeLayout(NamedTuple):
     """Where a decode graph of (batch B, block-table width W) finds its inputs in one flat
-    int64 buffer: ids, positions, KV slots, context lengths and future rows (B each), then the
-    block tables [B, W]. A future row j >= 0 means "this row's id is row j of the previous
-    step's tokens" (sampled by the step still in flight; its id is read on the device)."""
+    int64 buffer: ids, positions, KV slots, context lengths and future rows (B each), the
+    block tables [B, W], then each row's banned ids [B, GRAPH_BANS] (-1: none). A future row
+    j >= 0 means "this row's id is row j of the previous step's tokens" (sampled by the step
+    still in flight; its id is read on the device). A row's banned ids are ids its greedy
+    token must not be (a request under min_tokens: `pd.engine.sampler.banned_token_ids`); the
+    graph's argmax passes over them."""
 
     batch: int
     width: int
 
     @property
     def size(self) -> int:
-        return self.batch * (5 + self.width)
+        return self.batch * (5 + self.width + GRAPH_BANS)
 
     def views(self, flat):
         """(ids, positions, slots, context_lens, future, block_tables) of `flat` (a tensor or
         an array)."""
         b = self.batch
         cols = [flat[i * b:(i + 1) * b] for i in range(5)]
-        return (*cols, flat[5 * b:self.size].reshape(b, self.width))
+        return (*cols, flat[5 * b:b * (5 + self.width)].reshape(b, self.width))
+
+    def bans(self, flat):
+        """The banned ids [B, GRAPH_BANS] of `flat` (a tensor or an array)."""
+        return flat[self.batch * (5 + self.width):self.size].reshape(self.batch, GRAPH_BANS)
 
 
 _COMPUTED, _TOKENS = attrgetter("num_computed_tokens"), attrgetter("token_ids")
@@ -66,21 +76,22 @@ def _fill_columns(cols: np.ndarray, tables: np.ndarray, start: np.ndarray, new: 
 def _split(flat: np.ndarray, layout: DecodeLayout) -> tuple[np.ndarray, np.ndarray]:
     """(columns [5, B], tables [B, W]) views of `flat`."""
     b = layout.batch
-    return flat[:5 * b].reshape(5, b), flat[5 * b:layout.size].reshape(b, layout.width)
+    return flat[:5 * b].reshape(5, b), flat[5 * b:b * (5 + layout.width)].reshape(b, layout.width)
 
 
 def fill_decode_inputs(flat: np.ndarray, layout: DecodeLayout, reqs, block_size: int,
                        dummy_block: int) -> np.ndarray:
     """A decode step's inputs in `layout` (`flat` int64): each request's one new token at
     position num_computed_tokens, rows past the batch padded (token 0 at position 0 in the
-    spare block). A negative id -(j + 1) (the overlap loop's placeholder) becomes future row j.
-    Returns the requests' table widths.
+    spare block), no banned ids (`write_bans` writes them). A negative id -(j + 1) (the overlap
+    loop's placeholder) becomes future row j. Returns the requests' table widths.
     NOTE: in as few numpy calls as it takes (a decode step's host time is mostly their number:
     ~2 us each on the H100 host)."""
     n = len(reqs)
     cols, tables = _split(flat, layout)
     cols[:, n:] = np.array(((0,), (0,), (dummy_block * block_size,), (1,), (-1,)), np.int64)
     tables.fill(dummy_block)
+    layout.bans(flat).fill(-1)
     # NOTE: every table at once, row-major under a mask (256 rows: 135 -> 64 us on the CPU)
     block_ids = [r.block_ids for r in reqs]
     widths = np.fromiter(map(len, block_ids), np.int64, n)
@@ -88,6 +99,15 @@ def fill_decode_inputs(flat: np.ndarray, layout: DecodeLayout, reqs, block_size:
         itertools.chain.from_iterable(block_ids), np.int64, int(widths.sum()))
     _fill_columns(cols, tables, *_starts_and_ids(reqs), block_size)
     return widths
+
+
+def write_bans(flat: np.ndarray, layout: DecodeLayout, bans: list[tuple[int, ...]]) -> None:
+    """Row i's banned ids bans[i] (at most GRAPH_BANS; () for none) into `flat`, filled by
+    `fill_decode_inputs` or advanced from a buffer it filled (none banned there)."""
+    view = layout.bans(flat)
+    for i, banned in enumerate(bans):
+        if banned:
+            view[i, :len(banned)] = banned
 
 
 def write_new_blocks(tables: np.ndarray, lists: list, old_lists: list,

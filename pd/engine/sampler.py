@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kernels.argmax import argmax
+from pd.engine.decode_inputs import GRAPH_BANS
 from pd.engine.grammar_masks import apply_grammar
 from pd.engine.host_ring import list_to_device
 from pd.engine.logprobs import packed_logprobs
@@ -69,10 +70,14 @@ class SamplingRow:
 
     @property
     def takes_argmax(self) -> bool:
-        """Greedy on the raw logits: no penalty, bias or min_tokens ban (the argmax a decode
-        graph takes is this row's token)."""
+        """Greedy on the raw logits but for its banned ids: no penalty or bias, no more than a
+        decode graph's argmax passes over (`GRAPH_BANS`), and no logprobs while it has any (the
+        argmax a decode graph takes, its bans written in the graph's inputs, is this row's
+        token)."""
         p = self.params
-        return (self.is_greedy and self.step >= p.min_tokens
+        return (self.is_greedy
+                and (self.step >= p.min_tokens
+                     or p.logprobs is None and len(self.banned_token_ids) <= GRAPH_BANS)
                 and (not p.processes_logits or (self.checked and not p.has_penalties
                                                 and not p.logit_bias)))
 

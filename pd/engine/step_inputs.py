@@ -16,6 +16,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from pd.engine.decode_inputs import DecodeLayout, write_bans
 from pd.engine.grammar import fill_masks
 from pd.engine.host_ring import to_device
 from pd.engine.logprobs import prompt_spans
@@ -48,6 +49,8 @@ class ForwardInput(NamedTuple):
     wants_logprobs: bool = False  # a row asks for logprobs
     # a graphed decode step's rows all take the argmax its graph took (`SamplingRow.takes_argmax`)
     argmax_only: bool = False
+    # a row of it passes over banned ids (written in the graph's inputs, `write_bans`)
+    bans: bool = False
 
 
 class StepInputs:
@@ -131,20 +134,26 @@ class StepInputs:
         """A decode step for a CUDA graph: its inputs built on the host in the graph's layout,
         copied and replayed by `sample` (nothing else per step touches the device). The rows
         of a step whose requests, in the same order, all took the argmax in the last graphed
-        step are that step's: such a row stays one (greedy, unprocessed, past min_tokens), and
-        nothing reads its count then (a steady greedy batch's every step)."""
+        step with no banned id are that step's: such a row stays one (greedy, unprocessed, past
+        min_tokens), and nothing reads its count then (a steady greedy batch's every step). A
+        row under min_tokens takes the graph's argmax too, its banned ids written in the
+        inputs (rows built each step while any has them)."""
         last_reqs, last = self.graphed_rows
         graph = (key, self.graphs.host_inputs(batch.reqs, key))
-        if (last is not None and last.argmax_only and len(batch.reqs) == len(last_reqs)
-                and all(map(is_, batch.reqs, last_reqs))):
+        if (last is not None and last.argmax_only and not last.bans
+                and len(batch.reqs) == len(last_reqs) and all(map(is_, batch.reqs, last_reqs))):
             inp = last._replace(decode_graph=graph)
         else:
             rows = self.sampling_rows(batch.reqs, masks)
             asked = [r.params.logprobs for r in rows if r.params.logprobs is not None]
+            argmax_only = all(r.takes_argmax for r in rows)
+            bans = argmax_only and [r.banned_token_ids for r in rows]
+            if bans and any(bans):
+                write_bans(graph[1].numpy(), DecodeLayout(*key), bans)
             inp = ForwardInput(None, None, None, None, list(range(len(rows))), rows,
                                num_top=min(max(asked, default=0), self.model_config.vocab_size),
                                decode_graph=graph, wants_logprobs=bool(asked),
-                               argmax_only=all(r.takes_argmax for r in rows))
+                               argmax_only=argmax_only, bans=bool(bans) and any(bans))
         self.graphed_rows = (list(batch.reqs), inp)
         return inp
 

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from pd.config import EngineConfig
+from pd.engine.decode_inputs import GRAPH_BANS, write_bans
 from pd.engine.engine import Engine
 from pd.service.flags import engine_config
 from pd.wire.sampling_params import SamplingParams
@@ -116,6 +117,44 @@ def test_graphs_equal_eager_float32(tiny_model_dir):
             dummy = engine.runner.kv_cache.dummy_block
             assert dummy == engine.allocator.num_blocks  # outside what the allocator hands out
     assert outs[False] == outs[True]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
+def test_min_tokens_bans_through_the_graphs_equal_eager_float32(tiny_model_dir, monkeypatch):
+    """Greedy rows under min_tokens take the decode graph's argmax past their banned ids (their
+    stop ids, chosen as tokens greedy decoding would take there), with the tokens of eager
+    decoding; beside them a row with more banned ids than the graph takes and a row asking for
+    logprobs (both sampled eagerly over the graph's logits), and rows with none."""
+    rng = random.Random(4)
+    prompts = [[rng.randrange(3, 200) for _ in range(rng.choice([1, 7, 33]))] for _ in range(10)]
+    free = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    engine = Engine(EngineConfig(model=str(tiny_model_dir), device="cuda", dtype="float32",
+                                 num_blocks=512))
+    greedy = [r.output_token_ids for r in engine.generate(prompts, [free] * len(prompts))]
+    params = []
+    for i, out in enumerate(greedy):
+        stops = list(dict.fromkeys(out[:6]))[:2]  # tokens it would take early on
+        if i == 8:
+            stops = list(dict.fromkeys(out))[:2] + list(range(3, 3 + GRAPH_BANS))
+        # NOTE: rows 7 and 8 make the whole step eager while under min_tokens: 3 steps
+        params.append(free if i == 9 else SamplingParams(
+            max_tokens=16, temperature=0.0, min_tokens=3 if i in (7, 8) else 10,
+            stop_token_ids=stops, logprobs=2 if i == 7 else None))
+    import pd.engine.step_inputs as step_inputs
+
+    written = []
+    monkeypatch.setattr(step_inputs, "write_bans", lambda *a: written.append(a[2]) or
+                        write_bans(*a))
+    outs = {}
+    for eager in (True, False):
+        engine = Engine(EngineConfig(model=str(tiny_model_dir), device="cuda", dtype="float32",
+                                     num_blocks=512, enforce_eager=eager))
+        outs[eager] = [r.output_token_ids for r in engine.generate(prompts, params)]
+    assert outs[False] == outs[True]
+    assert written, "no graphed step passed over banned ids"
+    for p, out, alone in zip(params, outs[True], greedy):
+        assert not set(out[:p.min_tokens]) & set(p.stop_token_ids)
+    assert sum(out != alone for out, alone in zip(outs[True], greedy)) >= 5  # the bans moved them
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")

@@ -9,7 +9,7 @@ import random
 
 import numpy as np
 
-from pd.engine.decode_inputs import DecodeInputs, DecodeLayout, fill_decode_inputs
+from pd.engine.decode_inputs import GRAPH_BANS, DecodeInputs, DecodeLayout, fill_decode_inputs
 from pd.engine.request import Req
 from pd.wire.sampling_params import SamplingParams
 
@@ -66,7 +66,10 @@ def test_graphed_steps_reuse_rows_only_of_the_same_argmax_requests(tiny_model_di
     """`ModelRunner.prepare_graphed` (the runner given CPU decode graphs to build inputs for):
     a step of the same requests, in the same order, that all took the argmax last step reuses
     its rows; a sampled row, a row still under min_tokens or another order builds them again;
-    the inputs are whole either way."""
+    the inputs are whole either way. A greedy row under min_tokens takes the graph's argmax,
+    its banned ids (its stop ids) written in the inputs' last section, until it is past
+    min_tokens; one with more banned ids than the graph takes, or asking for logprobs, does
+    not."""
     import torch
 
     from pd.config import EngineConfig
@@ -93,6 +96,12 @@ def test_graphed_steps_reuse_rows_only_of_the_same_argmax_requests(tiny_model_di
         key, host = inp.decode_graph
         want = np.zeros(host.numel(), np.int64)
         fill_decode_inputs(want, DecodeLayout(*key), reqs, BLOCK, 0)
+        bans = DecodeLayout(*key).bans(want)
+        for i, r in enumerate(reqs):
+            n = len(r.token_ids) - len(r.prompt_token_ids)
+            if inp.argmax_only and n < r.params.min_tokens:
+                bans[i, :2] = r.params.stop_token_ids
+        assert inp.bans == (bans >= 0).any()
         assert np.array_equal(host.numpy(), want)
         return inp
 
@@ -101,10 +110,16 @@ def test_graphed_steps_reuse_rows_only_of_the_same_argmax_requests(tiny_model_di
     assert first.argmax_only and not first.wants_logprobs
     assert step(greedy).rows is first.rows  # the same requests: the same rows
     assert step(greedy[::-1]).rows is not first.rows  # another order
-    late = req("min", min_tokens=4)  # min_tokens counts this request's outputs
+    late = req("min", min_tokens=4, stop_token_ids=[5, 7])  # counts this request's outputs
     mixed = greedy + [late]
-    kinds = [step(mixed).argmax_only for _ in range(5)]
-    assert kinds == [False, False, True, True, True]
+    steps = [step(mixed) for _ in range(5)]
+    assert all(s.argmax_only for s in steps)
+    assert [s.bans for s in steps] == [True, True, False, False, False]
+    assert steps[1].rows is not steps[0].rows and steps[2].rows is not steps[1].rows
+    assert steps[3].rows is steps[2].rows
+    many = req("many", min_tokens=4, stop_token_ids=list(range(3, 3 + GRAPH_BANS + 1)))
+    lp = req("lp-min", min_tokens=4, stop_token_ids=[5], logprobs=1)
+    assert [step(greedy + [r]).argmax_only for r in (many, lp)] == [False, False]
     sampled = greedy + [req("hot", temperature=0.8)]
     a, b = step(sampled), step(sampled)
     assert not a.argmax_only and b.rows is not a.rows

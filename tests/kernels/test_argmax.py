@@ -1,6 +1,8 @@
-"""`kernels.argmax`: the wrapper's checks and `out=` on CPU (the twin), and the Triton kernels
-against the twin on a CUDA machine: fresh random rows with ties planted across chunk borders,
-rows of -inf, poisoned outputs (skipped without CUDA; `benchmarks/gpu/run_all.sh` runs them)."""
+"""`kernels.argmax`: the wrapper's checks and `out=` on CPU (the twin), the twin's banned ids
+against a brute-force reference, the kernels with banned ids in triton's interpreter (CPU, CI),
+and the Triton kernels against the twin on a CUDA machine: fresh random rows with ties planted
+across chunk borders, rows of -inf, poisoned outputs, banned ids (skipped without CUDA;
+`benchmarks/gpu/run_all.sh` runs them)."""
 
 from __future__ import annotations
 
@@ -8,6 +10,7 @@ import pytest
 import torch
 
 from kernels.argmax import CHUNK, argmax
+from tests.kernels.interpreter import run_interpreted
 
 CUDA = torch.cuda.is_available()
 
@@ -40,6 +43,70 @@ def test_twin_writes_out_and_refuses_bad_shapes():
         argmax(x, out=torch.empty(4, dtype=torch.int64))
     with pytest.raises(ValueError, match="does not fit"):
         argmax(x, out=torch.empty(5, dtype=torch.int32))
+
+
+def bans_for(x: torch.Tensor, seed: int) -> torch.Tensor:
+    """[B, 3] banned ids: each row's own argmax (so its token moves), a random id, -1 padding,
+    in a changing order; a row with none."""
+    g = torch.Generator().manual_seed(seed)
+    top = x.float().argmax(dim=-1).cpu()
+    other = torch.randint(0, x.shape[1], (x.shape[0],), generator=g)
+    bans = torch.stack([top, other, torch.full_like(top, -1)], 1)
+    bans = bans[:, torch.randperm(3, generator=g)]
+    bans[0] = -1
+    return bans.to(x.device)
+
+
+def expected_with_bans(x: torch.Tensor, bans: torch.Tensor) -> torch.Tensor:
+    want = []
+    for r in range(x.shape[0]):
+        row = x[r].float().clone()
+        for t in bans[r].tolist():
+            if t >= 0:
+                row[t] = float("-inf")
+        want.append(int(row.argmax()))
+    return torch.tensor(want, device=x.device)
+
+
+def test_twin_passes_over_banned_ids():
+    x = rows_with_ties(6, 300, torch.float32, "cpu", 1)
+    bans = bans_for(x, 1)
+    bans[1, 0] = 0  # a ban of column 0
+    want = expected_with_bans(x, bans)
+    assert torch.equal(argmax(x, bans=bans), want)
+    assert not torch.equal(want, x.argmax(dim=-1))  # the bans moved some tokens
+    with pytest.raises(ValueError, match="bans"):
+        argmax(x, bans=bans[:2])
+    with pytest.raises(ValueError, match="bans"):
+        argmax(x, bans=bans.int())
+
+
+def test_kernels_pass_over_banned_ids_in_the_interpreter():
+    run_interpreted("""
+import torch
+from kernels.argmax import argmax
+from tests.kernels.test_argmax import bans_for, expected_with_bans, rows_with_ties
+for rows, vocab in ((3, 70), (4, 9000)):  # one chunk (the direct kernel), then three
+    x = rows_with_ties(rows, vocab, torch.float32, "cpu", vocab)
+    bans = bans_for(x, vocab)
+    out = torch.full((rows,), -1, dtype=torch.int64)
+    argmax(x, out=out, use_kernel=True, bans=bans)
+    assert torch.equal(out, expected_with_bans(x, bans)), (out, expected_with_bans(x, bans))
+    assert torch.equal(argmax(x, use_kernel=True), x.argmax(dim=-1))
+print("ok")
+""")
+
+
+@pytest.mark.skipif(not CUDA, reason="the Triton kernels need a CUDA device")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_rows,vocab", [(32, 128256), (3, 4096), (2, 100)])
+def test_kernel_passes_over_banned_ids(dtype, num_rows, vocab):
+    x = rows_with_ties(num_rows, vocab, dtype, "cuda", num_rows + vocab)
+    bans = bans_for(x, vocab)
+    out = torch.full((num_rows,), -1, dtype=torch.int64, device="cuda")
+    argmax(x, out=out, use_kernel=True, bans=bans)
+    assert torch.equal(out, expected_with_bans(x, bans))
+    assert torch.equal(argmax(x, use_kernel=False, bans=bans), out)
 
 
 @pytest.mark.skipif(not CUDA, reason="the Triton kernels need a CUDA device")
