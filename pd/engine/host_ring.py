@@ -109,10 +109,11 @@ def _runtime():
 def copy_async(dst: torch.Tensor, src: torch.Tensor) -> None:
     """`dst.copy_(src, non_blocking=True)` between a page-locked host buffer that its owner
     keeps (a `HostRing`'s: never freed, refilled only once the copy that read it is done) and
-    the device, on the current stream: one cudaMemcpyAsync where cupy is there. Torch's copy
-    cost 8 us of host (H2D) and 5 us (D2H) on the H100 machine against 2 and 3 for the raw
-    call: its dispatch, and the event its host allocator records for the buffer. Both
-    contiguous and of one dtype; `dst` may be longer (1-D: its first src.numel() elements)."""
+    the device, or between two device buffers, on the current stream: one cudaMemcpyAsync
+    where cupy is there. Torch's copy cost 8 us of host (H2D) and 5 us (D2H) on the H100
+    machine against 2 and 3 for the raw call: its dispatch, and the event its host allocator
+    records for the buffer. Both contiguous and of one dtype; `dst` may be longer (its first
+    src.numel() elements)."""
     rt = _runtime()
     if (rt is None or not (dst.is_cuda or src.is_cuda)
             or not (src.is_contiguous() and dst.is_contiguous())):
@@ -124,5 +125,6 @@ def copy_async(dst: torch.Tensor, src: torch.Tensor) -> None:
     if rt.getDevice() != index:  # cupy's current device, for a node on another GPU than 0
         rt.setDevice(index)
     rt.memcpyAsync(dst.data_ptr(), src.data_ptr(), src.numel() * src.element_size(),
-                   1 if dst.is_cuda else 2,  # cudaMemcpyHostToDevice, DeviceToHost
+                   # cudaMemcpyDeviceToDevice, HostToDevice, DeviceToHost
+                   (3 if src.is_cuda else 1) if dst.is_cuda else 2,
                    torch._C._cuda_getCurrentRawStream(index))

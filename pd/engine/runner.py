@@ -126,6 +126,7 @@ class ModelRunner(StepInputs):
         self.graphed_rows: tuple[list[Req], ForwardInput | None] = ([], None)
         # `resample`'s masks and rows on the device (CUDA), grown as a step needs
         self._late_bits = self._late_index = None
+        self._kept: list[torch.Tensor | None] = [None, None]  # `kept_logits`' two buffers
         log.info("model %s (%s, %d layers%s) on %s/%s, KV cache %d blocks x %d tokens (%.1f MiB)",
                  mc.model_id, mc.architecture, mc.num_layers, " + MTP" if mc.has_mtp else "",
                  cfg.device, dtype_name(self.dtype), num_blocks, cfg.block_size,
@@ -256,8 +257,11 @@ class ModelRunner(StepInputs):
         return logits
 
     def kept_logits(self, forwarded: torch.Tensor | SamplerOutput, num_rows: int) -> torch.Tensor:
-        """A step's logits [S, V] as `execute` keeps them: float32 (one step's and the next's
-        alike) and its own (a graph's are copied: the next replay writes them)."""
+        """A step's logits [S, V] as `execute` keeps them, its own (a graph's are copied: the
+        next replay writes them): a graph that took every row's argmax leaves them in the
+        model's dtype, copied raw into one of two kept buffers in turn (a step's resampling,
+        queued before the step after next, reads them and the step before's); otherwise
+        float32, as the sampler had them."""
         graphs = self.graphs
         if isinstance(forwarded, torch.Tensor):
             if forwarded.dtype == torch.float32 and (
@@ -265,7 +269,14 @@ class ModelRunner(StepInputs):
                     != graphs.logits.untyped_storage().data_ptr()):
                 return forwarded
             return forwarded.to(torch.float32, copy=True)
-        return graphs.logits[:num_rows].to(torch.float32, copy=True)
+        # NOTE: a raw copy into a kept buffer: a torch copy into a new tensor cost 68-93 us of
+        # host a step on the H100 machine
+        self._kept = kept = self._kept[1:] + self._kept[:1]
+        if kept[0] is None or kept[0].shape[0] < num_rows:
+            kept[0] = torch.empty(1 << max(3, (num_rows - 1).bit_length()), graphs.logits.shape[1],
+                                  dtype=graphs.logits.dtype, device=self.device)
+        copy_async(kept[0][:num_rows], graphs.logits[:num_rows])
+        return kept[0][:num_rows]
 
     @torch.inference_mode()
     def resample(self, rows: list[int], src: list[int], logits: torch.Tensor,
@@ -278,6 +289,8 @@ class ModelRunner(StepInputs):
         (a `mask_buffer` filled since). Never waits."""
         if not rows:
             return
+        if prev is not None and prev.dtype != logits.dtype:  # a graph's step beside an eager one
+            logits, prev = logits.float(), prev.float()
         if not next_tokens.is_cuda:
             masked_argmax(logits, masks, torch.tensor(rows), next_tokens, torch.tensor(src), prev)
             tokens_cpu.copy_(next_tokens)
