@@ -122,6 +122,7 @@ class DecodeLoop(SpecSteps, GrammarSteps):
         have their finish_reason set."""
         emitted = []
         if self.spec is not None:
+            self.settle_late()  # an MTP step may read the step in flight's tokens
             mtp, emitted = self.choose_kind()
             if mtp:
                 return emitted + self.spec_step()
@@ -147,7 +148,9 @@ class DecodeLoop(SpecSteps, GrammarSteps):
                 masks = self.runner.mask_buffer(len(cur.inp.sample_reqs))
             emitted += self.process(last, cur, masks)
         if cur is not None and cur.late is not None:
-            self.resample_late(last, cur, masks)
+            # NOTE: its late rows are sampled once their masks, filling meanwhile, are done:
+            # before the next step is queued (its launch's `before`) or cur is waited for
+            self.pending_late = (last, cur, masks)
         elif defer and cur is not None:
             # NOTE: step N's tokens are on the host now (and in the requests' grammars, whose
             # masks for N+1 `process` filled): step N+1's sampler follows its forward, which
@@ -219,12 +222,15 @@ class DecodeLoop(SpecSteps, GrammarSteps):
             late = self.grammar_modes(batch, last is not None and not defer
                                       and self.executor.can_defer)
             prev = last.out if last else None
+            before = self.settle_late  # once the step's inputs are built, before it is queued
             if defer:
-                inp, out = self.executor.launch(self.runner, batch, prev, defer=True)
+                inp, out = self.executor.launch(self.runner, batch, prev, defer=True,
+                                                before=before)
             elif late is not None:
-                inp, out = self.executor.launch(self.runner, batch, prev, late=True)
+                inp, out = self.executor.launch(self.runner, batch, prev, late=True,
+                                                before=before)
             else:
-                inp, out = self.executor.launch(self.runner, batch, prev)
+                inp, out = self.executor.launch(self.runner, batch, prev, before=before)
             self.times.add("launch", t)
         finally:
             for req in pending:
@@ -253,6 +259,7 @@ class DecodeLoop(SpecSteps, GrammarSteps):
         nxt's sampled rows, which follow f's tokens (a deferred sampler's)."""
         if not isinstance(f, InFlight):
             return self.process_spec(f, nxt)
+        self.settle_late()  # f's own late rows, where no launch after it settled them
         t = time.perf_counter()
         f.out.copy_done.wait()
         t = self.times.add("wait", t)
@@ -272,14 +279,14 @@ class DecodeLoop(SpecSteps, GrammarSteps):
         if f.inp.rows:
             plain = f.out.logprobs_cpu is None  # no request asked for logprobs
             sampled = self.unpack(f)
-            refused = self.walk_grammars(f, sampled if plain else [s[0] for s in sampled], nxt,
-                                         masks)
+            refused, fills = self.walk_grammars(f, sampled if plain else [s[0] for s in sampled],
+                                                nxt, masks)
             for row, i in enumerate(f.rows):
                 if i < 0:
                     continue  # invalid slot: the request ended after this step was launched
                 req = f.batch.reqs[i]
                 if refused and req in refused:
-                    self.take_back(req, row, f, nxt, masks)
+                    self.take_back(req, row, f, nxt, fills)
                     continue
                 if not plain:
                     req.append_token(*sampled[row])
@@ -298,6 +305,8 @@ class DecodeLoop(SpecSteps, GrammarSteps):
                 reason = req.check_stop(self.max_model_len)
                 if reason is not None:
                     self.finish(req, reason, nxt)
+            if fills:
+                self.fill_masks(nxt, fills, masks)
         for req in f.free_after:
             self.scheduler.free_blocks(req)
         self.measure(False, f.batch, len(emitted))

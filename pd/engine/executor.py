@@ -84,10 +84,12 @@ class InlineExecutor:
     name = "inline"
     can_defer = False  # the sampler runs with the forward (`CudaExecutor.sample_deferred`)
 
-    def launch(self, runner: ModelRunner, batch: ScheduledBatch,
-               prev: ForwardOutput | None) -> tuple[ForwardInput, ForwardOutput]:
+    def launch(self, runner: ModelRunner, batch: ScheduledBatch, prev: ForwardOutput | None,
+               before=None) -> tuple[ForwardInput, ForwardOutput]:
         inp = runner.prepare(batch)
         bufs = runner.alloc_output(inp)
+        if before is not None:
+            before()
         done = HostCompletion()
         done.run(runner.execute, inp, prev.next_tokens_gpu if prev else None, *bufs)
         return inp, ForwardOutput(*bufs, done)
@@ -114,9 +116,12 @@ class ThreadExecutor(InlineExecutor):
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pd-device")
 
     def launch(self, runner: ModelRunner, batch: ScheduledBatch, prev: ForwardOutput | None,
-               defer: bool = False, late: bool = False) -> tuple[ForwardInput, ForwardOutput]:
+               defer: bool = False, late: bool = False, before=None
+               ) -> tuple[ForwardInput, ForwardOutput]:
         inp = runner.prepare(batch, masks=not defer)
         bufs = runner.alloc_output(inp)
+        if before is not None:  # work queued for the worker before this step (`CudaExecutor`)
+            before()
         done = HostCompletion()
         prev_tokens = prev.next_tokens_gpu if prev else None
         # NOTE: the worker runs steps in submission order, so step N+1 reads step N's
@@ -173,10 +178,12 @@ class CudaExecutor:
         self.events = EventRing()
 
     def launch(self, runner: ModelRunner, batch: ScheduledBatch, prev: ForwardOutput | None,
-               defer: bool = False, late: bool = False) -> tuple[ForwardInput, ForwardOutput]:
+               defer: bool = False, late: bool = False, before=None
+               ) -> tuple[ForwardInput, ForwardOutput]:
         """Enqueue the step; with `defer` only up to its rows' logits, and its rows without
         their grammars' masks: `sample_deferred` enqueues the rest; with `late` all of it, its
-        logits kept for `resample`."""
+        logits kept for `resample`. `before()` runs once the step's inputs are built, before
+        its device work is queued (work it queues on the compute stream goes first)."""
         start, end = self.events.take(), self.events.take()
         # NOTE: KV installed by the node (on the current stream) must land before a step that
         # reads it; the compute stream waits for what is queued there, without a host wait.
@@ -186,9 +193,12 @@ class CudaExecutor:
         # per step on the H100 machine, two `set_stream` 3
         torch.cuda.set_stream(self.stream)
         try:
-            start.record(self.stream)
             inp = runner.prepare(batch, masks=not defer)  # pinned, non-blocking copies
             bufs = runner.alloc_output(inp)
+            if before is not None:
+                before()
+                torch.cuda.set_stream(self.stream)  # `resample` leaves the node's stream current
+            start.record(self.stream)
             prev_tokens = prev.next_tokens_gpu if prev else None
             if defer:
                 logits = runner.forward_rows(inp, prev_tokens)

@@ -39,6 +39,7 @@ import os
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -223,14 +224,33 @@ class _Filler:
         if parts == 1:
             spent = self._fill(matchers, out, rows)
         else:
-            if self.pool is None:
-                self.pool = ThreadPoolExecutor(WORKERS - 1, thread_name_prefix="pd-grammar")
             # NOTE: dealt in turn, so that a run of costly states is spread over the parts
             cut = [(matchers[i::parts], rows[i::parts]) for i in range(parts)]
-            futures = [self.pool.submit(self._fill, m, out, r) for m, r in cut[1:]]
+            futures = [self._pool().submit(self._fill, m, out, r) for m, r in cut[1:]]
             spent = self._fill(cut[0][0], out, cut[0][1])
             spent += sum(f.result() for f in futures)
         self.add(spent, len(matchers))
+
+    def start(self, matchers: list, out: torch.Tensor, rows: list[int]) -> Callable[[], None]:
+        """`fill` on the pool's threads alone, this thread going on meanwhile; returns what
+        waits for it. Cheap masks (one part) are filled here and now."""
+        parts = self.parts(len(matchers))
+        if parts == 1:
+            self.fill(matchers, out, rows)
+            return _nothing
+        parts = min(parts, WORKERS - 1)
+        futures = [self._pool().submit(self._fill, matchers[i::parts], out, rows[i::parts])
+                   for i in range(parts)]
+
+        def join() -> None:
+            self.add(sum(f.result() for f in futures), len(matchers))
+
+        return join
+
+    def _pool(self) -> ThreadPoolExecutor:
+        if self.pool is None:
+            self.pool = ThreadPoolExecutor(WORKERS - 1, thread_name_prefix="pd-grammar")
+        return self.pool
 
     def add(self, seconds: float, num_masks: int) -> None:
         cost = seconds / num_masks
@@ -248,14 +268,20 @@ class _Filler:
 _FILLER = _Filler()
 
 
+def _nothing() -> None:
+    pass
+
+
 def step_masks(jobs: list[tuple[GrammarState, int | None, int | None]],
-               out: torch.Tensor | None) -> None:
+               out: torch.Tensor | None, wait: bool = True) -> Callable[[], None]:
     """A step's grammar work at once: each job (state, token, row) walks `token` (unless None;
     `GrammarState.walk`), then fills the state's next mask into out[row] (unless None). The
     walks are one call into xgrammar (on this thread, `_batch`), the masks are filled in parts
     on as many threads as their recent cost pays for (`_Filler`): a JSON string's mask over
     128k tokens takes 60-150 us. One matcher's fill holds the GIL (two Python threads took
-    1.1-1.2x the time one took for two masks); a batch call lets it go."""
+    1.1-1.2x the time one took for two masks); a batch call lets it go. With `wait` False the
+    masks are filled on the threads alone while this one goes on (`_Filler.start`): what is
+    returned waits for them (the masks may not be read, nor their states walked, before)."""
     walks = [(state, token) for state, token, _ in jobs if token is not None]
     if len(walks) == 1:
         walks[0][0].walk(walks[0][1])
@@ -267,7 +293,7 @@ def step_masks(jobs: list[tuple[GrammarState, int | None, int | None]],
         for (state, token), a in zip(walks, alive):
             state.walked(token, next(oks) if a else None)
     if out is None:
-        return
+        return _nothing
     fills = []
     for state, _, row in jobs:
         if row is not None:
@@ -278,7 +304,11 @@ def step_masks(jobs: list[tuple[GrammarState, int | None, int | None]],
     if len(fills) == 1:
         fills[0][0].fill(out, fills[0][1])
     elif fills:
-        _FILLER.fill([state._m for state, _ in fills], out, [row for _, row in fills])
+        matchers, rows = [state._m for state, _ in fills], [row for _, row in fills]
+        if not wait:
+            return _FILLER.start(matchers, out, rows)
+        _FILLER.fill(matchers, out, rows)
+    return _nothing
 
 
 def fill_masks(states: list[GrammarState | None], out: torch.Tensor) -> list[torch.Tensor | None]:

@@ -1,9 +1,10 @@
 """The decode loop's grammar work (`GrammarSteps`, a mix-in of
-`pd.engine.decode_loop.DecodeLoop`): a step's tokens walked and the next step's masks filled at
-once (`walk_grammars`), each greedy grammar's mode for a step being launched, checked after
-sampling or masked, at its launch or late (`grammar_modes`, `pd.engine.checked_grammar`), the
-late rows sampled again under their masks (`resample_late`), and a refused token taken back
-(`take_back`)."""
+`pd.engine.decode_loop.DecodeLoop`): a step's tokens walked at once (`walk_grammars`) and the
+next step's masks filled after (`fill_masks`), each greedy grammar's mode for a step being
+launched, checked after sampling or masked, at its launch or late (`grammar_modes`,
+`pd.engine.checked_grammar`), the late rows sampled again under their masks, whose filling
+overlaps the next launch's preparation (`settle_late`, `resample_late`), and a refused token
+taken back (`take_back`)."""
 
 from __future__ import annotations
 
@@ -23,35 +24,61 @@ CHECK_FROM_ROWS = 16
 
 class GrammarSteps:
     """`DecodeLoop`'s grammar work (a mix-in: it reads the loop's `runner` and `executor`, sets
-    its `checking`, counts `num_taken_back`, `num_resampled` and `num_fixed`, adds to its
-    `times` and calls its `discard_slot`; `f`, `nxt`, `last` and `cur` are the loop's
-    `InFlight` steps)."""
+    its `checking`, `pending_late` and `late_fills`, counts `num_taken_back`, `num_resampled`
+    and `num_fixed`, adds to its `times` and calls its `discard_slot`; `f`, `nxt`, `last` and
+    `cur` are the loop's `InFlight` steps)."""
+
+    pending_late = None  # (last, cur, masks): cur launched late, not yet `settle_late`d
+    late_fills = None  # what waits for the masks of `pending_late` (`fill_masks`)
 
     @staticmethod
-    def walk_grammars(f, token_ids: list[int], nxt, masks) -> list[Req]:
-        """The grammar work of step f's tokens, at once on several threads (`step_masks`):
-        each request's grammar walks its new token (which appending it then takes), then, with
-        `masks`, fills its mask of nxt's row where nxt samples it masked after this (its
-        deferred sampler's rows, or its late ones: `resample_late`). Returns the requests whose
-        token a grammar checked after sampling refused (`take_back`)."""
+    def walk_grammars(f, token_ids: list[int], nxt, masks) -> tuple[list[Req], dict]:
+        """The grammar work of step f's tokens: each request's grammar walks its new token
+        (which appending it then takes), at once (`step_masks`). Returns the requests whose
+        token a grammar checked after sampling refused (`take_back`), and, with `masks`, the
+        masks to fill for nxt's rows that nxt samples masked after this (its deferred sampler's
+        rows, or its late ones: `resample_late`), {row of nxt: grammar}, for `fill_masks`."""
         tokens = {}
         for row, i in enumerate(f.rows):
             if i >= 0 and f.batch.reqs[i].grammar is not None:
                 tokens[f.batch.reqs[i]] = token_ids[row]
-        if not tokens and masks is None:
-            return []
-        walkers = list(tokens)
-        jobs = []
+        fills = {}
         if masks is not None:
             late = nxt.late is not None
             for j, i in enumerate(nxt.inp.sample_reqs):
                 req = nxt.batch.reqs[i]
                 if req.grammar is not None and (req.grammar.masks_late if late
                                                 else req.grammar.masks_now):
-                    jobs.append((req.grammar, tokens.pop(req, None), j))
-        jobs += [(req.grammar, token, None) for req, token in tokens.items()]
-        step_masks(jobs, masks)
-        return [r for r in walkers if r.grammar.checked is not None and r.grammar.checked.refused]
+                    fills[j] = req.grammar
+        if not tokens:
+            return [], fills
+        step_masks([(req.grammar, token, None) for req, token in tokens.items()], None)
+        return [r for r in tokens if r.grammar.checked is not None and r.grammar.checked.refused], fills
+
+    def fill_masks(self, nxt, fills: dict, masks) -> None:
+        """The masks `walk_grammars` and `take_back` asked for, of nxt's rows still valid, into
+        `masks`: for a step launched late on xgrammar's threads while this one goes on (the
+        appends are done; the next launch's preparation overlaps them), `settle_late` waits for
+        them; otherwise at once (a deferred sampler reads them next)."""
+        jobs = [(grammar, None, j) for j, grammar in fills.items() if nxt.rows[j] >= 0]
+        if nxt.late is None:
+            step_masks(jobs, masks)
+        else:
+            self.late_fills = step_masks(jobs, masks, wait=False)
+
+    def settle_late(self) -> None:
+        """The step launched late last (`pending_late`, from `DecodeLoop.step`), its late rows
+        and fixes sampled (`resample_late`) once their masks are filled: before the next step
+        is queued behind it (`executor.launch`'s `before`) and before anything waits for it."""
+        pending, self.pending_late = self.pending_late, None
+        if pending is not None:
+            last, cur, masks = pending
+            t = time.perf_counter()
+            join, self.late_fills = self.late_fills, None
+            if join is not None:
+                join()
+            self.times.add("process", t)
+            self.resample_late(last, cur, masks)
 
     def grammar_modes(self, batch: ScheduledBatch, late: bool = False) -> list[Req]:
         """Each decoding row's grammar that may be checked after sampling
@@ -79,6 +106,8 @@ class GrammarSteps:
                 rows += 1
         self.checking = rows >= CHECK_FROM_ROWS
         if masked:
+            # NOTE: the step's rows fill masks now: none of another step still filling
+            self.settle_late()
             self.runner.graphed_rows = ([], None)
         return late_reqs if checking and late else None
 
@@ -116,12 +145,12 @@ class GrammarSteps:
         self.num_fixed += len(fixes)
         self.times.add("launch", t)
 
-    def take_back(self, req: Req, row: int, f, nxt, masks) -> None:
+    def take_back(self, req: Req, row: int, f, nxt, fills: dict) -> None:
         """A token the request's grammar refused (checked after sampling, in row `row` of step
         f): it is dropped and its position sampled again under the mask
         (`CheckedSampling.take_back`). Where f and `nxt` (launched with that token as the
         request's input) were launched late, nxt's slot is given the masked argmax of f's
-        logits (`resample_late`, with the mask filled here in `masks`), and the request's next
+        logits (`resample_late`, its mask to fill listed in `fills`), and the request's next
         step reads it: one step lost. Otherwise nxt's slot is discarded and the position
         computed again: two."""
         req.grammar.checked.take_back()
@@ -131,7 +160,7 @@ class GrammarSteps:
             j = nxt.members.get(req, -1)
         if j >= 0 and nxt.rows[j] >= 0:
             nxt.fixes.append((row, j))
-            step_masks([(req.grammar, None, j)], masks)
+            fills[j] = req.grammar
             req.num_computed_tokens = len(req.token_ids)
             return
         if nxt is not None:

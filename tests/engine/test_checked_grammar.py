@@ -12,14 +12,25 @@ from pd.wire.sampling_params import SamplingParams as SP
 from tests.engine.test_grammar import DEVICE, SPECS
 
 
-@pytest.mark.parametrize("overlap", [False, True])
-def test_checked_sampling_equals_masked_sampling(tiny_model_dir, overlap, monkeypatch):
+@pytest.mark.parametrize("overlap,threads", [(False, False), (True, False), (True, True)])
+def test_checked_sampling_equals_masked_sampling(tiny_model_dir, overlap, threads, monkeypatch):
     """Greedy rows checked after sampling (a step of CHECK_FROM_ROWS or more of them) give the
     tokens of rows sampled under their masks (PD_CHECKED_GRAMMAR=0), with tokens taken back on
     the way (this small model leaves the grammars often) and, with overlap, fewer steps whose
-    sampler waited for the step before; below CHECK_FROM_ROWS rows every row is masked."""
-    from pd.engine import grammar_steps
+    sampler waited for the step before; below CHECK_FROM_ROWS rows every row is masked. With
+    `threads` the masks are filled on the filler's threads as over a large vocabulary (this
+    one's are too cheap for them), the late rows' while the loop prepares the next step."""
+    import threading
+
+    from pd.engine import grammar, grammar_steps
     from pd.engine.llm import LLM
+
+    pooled = []
+    if threads:
+        fill = grammar._FILLER._fill
+        monkeypatch.setattr(grammar._FILLER, "parts", lambda n: min(2, n))
+        monkeypatch.setattr(grammar._FILLER, "_fill", lambda *a: pooled.append(
+            threading.current_thread() is not threading.main_thread()) or fill(*a))
 
     prompts = [[3 + (11 * i + j) % 300 for i in range(9)] for j in range(3 * len(SPECS))]
     # min_tokens on some: their late rows' masks leave EOS out too
@@ -43,6 +54,7 @@ def test_checked_sampling_equals_masked_sampling(tiny_model_dir, overlap, monkey
         assert loops["checked"].num_deferred < loops["masked"].num_deferred
         assert loops["checked"].num_resampled > loops["checked"].num_fixed > 0
     assert loops["masked"].num_resampled == loops["few"].num_resampled == 0
+    assert not threads or any(pooled)
 
 
 def test_checked_sampling_masks_after_refusals_and_gives_up_on_an_empty_mask():
