@@ -259,8 +259,8 @@ class DecodeLoop(SpecSteps, GrammarSteps):
         nxt's sampled rows, which follow f's tokens (a deferred sampler's)."""
         if not isinstance(f, InFlight):
             return self.process_spec(f, nxt)
-        self.settle_late()  # f's own late rows, where no launch after it settled them
         t = time.perf_counter()
+        self.settle_late()  # f's own late rows, where no launch after it settled them
         f.out.copy_done.wait()
         t = self.times.add("wait", t)
         self.record_busy(self.executor.busy_seconds(f.out))

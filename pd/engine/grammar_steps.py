@@ -8,8 +8,6 @@ taken back (`take_back`)."""
 
 from __future__ import annotations
 
-import time
-
 import numpy as np
 
 from pd.engine.grammar import step_masks
@@ -25,8 +23,8 @@ CHECK_FROM_ROWS = 16
 class GrammarSteps:
     """`DecodeLoop`'s grammar work (a mix-in: it reads the loop's `runner` and `executor`, sets
     its `checking`, `pending_late` and `late_fills`, counts `num_taken_back`, `num_resampled`
-    and `num_fixed`, adds to its `times` and calls its `discard_slot`; `f`, `nxt`, `last` and
-    `cur` are the loop's `InFlight` steps)."""
+    and `num_fixed` and calls its `discard_slot`; `f`, `nxt`, `last` and `cur` are the loop's
+    `InFlight` steps)."""
 
     pending_late = None  # (last, cur, masks): cur launched late, not yet `settle_late`d
     late_fills = None  # what waits for the masks of `pending_late` (`fill_masks`)
@@ -53,7 +51,8 @@ class GrammarSteps:
         if not tokens:
             return [], fills
         step_masks([(req.grammar, token, None) for req, token in tokens.items()], None)
-        return [r for r in tokens if r.grammar.checked is not None and r.grammar.checked.refused], fills
+        refused = [r for r in tokens if r.grammar.checked is not None and r.grammar.checked.refused]
+        return refused, fills
 
     def fill_masks(self, nxt, fills: dict, masks) -> None:
         """The masks `walk_grammars` and `take_back` asked for, of nxt's rows still valid, into
@@ -69,15 +68,14 @@ class GrammarSteps:
     def settle_late(self) -> None:
         """The step launched late last (`pending_late`, from `DecodeLoop.step`), its late rows
         and fixes sampled (`resample_late`) once their masks are filled: before the next step
-        is queued behind it (`executor.launch`'s `before`) and before anything waits for it."""
+        is queued behind it (`executor.launch`'s `before`) and before anything waits for it.
+        Its host time is its caller's phase (`launch`, or `wait` in `process`)."""
         pending, self.pending_late = self.pending_late, None
         if pending is not None:
             last, cur, masks = pending
-            t = time.perf_counter()
             join, self.late_fills = self.late_fills, None
             if join is not None:
                 join()
-            self.times.add("process", t)
             self.resample_late(last, cur, masks)
 
     def grammar_modes(self, batch: ScheduledBatch, late: bool = False) -> list[Req]:
@@ -112,15 +110,14 @@ class GrammarSteps:
         return late_reqs if checking and late else None
 
     def resample_late(self, last, cur, masks) -> None:
-        """Step cur's late rows (`grammar_modes`), whose masks `walk_grammars` filled in
-        `masks` (row j: cur's row j), taken again from cur's logits under them, and the rows
+        """Step cur's late rows (`grammar_modes`), whose masks `fill_masks` filled in `masks`
+        (row j: cur's row j), taken again from cur's logits under them, and the rows
         of cur whose input the step before (`last`) sampled and its grammar refused (`fixes`,
         `take_back`) from last's logits; less the tokens min_tokens bans there (greedy rows:
         `Engine.bind_grammar` checks no other). Their tokens replace the ones cur sampled
         without, before any later step reads them (`executor.resample`). Called once for each
         step launched late, whatever is left of its rows (a row whose request ended stays as it
         was: its slot is discarded)."""
-        t = time.perf_counter()
         members, valid = cur.members, cur.rows
         late = [j for j in (members.get(req, -1) for req in cur.late) if j >= 0 and valid[j] >= 0]
         fixes = [(i, j) for i, j in cur.fixes if valid[j] >= 0]
@@ -143,7 +140,6 @@ class GrammarSteps:
                                masks)
         self.num_resampled += len(late) + len(fixes)
         self.num_fixed += len(fixes)
-        self.times.add("launch", t)
 
     def take_back(self, req: Req, row: int, f, nxt, fills: dict) -> None:
         """A token the request's grammar refused (checked after sampling, in row `row` of step
