@@ -222,7 +222,8 @@ class DecodeLoop(SpecSteps, GrammarSteps):
             late = self.grammar_modes(batch, last is not None and not defer
                                       and self.executor.can_defer)
             prev = last.out if last else None
-            before = self.settle_late  # once the step's inputs are built, before it is queued
+            # NOTE: a late step's sampling, once this step's inputs are built, before it is queued
+            before = self.settle_late if self.pending_late is not None else None
             if defer:
                 inp, out = self.executor.launch(self.runner, batch, prev, defer=True,
                                                 before=before)

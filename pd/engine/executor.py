@@ -193,12 +193,14 @@ class CudaExecutor:
         # per step on the H100 machine, two `set_stream` 3
         torch.cuda.set_stream(self.stream)
         try:
+            if before is None:
+                start.record(self.stream)
             inp = runner.prepare(batch, masks=not defer)  # pinned, non-blocking copies
             bufs = runner.alloc_output(inp)
-            if before is not None:
+            if before is not None:  # its work (the step before's) is not this step's
                 before()
                 torch.cuda.set_stream(self.stream)  # `resample` leaves the node's stream current
-            start.record(self.stream)
+                start.record(self.stream)
             prev_tokens = prev.next_tokens_gpu if prev else None
             if defer:
                 logits = runner.forward_rows(inp, prev_tokens)
