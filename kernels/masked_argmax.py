@@ -1,18 +1,24 @@
 """`masked_argmax`: the greedy token of some rows of a step's logits under their grammars'
-bitmasks, written into a step's tokens, as one Triton kernel with a torch twin.
+bitmasks and banned ids, written into a step's tokens, as one Triton kernel with a torch twin.
 
 A late row of checked sampling (`pd.engine.checked_grammar`) is sampled again once the host has
 its mask, and so is a refused token's position, from the step before's logits: the argmax of
-the logits over the tokens the mask allows, the lowest id on ties, as the sampler's masked
-greedy row gives it; both kinds of row in one launch. The sampler would copy the rows to
-float32, mask them and reduce them in several launches; the kernel reads the logits (bfloat16
-or float32) and the mask words once. Each row is cut in chunks of `CHUNK` columns, one program
-each (a step's dozen rows over a 128k vocabulary keep the GPU busy: one program per row took
-42 us on the H100, most of a late step's own device time); a program writes its chunk's best
-value and column, counts itself done on the row's counter, and the row's last program picks
-the best chunk, the leftmost among equals, so ties still go to the lowest id. A row whose mask
-allows nothing gets token 0 (as torch's argmax of a row of -inf). On the current stream;
-`triton` is imported on first use; CPU machines run the twin.
+the logits over the tokens the mask allows, less the ids min_tokens bans there, the lowest id on
+ties, as the sampler's masked greedy row gives it; both kinds of row in one launch. What each
+row of work does is one row of `items` (int32): the row of `out` it writes, the row of logits it
+reads (x's, or the step before's `prev` for a negative one), the row of `bits` its mask is, and
+up to `BANS` banned ids, so that the host sends a step's work and the masks it needs (those of
+the rows sampled again alone) in one copy. The sampler would copy the rows to float32, mask
+them and reduce them in several launches; the kernel reads the logits (bfloat16 or float32)
+and the mask words once. Each row is cut in chunks of `CHUNK` columns, one program each (a
+step's dozen rows over a 128k vocabulary keep the GPU busy: one program per row took 42 us on
+the H100, most of a late step's own device time); a program writes its chunk's best value and
+column, counts itself done on the row's counter, and the row's last program picks the best
+chunk, the leftmost among equals, so ties still go to the lowest id. A row whose mask allows
+nothing gets token 0 (as torch's argmax of a row of -inf). On the current stream; `triton` is
+imported on first use, and a launch after the first of its shape goes straight to the compiled
+kernel (Triton's argument binding cost 10 us of host a call on the H100 machine); CPU machines
+run the twin.
 """
 
 from __future__ import annotations
@@ -25,6 +31,8 @@ from kernels.token_mask import apply_token_mask_ref
 from kernels.triton_support import triton_usable
 
 CHUNK = 2048  # columns per program
+BANS = 8  # banned ids a row of work carries (-1: none)
+ITEM = 3 + BANS  # int32 a row of work: out row, logits row, mask row, banned ids
 
 
 @functools.cache
@@ -33,22 +41,26 @@ def _kernel():
     import triton.language as tl
 
     @triton.jit
-    def masked_argmax_kernel(x_ptr, prev_ptr, bits_ptr, rows_ptr, src_ptr, out_ptr, val_ptr,
-                             col_ptr, count_ptr, stride_x, stride_prev, stride_bits, n_cols,
-                             n_words, CHUNK: tl.constexpr, NUM_CHUNKS: tl.constexpr,
-                             CP: tl.constexpr):
+    def masked_argmax_kernel(x_ptr, prev_ptr, bits_ptr, items_ptr, out_ptr, val_ptr, col_ptr,
+                             count_ptr, stride_x, stride_prev, stride_bits, n_cols, n_words,
+                             CHUNK: tl.constexpr, NUM_CHUNKS: tl.constexpr, CP: tl.constexpr,
+                             ITEM: tl.constexpr):
         m, c = tl.program_id(0), tl.program_id(1)
-        row = tl.load(rows_ptr + m)
-        src = tl.load(src_ptr + m)
+        item = items_ptr + m * ITEM
+        row = tl.load(item)
+        src = tl.load(item + 1).to(tl.int64)
+        mask_row = tl.load(item + 2).to(tl.int64)
         base = tl.where(src >= 0, x_ptr + src * stride_x, prev_ptr + (-src - 1) * stride_prev)
         cols = c * CHUNK + tl.arange(0, CHUNK)
         word = cols >> 5
-        w = tl.load(bits_ptr + row * stride_bits + word, mask=(cols < n_cols) & (word < n_words),
-                    other=0)
+        w = tl.load(bits_ptr + mask_row * stride_bits + word,
+                    mask=(cols < n_cols) & (word < n_words), other=0)
         allowed = (((w >> (cols & 31)) & 1) != 0) & (cols < n_cols)
-        x = tl.load(base + cols, mask=allowed, other=float("-inf"))
-        best, at = tl.max(x.to(tl.float32), 0, return_indices=True,
-                          return_indices_tie_break_left=True)
+        x = tl.load(base + cols, mask=allowed, other=float("-inf")).to(tl.float32)
+        # NOTE: the bans after the logits' load, which does not wait for theirs
+        for i in tl.static_range(3, ITEM):
+            x = tl.where(cols == tl.load(item + i), float("-inf"), x)
+        best, at = tl.max(x, 0, return_indices=True, return_indices_tie_break_left=True)
         if NUM_CHUNKS == 1:
             tl.store(out_ptr + row, at.to(tl.int64))
             return
@@ -86,60 +98,91 @@ def _scratch(device: torch.device, rows: int, chunks: int):
     return have
 
 
-def _sources(x: torch.Tensor, prev: torch.Tensor | None, src: torch.Tensor) -> torch.Tensor:
-    """The rows src names: x[s] for s >= 0, prev[-s - 1] for s < 0."""
-    if prev is None:
-        return x[src]
-    own = src >= 0
-    return torch.where(own.unsqueeze(1), x[src.clamp(min=0)],
-                       prev[(-src - 1).clamp(min=0)].to(x.dtype))
+def items(rows, src=None, mask_rows=None, bans=None) -> torch.Tensor:
+    """Rows of work [M, ITEM] int32 on the host: out row rows[m], logits row src[m] (default
+    rows[m]), mask row mask_rows[m] (default m) and bans[m] (up to `BANS` ids each)."""
+    rows = list(rows)
+    t = torch.full((len(rows), ITEM), -1, dtype=torch.int32)
+    if rows:
+        t[:, 0] = torch.tensor(rows)
+        t[:, 1] = torch.tensor(rows if src is None else list(src))
+        t[:, 2] = torch.tensor(range(len(rows)) if mask_rows is None else list(mask_rows))
+    for m, banned in enumerate(bans or ()):
+        t[m, 3:3 + len(banned)] = torch.tensor(banned, dtype=torch.int32)
+    return t
 
 
-def masked_argmax_ref(x: torch.Tensor, bits: torch.Tensor, rows: torch.Tensor,
-                      out: torch.Tensor, src: torch.Tensor | None = None,
-                      prev: torch.Tensor | None = None) -> None:
-    """The torch twin: out[rows[m]] = argmax of the row src[m] names over the tokens
-    bits[rows[m]] allows."""
-    if not rows.numel():
+def masked_argmax_ref(x: torch.Tensor, bits: torch.Tensor, work: torch.Tensor,
+                      out: torch.Tensor, prev: torch.Tensor | None = None) -> None:
+    """The torch twin: for each row of work, out[row] = the argmax of the logits row it names
+    over the tokens its mask row allows but its banned ids."""
+    if not work.shape[0]:
         return
-    y = _sources(x, prev, rows if src is None else src).float()
-    apply_token_mask_ref(y, bits[rows], torch.arange(rows.numel(), device=x.device))
-    out[rows] = y.argmax(dim=-1)
+    work = work.long()
+    src = work[:, 1]
+    if prev is None:
+        y = x[src]
+    else:
+        own = src >= 0
+        y = torch.where(own.unsqueeze(1), x[src.clamp(min=0)],
+                        prev[(-src - 1).clamp(min=0)].to(x.dtype))
+    y = y.float()
+    apply_token_mask_ref(y, bits[work[:, 2]], torch.arange(work.shape[0], device=x.device))
+    banned = work[:, 3:]
+    m, k = torch.nonzero((banned >= 0) & (banned < x.shape[1]), as_tuple=True)
+    y[m, banned[m, k]] = float("-inf")
+    out[work[:, 0]] = y.argmax(dim=-1)
 
 
-def masked_argmax(x: torch.Tensor, bits: torch.Tensor, rows: torch.Tensor, out: torch.Tensor,
-                  src: torch.Tensor | None = None, prev: torch.Tensor | None = None,
-                  use_kernel: bool | None = None) -> None:
-    """In place on out [B] int64: for each m, out[rows[m]] = the argmax of a row of logits
-    over the tokens bits[rows[m]] allows (bits [B, W] int32: bit t % 32 of word t // 32 allows
-    token t; tokens past the words are not allowed), the lowest id on ties. The row is
-    x[src[m]] where src[m] >= 0, else prev[-src[m] - 1] (another step's logits, of the same
-    dtype and vocabulary); src [M] int64 defaults to rows. x and prev [S, V] bfloat16, float16
-    or float32. All on x's device. The kernel on CUDA, else the twin."""
-    if (x.dim() != 2 or bits.dim() != 2 or rows.dim() != 1 or out.dim() != 1
-            or bits.shape[0] != out.shape[0] or (src is not None and src.shape != rows.shape)
+# the compiled kernel by device, chunks and specialization, once launched through
+# triton's binder
+_COMPILED: dict = {}
+
+
+def masked_argmax(x: torch.Tensor, bits: torch.Tensor, work: torch.Tensor, out: torch.Tensor,
+                  prev: torch.Tensor | None = None, use_kernel: bool | None = None) -> None:
+    """In place on out [B] int64, for each row of `work` [M, ITEM] int32 (`items`): out[row] =
+    the argmax of a row of logits over the tokens its row of `bits` allows (bits [R, W] int32:
+    bit t % 32 of word t // 32 allows token t; tokens past the words are not allowed) but its
+    banned ids, the lowest id on ties. The logits row is x[s] for s >= 0, else prev[-s - 1]
+    (another step's logits, of the same dtype and vocabulary). x and prev [S, V] bfloat16,
+    float16 or float32. All on x's device. The kernel on CUDA, else the twin."""
+    if (x.dim() != 2 or bits.dim() != 2 or work.dim() != 2 or out.dim() != 1
+            or work.shape[1] != ITEM
             or (prev is not None and (prev.dim() != 2 or prev.shape[1] != x.shape[1]
                                       or prev.dtype != x.dtype))):
-        raise ValueError(f"logits {tuple(x.shape)}, bitmask {tuple(bits.shape)}, rows "
-                         f"{tuple(rows.shape)} and out {tuple(out.shape)} do not fit")
-    if (bits.dtype != torch.int32 or rows.dtype != torch.int64 or out.dtype != torch.int64
-            or (src is not None and src.dtype != torch.int64)):
-        raise ValueError(f"want int32 words, int64 rows and int64 out, got {bits.dtype}, "
-                         f"{rows.dtype}, {out.dtype}")
+        raise ValueError(f"logits {tuple(x.shape)}, bitmask {tuple(bits.shape)}, work "
+                         f"{tuple(work.shape)} and out {tuple(out.shape)} do not fit")
+    if bits.dtype != torch.int32 or work.dtype != torch.int32 or out.dtype != torch.int64:
+        raise ValueError(f"want int32 words, int32 work and int64 out, got {bits.dtype}, "
+                         f"{work.dtype}, {out.dtype}")
     if use_kernel is None:
         use_kernel = triton_usable(x)
     if not use_kernel:
-        masked_argmax_ref(x, bits, rows, out, src, prev)
+        masked_argmax_ref(x, bits, work, out, prev)
         return
-    if not rows.numel():
+    num = work.shape[0]
+    if not num:
         return
     prev = x if prev is None else prev
     if (x.stride(-1) != 1 or prev.stride(-1) != 1 or bits.stride(-1) != 1
-            or not out.is_contiguous()):
+            or not out.is_contiguous() or not work.is_contiguous()):
         raise ValueError("masked_argmax needs contiguous rows and tokens")
     chunks = -(-x.shape[1] // CHUNK)
-    vals, cols, counts = _scratch(x.device, rows.numel(), chunks)
-    _kernel()[(rows.numel(), chunks)](
-        x, prev, bits, rows, rows if src is None else src, out, vals, cols, counts, x.stride(0),
-        prev.stride(0), bits.stride(0), x.shape[1], bits.shape[1], CHUNK=CHUNK,
-        NUM_CHUNKS=chunks, CP=max(16, 1 << (chunks - 1).bit_length()), num_warps=4)
+    vals, cols, counts = _scratch(x.device, num, chunks)
+    args = (x, prev, bits, work, out, vals, cols, counts, x.stride(0), prev.stride(0),
+            bits.stride(0), x.shape[1], bits.shape[1])
+    consts = (CHUNK, chunks, max(16, 1 << (chunks - 1).bit_length()), ITEM)
+    # NOTE: what triton specializes a compile on: dtypes, 16-byte alignment, ints of 1 or
+    # multiples of 16
+    key = (x.device, chunks) + tuple(
+        (a.dtype, a.data_ptr() % 16 == 0) if isinstance(a, torch.Tensor) else (a == 1, a % 16 == 0)
+        for a in args)
+    compiled = _COMPILED.get(key) if x.is_cuda else None
+    if compiled is None:
+        compiled = _kernel()[(num, chunks)](*args, CHUNK=consts[0], NUM_CHUNKS=consts[1],
+                                            CP=consts[2], ITEM=consts[3], num_warps=4)
+        if x.is_cuda:  # (triton's interpreter, on CPU, returns no compiled kernel)
+            _COMPILED[key] = compiled
+        return
+    compiled[(num, chunks, 1)](*args, *consts)

@@ -142,9 +142,11 @@ class DecodeLoop(SpecSteps, GrammarSteps):
         if last is not None:
             # NOTE: step N+1 is already queued behind step N; only now does the host wait for N.
             self.num_ahead += cur is not None
-            if cur is not None and (cur.late is not None or defer and any(
+            if cur is not None and cur.late is not None:
+                masks = self.runner.late_work(len(cur.inp.sample_reqs))
+            elif cur is not None and defer and any(
                     cur.batch.reqs[i].grammar is not None and cur.batch.reqs[i].grammar.masks_now
-                    for i in cur.inp.sample_reqs)):
+                    for i in cur.inp.sample_reqs):
                 masks = self.runner.mask_buffer(len(cur.inp.sample_reqs))
             emitted += self.process(last, cur, masks)
         if cur is not None and cur.late is not None:
@@ -256,8 +258,9 @@ class DecodeLoop(SpecSteps, GrammarSteps):
 
     def process(self, f: InFlight, nxt: InFlight | None, masks=None) -> list[Req]:
         """Wait for step f's results and apply them; `nxt` is the step launched after it.
-        `masks` (a `ModelRunner.mask_buffer` of nxt's rows): fill there the grammar masks of
-        nxt's sampled rows, which follow f's tokens (a deferred sampler's)."""
+        `masks` (a `ModelRunner.mask_buffer` of nxt's rows, or its `late_work` where nxt was
+        launched late): fill there the grammar masks of nxt's sampled rows, which follow f's
+        tokens (a deferred sampler's, or its late rows')."""
         if not isinstance(f, InFlight):
             return self.process_spec(f, nxt)
         t = time.perf_counter()

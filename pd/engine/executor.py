@@ -146,14 +146,15 @@ class ThreadExecutor(InlineExecutor):
         self.pool.submit(done.run, finish)
 
     def resample(self, runner: ModelRunner, out: ForwardOutput, prev: ForwardOutput | None,
-                 rows: list[int], src: list[int], masks: torch.Tensor) -> None:
-        """Rows of a step launched `late` taken again under `masks`, from its logits or those of
-        `prev` (the step before, launched late) (`ModelRunner.resample`), then its end."""
+                 work, num: int) -> None:
+        """Rows of a step launched `late` taken again under their masks (the first `num` rows
+        of work of a `LateWork`), from its logits or those of `prev` (the step before, launched
+        late) (`ModelRunner.resample`), then its end."""
         done = out.copy_done
 
         def finish() -> None:
-            runner.resample(rows, src, done.logits.result(),
-                            prev.copy_done.logits.result() if prev is not None else None, masks,
+            runner.resample(work, num, done.logits.result(),
+                            prev.copy_done.logits.result() if prev is not None else None,
                             out.next_tokens_gpu, out.next_tokens_cpu)
 
         self.pool.submit(done.run, finish)
@@ -224,15 +225,16 @@ class CudaExecutor:
             torch.cuda.set_stream(self.node_stream)
 
     def resample(self, runner: ModelRunner, out: ForwardOutput, prev: ForwardOutput | None,
-                 rows: list[int], src: list[int], masks: torch.Tensor) -> None:
-        """Rows of a step launched `late` taken again under `masks`, from its logits or those of
-        `prev` (the step before, launched late) (`ModelRunner.resample`); its end is recorded
-        again after them (and after the tokens' new copy to the host)."""
+                 work, num: int) -> None:
+        """Rows of a step launched `late` taken again under their masks (the first `num` rows
+        of work of a `LateWork`), from its logits or those of `prev` (the step before, launched
+        late) (`ModelRunner.resample`); its end is recorded again after them (and after the
+        tokens' new copy to the host)."""
         done = out.copy_done
         torch.cuda.set_stream(self.stream)
         try:
-            runner.resample(rows, src, done.logits,
-                            prev.copy_done.logits if prev is not None else None, masks,
+            runner.resample(work, num, done.logits,
+                            prev.copy_done.logits if prev is not None else None,
                             out.next_tokens_gpu, out.next_tokens_cpu)
             done.end.record(self.stream)
         finally:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from kernels.masked_argmax import BANS
 from pd.engine.grammar import step_masks
 from pd.engine.request import Req
 from pd.engine.sampler import banned_token_ids
@@ -59,11 +60,17 @@ class GrammarSteps:
         `masks`: for a step launched late on xgrammar's threads while this one goes on (the
         appends are done; the next launch's preparation overlaps them), `settle_late` waits for
         them; otherwise at once (a deferred sampler reads them next)."""
-        jobs = [(grammar, None, j) for j, grammar in fills.items() if nxt.rows[j] >= 0]
         if nxt.late is None:
-            step_masks(jobs, masks)
-        else:
-            self.late_fills = step_masks(jobs, masks, wait=False)
+            step_masks([(grammar, None, j) for j, grammar in fills.items() if nxt.rows[j] >= 0],
+                       masks)
+            return
+        # NOTE: a late step's masks (a `LateWork`'s) in the order asked, its rows' alone
+        rows = masks.mask_rows
+        for j in fills:
+            if nxt.rows[j] >= 0:
+                rows[j] = len(rows)
+        self.late_fills = step_masks([(fills[j], None, masks.header + m) for j, m in rows.items()],
+                                     masks.buf, wait=False)
 
     def settle_late(self) -> None:
         """The step launched late last (`pending_late`, from `DecodeLoop.step`), its late rows
@@ -109,35 +116,37 @@ class GrammarSteps:
             self.runner.graphed_rows = ([], None)
         return late_reqs if checking and late else None
 
-    def resample_late(self, last, cur, masks) -> None:
-        """Step cur's late rows (`grammar_modes`), whose masks `fill_masks` filled in `masks`
-        (row j: cur's row j), taken again from cur's logits under them, and the rows
-        of cur whose input the step before (`last`) sampled and its grammar refused (`fixes`,
-        `take_back`) from last's logits; less the tokens min_tokens bans there (greedy rows:
-        `Engine.bind_grammar` checks no other). Their tokens replace the ones cur sampled
-        without, before any later step reads them (`executor.resample`). Called once for each
-        step launched late, whatever is left of its rows (a row whose request ended stays as it
-        was: its slot is discarded)."""
-        members, valid = cur.members, cur.rows
+    def resample_late(self, last, cur, work) -> None:
+        """Step cur's late rows (`grammar_modes`), whose masks `fill_masks` filled in `work` (a
+        `LateWork`), taken again from cur's logits under them, and the rows of cur whose input
+        the step before (`last`) sampled and its grammar refused (`fixes`, `take_back`) from
+        last's logits; less the tokens min_tokens bans there (greedy rows: `Engine.bind_grammar`
+        checks no other), which the rows of work carry (more than `BANS` cleared from the mask
+        here). Their tokens replace the ones cur sampled without, before any later step reads
+        them (`executor.resample`). Called once for each step launched late, whatever is left
+        of its rows (a row whose request ended stays as it was: its slot is discarded)."""
+        members, valid, mask_rows = cur.members, cur.rows, work.mask_rows
         late = [j for j in (members.get(req, -1) for req in cur.late) if j >= 0 and valid[j] >= 0]
         fixes = [(i, j) for i, j in cur.fixes if valid[j] >= 0]
-        at, cleared = [], []  # the bans' (row, word) and bit
-        for j in late + [j for _, j in fixes]:
+        items = []
+        for j, src in zip(late + [j for _, j in fixes], late + [-i - 1 for i, _ in fixes]):
+            m = mask_rows.get(j)
+            if m is None:  # (every late row and fix asked for its mask: `fill_masks`)
+                continue
             req = cur.batch.reqs[valid[j]]
-            for tok in banned_token_ids(req.params, len(req.token_ids)
-                                        - len(req.prompt_token_ids), req.eos_token_ids):
-                at.append((j, tok >> 5))
-                cleared.append(~(1 << (tok & 31)) & 0xFFFFFFFF)
-        if at:
-            words = masks.numpy().view(np.uint32)
-            keep = [k for k, (_, w) in enumerate(at) if w < words.shape[1]]
-            rows_words = np.asarray([at[k] for k in keep], dtype=np.int64).reshape(-1, 2)
-            np.bitwise_and.at(words, (rows_words[:, 0], rows_words[:, 1]),
-                              np.asarray([cleared[k] for k in keep], dtype=np.uint32))
-        rows = late + [j for _, j in fixes]
-        src = late + [-i - 1 for i, _ in fixes]
-        self.executor.resample(self.runner, cur.out, last.out if fixes else None, rows, src,
-                               masks)
+            banned = banned_token_ids(req.params, len(req.token_ids) - len(req.prompt_token_ids),
+                                      req.eos_token_ids)
+            if len(banned) > BANS:
+                words = work.masks[m].numpy().view(np.uint32)
+                for tok in banned:
+                    if tok >> 5 < len(words):
+                        words[tok >> 5] &= np.uint32(~(1 << (tok & 31)) & 0xFFFFFFFF)
+                banned = ()
+            items.append((j, src, m, *banned) + (-1,) * (BANS - len(banned)))
+        if items:
+            work.work(len(items)).numpy()[:] = items
+        self.executor.resample(self.runner, cur.out, last.out if fixes else None, work,
+                               len(items))
         self.num_resampled += len(late) + len(fixes)
         self.num_fixed += len(fixes)
 

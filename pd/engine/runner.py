@@ -23,7 +23,7 @@ from typing import NamedTuple
 
 import torch
 
-from kernels.masked_argmax import masked_argmax
+from kernels.masked_argmax import ITEM, masked_argmax
 from pd.config import EngineConfig, ModelConfig, dtype_name
 from pd.model import parallel
 from pd.model.context import ForwardContext, forward_context
@@ -34,7 +34,7 @@ from pd.model.loader import load_model
 from pd.engine.request import Req
 from pd.engine.sampler import Sampler, SamplerOutput, SamplingRow
 from pd.engine.scheduler import ScheduledBatch
-from pd.engine.step_inputs import ForwardInput, StepInputs
+from pd.engine.step_inputs import ForwardInput, LateWork, StepInputs
 from pd.engine.tp import Workers
 
 log = logging.getLogger(__name__)
@@ -124,8 +124,8 @@ class ModelRunner(StepInputs):
         self.host_buffers = HostRing(pin=self.device.type == "cuda")  # `alloc_output`'s
         # the last graphed decode step's requests and inputs, whose rows the next may reuse
         self.graphed_rows: tuple[list[Req], ForwardInput | None] = ([], None)
-        # `resample`'s masks and rows on the device (CUDA), grown as a step needs
-        self._late_bits = self._late_index = None
+        # `resample`'s rows of work and masks on the device (CUDA), grown as a step needs
+        self._late: torch.Tensor | None = None
         self._kept: list[torch.Tensor | None] = [None, None]  # `kept_logits`' two buffers
         log.info("model %s (%s, %d layers%s) on %s/%s, KV cache %d blocks x %d tokens (%.1f MiB)",
                  mc.model_id, mc.architecture, mc.num_layers, " + MTP" if mc.has_mtp else "",
@@ -279,38 +279,30 @@ class ModelRunner(StepInputs):
         return kept[0][:num_rows]
 
     @torch.inference_mode()
-    def resample(self, rows: list[int], src: list[int], logits: torch.Tensor,
-                 prev: torch.Tensor | None, masks: torch.Tensor, next_tokens: torch.Tensor,
+    def resample(self, work: LateWork, num: int, logits: torch.Tensor,
+                 prev: torch.Tensor | None, next_tokens: torch.Tensor,
                  tokens_cpu: torch.Tensor) -> None:
         """Greedy rows of a step `execute` ran taken again under their masks, in place in its
         `next_tokens` (`kernels.masked_argmax`, one launch), and the step's tokens copied to
-        the host again: row rows[m] from the logits `execute` kept of this step (`logits`, row
-        src[m]) or of the step before (`prev`, row -src[m] - 1), under row rows[m] of `masks`
-        (a `mask_buffer` filled since). Never waits."""
-        if not rows:
+        the host again: the first `num` rows of work of `work` (filled since: rows of the
+        logits `execute` kept of this step, `logits`, or of the step before, `prev`), with the
+        masks there, copied to the device in one copy. Never waits."""
+        if not num:
             return
         if prev is not None and prev.dtype != logits.dtype:  # a graph's step beside an eager one
             logits, prev = logits.float(), prev.float()
         if not next_tokens.is_cuda:
-            masked_argmax(logits, masks, torch.tensor(rows), next_tokens, torch.tensor(src), prev)
+            masked_argmax(logits, work.masks, work.work(num), next_tokens, prev)
             tokens_cpu.copy_(next_tokens)
             return
-        # NOTE: raw copies into kept device buffers: a torch copy or a new tensor each cost
+        # NOTE: one raw copy into a kept device buffer: a torch copy or a new tensor each cost
         # tens of us of host per step on the H100 machine
-        num = len(masks)
-        if self._late_bits is None or len(self._late_bits) < num:
-            size = 1 << max(3, (num - 1).bit_length())
-            self._late_bits = torch.empty(size, masks.shape[1], dtype=torch.int32,
-                                          device=self.device)
-            self._late_index = torch.empty(2 * size, dtype=torch.int64, device=self.device)
-        k = len(rows)
-        host = self.host_buffers.get((len(self._late_index),), name="late")
-        index = host.numpy()
-        index[:k], index[k:2 * k] = rows, src
-        copy_async(self._late_bits[:num], masks)
-        copy_async(self._late_index, host[:2 * k])
-        masked_argmax(logits, self._late_bits[:num], self._late_index[:k], next_tokens,
-                      self._late_index[k:2 * k], prev)
+        buf, dev = work.buf, self._late
+        if dev is None or dev.shape[0] < buf.shape[0] or dev.shape[1] != buf.shape[1]:
+            dev = self._late = torch.empty(buf.shape, dtype=torch.int32, device=self.device)
+        copy_async(dev, buf[:work.used_rows])
+        masked_argmax(logits, dev[work.header:], dev[:work.header].view(-1)[:num * ITEM]
+                      .view(num, ITEM), next_tokens, prev)
         copy_async(tokens_cpu, next_tokens)
 
     @torch.inference_mode()

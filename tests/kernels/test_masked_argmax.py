@@ -1,15 +1,16 @@
-"""`kernels.masked_argmax`: the twin gives each listed row's argmax over the tokens its bitmask
-allows (ties to the lowest id, a partial last word, a mask narrower than the vocabulary, a mask
-that allows nothing: token 0), from its own logits' row or another's, of these logits or another step's (`src`, `prev`), leaves the other rows' tokens alone and refuses what does not
-fit; the Triton kernel equals the twin in triton's interpreter (CPU, CI) and on a CUDA
-machine, on bfloat16 and float32 logits."""
+"""`kernels.masked_argmax`: the twin gives each row of work's argmax over the tokens its bitmask
+allows but its banned ids (ties to the lowest id, a partial last word, a mask narrower than the
+vocabulary, a mask that allows nothing: token 0), from its own logits' row or another's, of
+these logits or another step's (`prev`), its mask from any row of the bitmask, leaves the other
+rows' tokens alone and refuses what does not fit; the Triton kernel equals the twin in triton's
+interpreter (CPU, CI) and on a CUDA machine, on bfloat16 and float32 logits."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from kernels.masked_argmax import masked_argmax
+from kernels.masked_argmax import BANS, items, masked_argmax
 from tests.kernels.interpreter import run_interpreted
 
 CUDA = torch.cuda.is_available()
@@ -26,16 +27,30 @@ def case(rows: int, vocab: int, width: int, seed: int, dtype=torch.float32):
     return x, bits, idx
 
 
-def expected(x, bits, idx, out):
+def expected(x, bits, idx, out, bans=None):
     out = out.clone()
-    for r in idx.tolist():
+    for m, r in enumerate(idx.tolist()):
         best, at = None, 0
         for t in range(x.shape[1]):
             w = t >> 5
-            if w < bits.shape[1] and (int(bits[r, w]) >> (t & 31)) & 1:
+            if (w < bits.shape[1] and (int(bits[r, w]) >> (t & 31)) & 1
+                    and t not in (bans[m] if bans else ())):
                 if best is None or float(x[r, t]) > best:
                     best, at = float(x[r, t]), t
         out[r] = at
+    return out
+
+
+def bans_for(x, idx, seed):
+    """Up to BANS ids a row, among them often the row's own argmax."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for m, r in enumerate(idx.tolist()):
+        n = int(torch.randint(0, BANS + 1, (1,), generator=g))
+        ids = torch.randint(0, x.shape[1], (n,), generator=g).tolist()
+        if m % 2 and n:
+            ids[0] = int(x[r].argmax())
+        out.append(ids)
     return out
 
 
@@ -44,52 +59,60 @@ def test_twin_takes_the_argmax_of_the_allowed_tokens(vocab, width):
     x, bits, idx = case(5, vocab, width, vocab + width)
     out = torch.full((5,), -7, dtype=torch.int64)
     want = expected(x, bits, idx, out)
-    masked_argmax(x, bits, idx, out)
+    masked_argmax(x, bits, items(idx.tolist(), mask_rows=idx.tolist()), out)
     assert torch.equal(out, want)
     assert (out == -7).sum() == 5 - idx.numel()  # rows not listed: untouched
-    masked_argmax(x, bits, idx[:0], out)  # no row: nothing
+    masked_argmax(x, bits, items([]), out)  # no row: nothing
     assert torch.equal(out, want)
-    # other rows (`src`): of these logits, or of another step's (`prev`, another batch size)
+    # other rows: of these logits, or of another step's (`prev`, another batch size)
     y = torch.cat([x.flip(0), x[:1]])
     out2 = torch.full((5,), -7, dtype=torch.int64)
-    masked_argmax(y, bits, idx, out2, 4 - idx)
+    masked_argmax(y, bits, items(idx.tolist(), (4 - idx).tolist(), idx.tolist()), out2)
     assert torch.equal(out2, want)
     src = torch.where(idx % 2 == 0, idx, -(4 - idx) - 1)  # odd rows from prev's flipped rows
     out2.fill_(-7)
-    masked_argmax(x, bits, idx, out2, src, y)
+    masked_argmax(x, bits, items(idx.tolist(), src.tolist(), idx.tolist()), out2, y)
     assert torch.equal(out2, want)
+    # masks in the order of the work (row m of a packed bitmask), and banned ids
+    bans = bans_for(x, idx, vocab)
+    out2.fill_(-7)
+    masked_argmax(x, bits[idx], items(idx.tolist(), bans=bans), out2)
+    assert torch.equal(out2, expected(x, bits, idx, out, bans))
 
 
 def test_wrapper_refuses_what_does_not_fit():
     x, bits, idx = case(4, 70, 3, 0)
     out = torch.zeros(4, dtype=torch.int64)
+    work = items(idx.tolist())
     with pytest.raises(ValueError, match="do not fit"):
-        masked_argmax(x, bits[:2], idx, out)
+        masked_argmax(x, bits, work[:, :3], out)
     with pytest.raises(ValueError, match="int32"):
-        masked_argmax(x, bits.long(), idx, out)
+        masked_argmax(x, bits.long(), work, out)
+    with pytest.raises(ValueError, match="int32"):
+        masked_argmax(x, bits, work.long(), out)
     with pytest.raises(ValueError, match="int64"):
-        masked_argmax(x, bits, idx, out.int())
+        masked_argmax(x, bits, work, out.int())
     with pytest.raises(ValueError, match="do not fit"):
-        masked_argmax(x, bits, idx, out, idx[:1])
-    with pytest.raises(ValueError, match="do not fit"):
-        masked_argmax(x, bits, idx, out, idx, x.double())
+        masked_argmax(x, bits, work, out, x.double())
 
 
 def test_kernel_equals_twin_in_the_interpreter():
     run_interpreted("""
 import torch
-from kernels.masked_argmax import masked_argmax
-from tests.kernels.test_masked_argmax import case
+from kernels.masked_argmax import items, masked_argmax
+from tests.kernels.test_masked_argmax import bans_for, case
 for rows, vocab, width in ((3, 70, 3), (4, 4100, 120), (2, 9000, 300)):
     x, bits, idx = case(rows, vocab, width, vocab)
     a, b = torch.zeros(rows, dtype=torch.int64), torch.zeros(rows, dtype=torch.int64)
-    masked_argmax(x, bits, idx, a, use_kernel=True)
-    masked_argmax(x, bits, idx, b, use_kernel=False)
+    work = items(idx.tolist(), mask_rows=idx.tolist())
+    masked_argmax(x, bits, work, a, use_kernel=True)
+    masked_argmax(x, bits, work, b, use_kernel=False)
     assert torch.equal(a, b), (rows, vocab, width, a, b)
     src = torch.where(idx % 2 == 0, idx.flip(0), -idx - 1)
+    work = items(idx.tolist(), src.tolist(), list(range(len(idx)))[::-1], bans_for(x, idx, rows))
     prev = x.flip(0) + 1
-    masked_argmax(x, bits, idx, a, src, prev, use_kernel=True)
-    masked_argmax(x, bits, idx, b, src, prev, use_kernel=False)
+    masked_argmax(x, bits, work, a, prev, use_kernel=True)
+    masked_argmax(x, bits, work, b, prev, use_kernel=False)
     assert torch.equal(a, b), (rows, vocab, width, a, b)
 print("ok")
 """)
@@ -101,14 +124,19 @@ print("ok")
                                               (7, 4097, 100), (1, 70, 3)])
 def test_kernel_equals_twin(rows, vocab, width, dtype):
     x, bits, idx = case(rows, vocab, width, rows + vocab, dtype)
-    x, bits, idx = x.cuda(), bits.cuda(), idx.cuda()
+    x, bits = x.cuda(), bits.cuda()
     a = torch.zeros(rows, dtype=torch.int64, device="cuda")
     b = a.clone()
-    masked_argmax(x, bits, idx, a, use_kernel=True)
-    masked_argmax(x, bits, idx, b, use_kernel=False)
+    work = items(idx.tolist(), mask_rows=idx.tolist()).cuda()
+    masked_argmax(x, bits, work, a, use_kernel=True)
+    masked_argmax(x, bits, work, b, use_kernel=False)
     assert torch.equal(a, b)
     src = torch.where(idx % 2 == 0, idx.flip(0), -idx - 1)
+    work = items(idx.tolist(), src.tolist(), list(range(len(idx)))[::-1],
+                 bans_for(x.cpu(), idx, rows)).cuda()
     prev = x.flip(0) + 1
-    masked_argmax(x, bits, idx, a, src, prev, use_kernel=True)
-    masked_argmax(x, bits, idx, b, src, prev, use_kernel=False)
-    assert torch.equal(a, b)
+    for _ in range(2):  # the second launch straight to the compiled kernel
+        a.zero_()
+        masked_argmax(x, bits, work, a, prev, use_kernel=True)
+        masked_argmax(x, bits, work, b, prev, use_kernel=False)
+        assert torch.equal(a, b)
