@@ -16,9 +16,7 @@ the H100, most of a late step's own device time); a program writes its chunk's b
 column, counts itself done on the row's counter, and the row's last program picks the best
 chunk, the leftmost among equals, so ties still go to the lowest id. A row whose mask allows
 nothing gets token 0 (as torch's argmax of a row of -inf). On the current stream; `triton` is
-imported on first use, and a launch after the first of its shape goes straight to the compiled
-kernel (Triton's argument binding cost 10 us of host a call on the H100 machine); CPU machines
-run the twin.
+imported on first use; CPU machines run the twin.
 """
 
 from __future__ import annotations
@@ -134,11 +132,6 @@ def masked_argmax_ref(x: torch.Tensor, bits: torch.Tensor, work: torch.Tensor,
     out[work[:, 0]] = y.argmax(dim=-1)
 
 
-# the compiled kernel by device, chunks and specialization, once launched through
-# triton's binder
-_COMPILED: dict = {}
-
-
 def masked_argmax(x: torch.Tensor, bits: torch.Tensor, work: torch.Tensor, out: torch.Tensor,
                   prev: torch.Tensor | None = None, use_kernel: bool | None = None) -> None:
     """In place on out [B] int64, for each row of `work` [M, ITEM] int32 (`items`): out[row] =
@@ -170,19 +163,7 @@ def masked_argmax(x: torch.Tensor, bits: torch.Tensor, work: torch.Tensor, out: 
         raise ValueError("masked_argmax needs contiguous rows and tokens")
     chunks = -(-x.shape[1] // CHUNK)
     vals, cols, counts = _scratch(x.device, num, chunks)
-    args = (x, prev, bits, work, out, vals, cols, counts, x.stride(0), prev.stride(0),
-            bits.stride(0), x.shape[1], bits.shape[1])
-    consts = (CHUNK, chunks, max(16, 1 << (chunks - 1).bit_length()), ITEM)
-    # NOTE: what triton specializes a compile on: dtypes, 16-byte alignment, ints of 1 or
-    # multiples of 16
-    key = (x.device, chunks) + tuple(
-        (a.dtype, a.data_ptr() % 16 == 0) if isinstance(a, torch.Tensor) else (a == 1, a % 16 == 0)
-        for a in args)
-    compiled = _COMPILED.get(key) if x.is_cuda else None
-    if compiled is None:
-        compiled = _kernel()[(num, chunks)](*args, CHUNK=consts[0], NUM_CHUNKS=consts[1],
-                                            CP=consts[2], ITEM=consts[3], num_warps=4)
-        if x.is_cuda:  # (triton's interpreter, on CPU, returns no compiled kernel)
-            _COMPILED[key] = compiled
-        return
-    compiled[(num, chunks, 1)](*args, *consts)
+    _kernel()[(num, chunks)](
+        x, prev, bits, work, out, vals, cols, counts, x.stride(0), prev.stride(0), bits.stride(0),
+        x.shape[1], bits.shape[1], CHUNK=CHUNK, NUM_CHUNKS=chunks,
+        CP=max(16, 1 << (chunks - 1).bit_length()), ITEM=ITEM, num_warps=4)
