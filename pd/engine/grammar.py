@@ -81,10 +81,19 @@ class GrammarState:
         # checked sampling (see `CheckedSampling`): None where every token is sampled masked
         self.checked = CheckedSampling() if checked else None
         self._position = 0  # tokens the matcher accepted (for `CheckedSampling.refuse`)
+        # the matcher's `is_terminated`, kept: it ends once it accepts one of its stop tokens
+        # (and a rollback may undo that: None, asked again). A call into xgrammar cost ~2 us, and
+        # a step asked it of each request three times.
+        self._stops = frozenset(matcher.stop_token_ids)
+        self._ended: bool | None = False
 
     @property
     def terminated(self) -> bool:
-        return self.failed or self._m.is_terminated()
+        if self.failed:
+            return True
+        if self._ended is None:
+            self._ended = self._m.is_terminated()
+        return self._ended
 
     def accept(self, token: int) -> bool:
         """Walk one token; False if the grammar refuses it (which only a mask that allows no
@@ -102,7 +111,9 @@ class GrammarState:
             return False
         ok = self._m.accept_token(token)
         self._position += ok
-        if not ok:
+        if ok:
+            self._ended = token in self._stops
+        else:
             self.failed = True
             log.warning("structured output: the grammar refused token %d; the request ends", token)
         return ok
@@ -122,6 +133,7 @@ class GrammarState:
             self.failed = True
         elif ok:
             self._position += 1
+            self._ended = token in self._stops
             if self.checked is not None:
                 self.checked.streak += 1
         self._walked.append((token, ok))
@@ -147,6 +159,7 @@ class GrammarState:
         if walked:
             self._m.rollback(walked)
             self._position -= walked
+            self._ended = None
         if any(ok is False for _, ok in popped):
             self.failed = False  # set by the refused walk, on a state that was not terminated
 
@@ -174,9 +187,11 @@ class GrammarState:
             if self.terminated or not self._m.accept_token(d):
                 break
             walked += 1
+            self._ended = d in self._stops
             masks.append(self.mask())
         if walked:
             self._m.rollback(walked)
+            self._ended = None
         return masks + [masks[-1]] * (num - len(masks))
 
 

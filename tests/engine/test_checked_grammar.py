@@ -69,6 +69,8 @@ def test_checked_sampling_masks_after_refusals_and_gives_up_on_an_empty_mask():
     from pd.engine.grammar import GrammarState
 
     class Matcher:  # refuses the token 0, accepts any other
+        stop_token_ids = []
+
         def is_terminated(self):
             return False
 

@@ -369,3 +369,35 @@ def test_a_steps_masks_get_the_threads_their_recent_cost_pays_for(grammars, tiny
     for st, row in zip(states, [5, 3, 1, 0, 2]):
         assert torch.equal(out[row], st.mask())
     assert not out[4].any()
+
+
+def test_terminated_follows_the_matcher_through_walks_and_rollbacks(grammars, tiny_model_dir):
+    """`GrammarState.terminated`, kept rather than asked of xgrammar each time, is the
+    matcher's own `is_terminated` after each way the state moves: walks (one or a step's
+    batch), accepts of walked and unwalked tokens, the stop token, the drafts' masks (walked
+    and rolled back), and an accept of another token than the one walked (rolled back)."""
+    from pd.engine.grammar import step_masks
+    from pd.text.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_dir(tiny_model_dir)
+    eos = tok.eos_token_ids[0]
+    ids = tok.encode('{"name": "ab", "n": 12}', add_special_tokens=False)
+    spec = ("json", json.dumps(SCHEMA))
+
+    def same(state):
+        assert state.terminated == state._m.is_terminated()
+        return state.terminated
+
+    state, other = grammars.matcher(spec), grammars.matcher(spec)
+    for t in ids:
+        step_masks([(state, t, None), (other, t, None)], None)  # one batch of walks
+        assert not same(state) and not same(other)
+        assert state.accept(t) and other.accept(t)
+    state.masks_along([eos], 2)  # walks the stop token, rolls it back
+    assert not same(state)
+    assert other.accept(eos) and same(other)  # not walked first
+    state.walk(eos)
+    assert same(state)
+    # another token than the one walked: the walk is rolled back, then that token refused
+    assert not state.accept(ids[0])
+    assert state.terminated and state.failed and not state._m.is_terminated()
