@@ -94,7 +94,8 @@ def main() -> None:
             tokens, secs, phases, back, late = max(runs[name], key=lambda r: r[0] / r[1])
             tps = tokens / secs
             base = base or tps
-            rounds = [(r[0] / r[1]) / (b[0] / b[1]) for r, b in zip(runs[name], runs[args.grammars[0]])]
+            rounds = [(r[0] / r[1]) / (b[0] / b[1])
+                      for r, b in zip(runs[name], runs[args.grammars[0]])]
             print(f"{batch:>5} {name:>12} {tokens:>7} {secs:>8.3f} {tps:>9.0f} "
                   f"{tps / base:>7.2f}x {secs / args.max_tokens * 1e6:>7.0f} "
                   + " ".join(f"{phases[k]:>8.0f}" for k in PHASES)

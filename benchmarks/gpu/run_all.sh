@@ -8,7 +8,8 @@
 #   and host time (profiler), overlap on/off (parity of 64 requests, sync check, throughput and
 #   step gap), MTP on/off (graphed, overlap on/off, logprobs; the norms apart from the products:
 #   PD_PROLOGUE=0, and the fused products timed alone) and the MTP machinery on the 1B
-#   shape, the token-logprob kernels, structured output's cost (grammars on the GPU: the same
+#   shape, the token-logprob kernels, structured output's cost and where a JSON step's time
+#   goes (host and device on one clock; grammars on the GPU: the same
 #   tokens as transformers' masked logits). Logs go to $OUT (or ./out) and one table each to
 #   stdout.
 #     bash benchmarks/gpu/run_all.sh [1|2|3|4|5|6]  (1: checks, KV, attention, decode; 2: graphs,
@@ -77,6 +78,8 @@ TAIL=8 step mtp_no_prologue env PD_PROLOGUE=0 python3 benchmarks/bench_mtp.py --
     --ks 0,3 --max-tokens 256 --repeats 3 --logprobs off --overlap on
 TAIL=13 step structured python3 benchmarks/bench_structured.py --device cuda --synthetic-1b \
     --batch 1 32 --max-tokens 128 --repeats 2 --grammars none json json-masked regex regex-masked
+TAIL=24 step structured_steps python3 benchmarks/gpu/profile_structured.py --batch 32 \
+    --grammars json none
 fi
 if [[ $PART == all || $PART == 4 ]]; then  # prefix caching through pd launch
 TAIL=5 step host_step python3 benchmarks/bench_host_step.py
