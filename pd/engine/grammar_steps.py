@@ -3,14 +3,15 @@
 next step's masks filled after (`fill_masks`), each greedy grammar's mode for a step being
 launched, checked after sampling or masked, at its launch or late (`grammar_modes`,
 `pd.engine.checked_grammar`), the late rows sampled again under their masks, whose filling
-overlaps the next launch's preparation (`settle_late`, `resample_late`), and a refused token
-taken back (`take_back`)."""
+overlaps the next launch's preparation (`settle_late`, `resample_late`; their rows of work and
+masks in one `LateWork`), and a refused token taken back (`take_back`)."""
 
 from __future__ import annotations
 
 import numpy as np
+import torch
 
-from kernels.masked_argmax import BANS
+from kernels.masked_argmax import BANS, ITEM
 from pd.engine.grammar import step_masks
 from pd.engine.request import Req
 from pd.engine.sampler import banned_token_ids
@@ -19,6 +20,34 @@ from pd.engine.scheduler import ScheduledBatch
 # a step's decoding rows with grammars from which the next step checks greedy ones after
 # sampling rather than masks them (`GrammarSteps.grammar_modes`)
 CHECK_FROM_ROWS = 16
+
+
+class LateWork:
+    """A late step's sampling again (`GrammarSteps.resample_late`) in one buffer [header + rows,
+    ceil(V / 32)] int32 (`ModelRunner.late_work`'s), copied to the device at once: its rows of
+    work (`kernels.masked_argmax.items`: out row, logits row, mask row, banned ids) in the
+    first `header` rows, then the masks of the rows sampled again alone, in the order their
+    fills were asked for (`mask_rows`: row of the step -> row of `masks`); a step's other rows'
+    masks are neither filled nor copied."""
+
+    __slots__ = ("buf", "header", "mask_rows")
+
+    def __init__(self, buf: torch.Tensor, header: int) -> None:
+        self.buf, self.header = buf, header
+        self.mask_rows: dict[int, int] = {}
+
+    @property
+    def masks(self) -> torch.Tensor:
+        return self.buf[self.header:]
+
+    def work(self, num: int) -> torch.Tensor:
+        """The first `num` rows of work [num, ITEM]."""
+        return self.buf[:self.header].view(-1)[:num * ITEM].view(num, ITEM)
+
+    @property
+    def used_rows(self) -> int:
+        """Rows of `buf` a copy to the device needs: the header and the masks filled."""
+        return self.header + len(self.mask_rows)
 
 
 class GrammarSteps:

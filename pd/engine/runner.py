@@ -34,7 +34,8 @@ from pd.model.loader import load_model
 from pd.engine.request import Req
 from pd.engine.sampler import Sampler, SamplerOutput, SamplingRow
 from pd.engine.scheduler import ScheduledBatch
-from pd.engine.step_inputs import ForwardInput, LateWork, StepInputs
+from pd.engine.grammar_steps import LateWork
+from pd.engine.step_inputs import ForwardInput, StepInputs
 from pd.engine.tp import Workers
 
 log = logging.getLogger(__name__)

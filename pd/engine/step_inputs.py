@@ -19,6 +19,7 @@ import torch
 from kernels.masked_argmax import ITEM
 from pd.engine.decode_inputs import DecodeLayout, write_bans
 from pd.engine.grammar import fill_masks
+from pd.engine.grammar_steps import LateWork
 from pd.engine.host_ring import to_device
 from pd.engine.logprobs import prompt_spans
 from pd.engine.request import Req
@@ -266,34 +267,6 @@ class StepInputs:
         header = -(-rows * ITEM // words)
         return LateWork(self.host_buffers.get((header + rows, words), torch.int32, name="late"),
                         header)
-
-
-class LateWork:
-    """A late step's sampling again (`pd.engine.grammar_steps.GrammarSteps.resample_late`) in
-    one buffer [header + rows, ceil(V / 32)] int32, copied to the device at once: its rows of
-    work (`kernels.masked_argmax.items`: out row, logits row, mask row, banned ids) in the
-    first `header` rows, then the masks of the rows sampled again alone, in the order their
-    fills were asked for (`mask_rows`: row of the step -> row of `masks`); a step's other rows'
-    masks are neither filled nor copied."""
-
-    __slots__ = ("buf", "header", "mask_rows")
-
-    def __init__(self, buf: torch.Tensor, header: int) -> None:
-        self.buf, self.header = buf, header
-        self.mask_rows: dict[int, int] = {}
-
-    @property
-    def masks(self) -> torch.Tensor:
-        return self.buf[self.header:]
-
-    def work(self, num: int) -> torch.Tensor:
-        """The first `num` rows of work [num, ITEM]."""
-        return self.buf[:self.header].view(-1)[:num * ITEM].view(num, ITEM)
-
-    @property
-    def used_rows(self) -> int:
-        """Rows of `buf` a copy to the device needs: the header and the masks filled."""
-        return self.header + len(self.mask_rows)
 
 
 LONG_RUN = 64  # tokens of one request in a step past which its inputs are built with numpy

@@ -60,11 +60,11 @@ def test_checked_sampling_equals_masked_sampling(tiny_model_dir, overlap, thread
 
 
 def test_checked_sampling_masks_after_refusals_and_gives_up_on_an_empty_mask():
-    """After a refusal the next step samples masked, then 2, 4, ... steps (up to MAX_MASKED)
-    while refusals keep coming, back to one after CALM tokens past the masked run without
-    one; a masked step launched ahead of its input's token is sampled late; a second refusal at
-    the same position (the mask allowed nothing) ends the request as unchecked ones do; a loop
-    that is not checking masks every step."""
+    """After a refusal the next FIRST_MASKED steps sample masked, then twice, four times ...
+    as many (up to MAX_MASKED) while refusals keep coming, back to FIRST_MASKED after CALM
+    tokens past the masked run without one; a masked step launched ahead of its input's token
+    is sampled late; a second refusal at the same position (the mask allowed nothing) ends the
+    request as unchecked ones do; a loop that is not checking masks every step."""
     from pd.engine.checked_grammar import CheckedSampling
     from pd.engine.grammar import GrammarState
 
@@ -77,6 +77,9 @@ def test_checked_sampling_masks_after_refusals_and_gives_up_on_an_empty_mask():
         def accept_token(self, t):
             return t != 0
 
+    first, top, calm = (CheckedSampling.FIRST_MASKED, CheckedSampling.MAX_MASKED,
+                        CheckedSampling.CALM)
+    assert 1 < first and 4 * first <= top
     state = GrammarState(Matcher(), 64, checked=True)
     c = state.checked
     assert c.launch(False) and state.masks_now  # not checking: masked
@@ -84,26 +87,27 @@ def test_checked_sampling_masks_after_refusals_and_gives_up_on_an_empty_mask():
     state.walk(0)
     assert c.refused and not state.failed
     c.take_back()
-    assert [c.launch(True) for _ in range(2)] == [True, False]
-    for want in (2, 4):  # refused again soon after: longer masked runs
+    assert [c.launch(True) for _ in range(first + 1)] == [True] * first + [False]
+    for want in (2 * first, 4 * first):  # refused again soon after: longer masked runs
         state.walk(5)
         state.walk(0)
         c.take_back()
         assert [c.launch(True) for _ in range(want + 1)] == [True] * want + [False]
-    for _ in range(4 + CheckedSampling.CALM - 1):  # the masked run, then not quite calm
+    for _ in range(4 * first + calm - 1):  # the masked run, then not quite calm
         state.walk(5)
     state.walk(0)
     c.take_back()
-    assert [c.launch(True) for _ in range(9)] == [True] * 8 + [False]
-    for _ in range(8 + CheckedSampling.CALM):  # calm: one masked step again
+    longest = min(8 * first, top)
+    assert [c.launch(True) for _ in range(longest + 1)] == [True] * longest + [False]
+    for _ in range(longest + calm):  # calm: the first run's length again
         state.walk(5)
     state.walk(0)
     c.take_back()
-    assert [c.launch(True) for _ in range(2)] == [True, False]
+    assert [c.launch(True) for _ in range(first + 1)] == [True] * first + [False]
     state.walk(5)
     state.walk(0)
     c.take_back()  # a masked step of a loop that can sample late: no mask at the launch
-    for _ in range(2):  # refused soon after the last: two masked steps
+    for _ in range(2 * first):  # refused soon after the last: a run twice as long
         assert not c.launch(True, late=True) and state.masks_late and not state.masks_now
     assert not c.launch(True, late=True) and not state.masks_late  # checked again
     state.walk(0)  # refused again at that position: the masked step's token too
