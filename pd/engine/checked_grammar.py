@@ -37,10 +37,11 @@ class CheckedSampling:
     tokens for a while (the keys and punctuation between a JSON object's values), so the first
     run covers a few: on the H100's 1B shape with random weights (JSON, batch 32, 128 tokens)
     a first run of 4 took 120 refusals and 134 steps against 168 and 136 for a run of 1, with
-    as many rows sampled masked (~2150). A masked step of a checking loop launched ahead of its inputs' tokens samples the
-    row late (`late`): the step runs as a plain one, and once the host has walked the token
-    before, the row is sampled again from the step's kept logits under its mask
-    (`GrammarSteps.resample_late`), so the other rows never wait for it."""
+    as many rows sampled masked (~2150). A masked step of a checking loop launched ahead of
+    its inputs' tokens samples the row late (`late`): the step runs as a plain one, and once
+    the host has walked the token before, the row is sampled again from the step's kept
+    logits under its mask (`GrammarSteps.resample_late`), so the other rows never wait for
+    it."""
 
     FIRST_MASKED = 4
     MAX_MASKED = 32
