@@ -57,11 +57,12 @@ def _kernels():
 
 
 def argmax_ref(x: torch.Tensor, bans: torch.Tensor | None = None) -> torch.Tensor:
-    """The torch twin: [B, V] -> [B] int64, passing over each row's `bans` [B, K] (-1: none)."""
-    if bans is not None:  # a ban of -1 marks the column past the last, dropped
+    """The torch twin: [B, V] -> [B] int64, passing over each row's `bans` [B, K] (-1: none;
+    an id past the vocabulary bans nothing, as in the kernel)."""
+    if bans is not None:  # a ban of none marks the column past the last, dropped
         rows, cols = x.shape
         banned = torch.zeros(rows, cols + 1, dtype=torch.bool, device=x.device).scatter_(
-            1, torch.where(bans >= 0, bans, cols), True)[:, :cols]
+            1, torch.where((bans >= 0) & (bans < cols), bans, cols), True)[:, :cols]
         x = x.float().masked_fill(banned, float("-inf"))
     return x.argmax(dim=-1)
 

@@ -25,6 +25,7 @@ import functools
 
 import torch
 
+from kernels.argmax import argmax_ref
 from kernels.token_mask import apply_token_mask_ref
 from kernels.triton_support import triton_usable
 
@@ -126,10 +127,7 @@ def masked_argmax_ref(x: torch.Tensor, bits: torch.Tensor, work: torch.Tensor,
                         prev[(-src - 1).clamp(min=0)].to(x.dtype))
     y = y.float()
     apply_token_mask_ref(y, bits[work[:, 2]], torch.arange(work.shape[0], device=x.device))
-    banned = work[:, 3:]
-    m, k = torch.nonzero((banned >= 0) & (banned < x.shape[1]), as_tuple=True)
-    y[m, banned[m, k]] = float("-inf")
-    out[work[:, 0]] = y.argmax(dim=-1)
+    out[work[:, 0]] = argmax_ref(y, work[:, 3:])
 
 
 def masked_argmax(x: torch.Tensor, bits: torch.Tensor, work: torch.Tensor, out: torch.Tensor,

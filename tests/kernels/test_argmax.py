@@ -75,6 +75,9 @@ def test_twin_passes_over_banned_ids():
     want = expected_with_bans(x, bans)
     assert torch.equal(argmax(x, bans=bans), want)
     assert not torch.equal(want, x.argmax(dim=-1))  # the bans moved some tokens
+    past = bans.clone()
+    past[past < 0] = x.shape[1] + 5  # an id past the vocabulary bans nothing (as the kernel)
+    assert torch.equal(argmax(x, bans=past), want)
     with pytest.raises(ValueError, match="bans"):
         argmax(x, bans=bans[:2])
     with pytest.raises(ValueError, match="bans"):
