@@ -1,9 +1,8 @@
 """Structured output (`pd.engine.grammar`, the sampler's mask): specs that do not compile are
-refused by name, a choice's strings are matched exactly, an MTP step's masks along its drafts
-are the masks of walking them, the sampler masks exactly the tokens a grammar refuses, and
-greedy decoding under a grammar equals the greedy argmax of transformers' logits masked by a
-matcher of its own, with MTP and with the overlap loop too. `PD_TEST_DEVICE=cuda` runs the
-engines on the GPU."""
+refused by name, the sampler masks exactly the tokens a grammar refuses, and greedy decoding
+under a grammar equals the greedy argmax of transformers' logits masked by a matcher of its
+own, with MTP and with the overlap loop too (a request's grammar state alone:
+`test_grammar_state.py`). `PD_TEST_DEVICE=cuda` runs the engines on the GPU."""
 
 from __future__ import annotations
 
@@ -13,7 +12,7 @@ import os
 import pytest
 import torch
 
-from pd.engine.grammar import GrammarError, Grammars, fill_masks
+from pd.engine.grammar import GrammarError
 from pd.engine.grammar_masks import apply_grammar
 from pd.engine.sampler import SamplingRow
 from pd.wire.sampling_params import SamplingParams as SP
@@ -25,15 +24,6 @@ SPECS = [("json", json.dumps(SCHEMA)), ("json_object", ""), ("regex", r"[a-c]{2,
          ("choice", json.dumps(["red", "green", "blue"])),
          ("grammar", 'root ::= "x" ("ab" | "c")* "."'), ("json_compact", json.dumps(SCHEMA))]
 DEVICE = os.environ.get("PD_TEST_DEVICE", "cpu")  # cuda: the engine on the GPU, float32
-
-
-@pytest.fixture(scope="module")
-def grammars(tiny_model_dir):
-    from pd.text.tokenizer import Tokenizer
-
-    tok = Tokenizer.from_dir(tiny_model_dir)
-    config = json.loads((tiny_model_dir / "config.json").read_text())
-    return Grammars(tiny_model_dir, config["vocab_size"], tuple(tok.eos_token_ids))
 
 
 def allowed_ids(bits: torch.Tensor, vocab: int) -> set[int]:
@@ -48,139 +38,6 @@ def test_specs_that_do_not_compile_are_refused_by_kind(grammars, spec, words):
     with pytest.raises(GrammarError, match=words):
         grammars.matcher(spec)
     assert isinstance(GrammarError("x"), ValueError)  # the nodes refuse ValueErrors
-
-
-def test_a_choice_matches_exactly_its_strings(grammars, tiny_model_dir):
-    from pd.text.tokenizer import Tokenizer
-
-    tok = Tokenizer.from_dir(tiny_model_dir)
-    choices = ['say "hi"', "back\\slash", "two\nlines", "ünï"]
-    for c in choices:
-        state = grammars.matcher(("choice", json.dumps(choices)))
-        assert all(state.accept(t) for t in tok.encode(c, add_special_tokens=False)), c
-        assert state.accept(tok.eos_token_ids[0]) and state.terminated
-    state = grammars.matcher(("choice", json.dumps(choices)))
-    assert all(state.accept(t) for t in tok.encode("say", add_special_tokens=False))
-    assert not state.terminated
-    assert not state.accept(tok.eos_token_ids[0])  # "say" is not one of them
-    assert state.terminated  # a refused token ends the request
-
-
-def test_an_expanded_regex_gives_the_masks_of_the_regex(grammars, tiny_model_dir):
-    """The matcher of `expand_plus(regex)` (what `Grammars` compiles) allows exactly the tokens
-    the regex's own matcher allows, at every step of a walk."""
-    import xgrammar
-
-    from pd.engine.grammar import GrammarState
-
-    regex = "[a-z0-9 ,.()=+]+"
-    own = GrammarState(xgrammar.GrammarMatcher(grammars._compiler.compile_regex(regex)),
-                       grammars.vocab_size)
-    ours = grammars.matcher(("regex", regex))
-    g = torch.Generator().manual_seed(0)
-    for step in range(24):
-        mask = own.mask()
-        assert torch.equal(mask, ours.mask()), step
-        ids = sorted(allowed_ids(mask, grammars.vocab_size))
-        token = ids[int(torch.randint(len(ids), (1,), generator=g))]
-        assert own.accept(token) and ours.accept(token)
-        if own.terminated:
-            break
-    assert ours.terminated == own.terminated
-
-
-def test_masks_along_drafts_equal_walking_them(grammars, tiny_model_dir):
-    from pd.text.tokenizer import Tokenizer
-
-    tok = Tokenizer.from_dir(tiny_model_dir)
-    spec = ("json", json.dumps(SCHEMA))
-    text = '{"name": "ab", "n": 12}'
-    ids = tok.encode(text, add_special_tokens=False)
-    state = grammars.matcher(spec)
-    assert state.accept(ids[0])
-    before = state.mask()
-    drafts = ids[1:4] + [tok.encode("]", add_special_tokens=False)[0]]  # the last one refused
-    masks = state.masks_along(drafts, 6)
-    assert len(masks) == 6 and torch.equal(state.mask(), before)  # rolled back
-    walker = grammars.matcher(spec)
-    walker.accept(ids[0])
-    for j in range(4):
-        assert torch.equal(masks[j], walker.mask()), j
-        if j < 3:
-            assert walker.accept(drafts[j])
-    assert torch.equal(masks[4], masks[3]) and torch.equal(masks[5], masks[3])
-
-
-def test_appended_tokens_walk_the_grammar_in_order(grammars, tiny_model_dir):
-    from pd.engine.request import Req
-    from pd.text.tokenizer import Tokenizer
-
-    ids = Tokenizer.from_dir(tiny_model_dir).encode('{"name": "ab", "n": 12}',
-                                                    add_special_tokens=False)
-    spec = ("json", json.dumps(SCHEMA))
-    walker = grammars.matcher(spec)
-    req = Req("r", [5, 6], SP(structured_output=spec))
-    req.grammar = grammars.matcher(spec)
-    for t in ids[:5]:
-        assert walker.accept(t)
-        req.append_token(t)
-    assert torch.equal(req.grammar.mask(), walker.mask())
-    assert not req.grammar.terminated and req.check_stop(1000) is None
-
-
-@pytest.mark.parametrize("workers", [1, 3])
-def test_a_steps_masks_and_walks_at_once_equal_each_alone(grammars, tiny_model_dir, workers,
-                                                          monkeypatch):
-    """`step_masks` and `fill_masks`, on one xgrammar thread or several: each state walks its
-    token and fills its row as it would alone; `accept` then takes the walk's result without
-    walking again; a refused walk ends the request as a refused accept does; accepting another token
-    than the one walked undoes the walk first."""
-    from pd.engine import grammar
-    from pd.text.tokenizer import Tokenizer
-
-    import xgrammar
-
-    monkeypatch.setattr(grammar, "_batch", lambda: xgrammar.BatchGrammarMatcher(workers))
-    # the masks in as many parts as there may be threads (their cost would decide)
-    monkeypatch.setattr(grammar._FILLER, "per_mask", 1.0 if workers > 1 else 0.0)
-    tok = Tokenizer.from_dir(tiny_model_dir)
-    eos = tok.eos_token_ids[0]
-    states = [grammars.matcher(spec) for spec in SPECS] + [None, grammars.matcher(SPECS[3])]
-    done = grammars.matcher(("grammar", 'root ::= ""'))
-    assert done.accept(eos) and done.terminated
-    states.append(done)
-    out = torch.full((len(states), states[0].num_words), 7, dtype=torch.int32)
-    filled = fill_masks(states, out)
-    assert filled[len(SPECS)] is None
-    for got, st in zip(filled, states):
-        if st is not None:
-            assert torch.equal(got, st.mask())
-    assert (filled[-1] == -1).all()  # terminated: everything (the request ends on its own)
-
-    spec = ("json", json.dumps(SCHEMA))
-    ids = tok.encode('{"name": "ab", "n": 12}', add_special_tokens=False)
-    walkers = [grammars.matcher(spec) for _ in range(4)]
-    alone = [grammars.matcher(spec) for _ in range(4)]
-    refused = tok.encode("]", add_special_tokens=False)[0]
-    for step, t in enumerate(ids[:4]):
-        tokens = [t, t, refused if step == 2 else t, None]  # state 2 is refused at step 2
-        out = torch.zeros((4, walkers[0].num_words), dtype=torch.int32)
-        grammar.step_masks([(w, tokens[j], 3 - j) for j, w in enumerate(walkers)], out)
-        for j, (w, a) in enumerate(zip(walkers, alone)):
-            if tokens[j] is not None:
-                assert w.accept(tokens[j]) == a.accept(tokens[j]), (step, j)
-            assert w.terminated == a.terminated and torch.equal(out[3 - j], a.mask()), (step, j)
-    assert walkers[2].terminated and not walkers[0].terminated
-    # another token than the one walked: the walk is undone, the state follows the accept
-    w, a = grammars.matcher(spec), grammars.matcher(spec)
-    w.walk(refused)
-    assert w.terminated  # the refused walk, until it is taken or undone
-    assert w.accept(ids[0]) and a.accept(ids[0]) and not w.terminated
-    w.walk(ids[1])
-    assert w.accept(ids[1]) and a.accept(ids[1])
-    w.walk(ids[3])
-    assert w.accept(ids[2]) and a.accept(ids[2])
-    assert torch.equal(w.mask(), a.mask())
 
 
 def test_sampler_masks_exactly_the_refused_tokens():
@@ -347,57 +204,3 @@ def test_grammars_survive_preemption_and_aborts_with_overlap(tiny_model_dir):
     for i, req in enumerate(reqs):
         if i != aborted:
             assert req.output_token_ids == alone[i], i
-
-
-def test_a_steps_masks_get_the_threads_their_recent_cost_pays_for(grammars, tiny_model_dir):
-    """Cheap masks (a regex's few us) are filled on the calling thread alone; costly ones (a
-    JSON string's ~100 us) in parts on up to `WORKERS` threads, each timing its own part."""
-    from pd.engine.grammar import WORK_PER_THREAD, WORKERS, _Filler
-
-    filler = _Filler()
-    assert filler.parts(32) == 1  # nothing measured yet
-    filler.add(32 * 3e-6, 32)
-    assert filler.parts(32) == 1
-    for _ in range(8):
-        filler.add(32 * 100e-6, 32)
-    assert 32 * filler.per_mask / WORK_PER_THREAD >= 8  # ~16 threads' worth: all it may use
-    assert filler.parts(32) == WORKERS and filler.parts(1) == 1
-    # filled in parts, the masks equal each state's own
-    states = [grammars.matcher(("json", json.dumps(SCHEMA))) for _ in range(5)]
-    out = torch.zeros((6, states[0].num_words), dtype=torch.int32)
-    filler.fill([st._m for st in states], out, [5, 3, 1, 0, 2])
-    for st, row in zip(states, [5, 3, 1, 0, 2]):
-        assert torch.equal(out[row], st.mask())
-    assert not out[4].any()
-
-
-def test_terminated_follows_the_matcher_through_walks_and_rollbacks(grammars, tiny_model_dir):
-    """`GrammarState.terminated`, kept rather than asked of xgrammar each time, is the
-    matcher's own `is_terminated` after each way the state moves: walks (one or a step's
-    batch), accepts of walked and unwalked tokens, the stop token, the drafts' masks (walked
-    and rolled back), and an accept of another token than the one walked (rolled back)."""
-    from pd.engine.grammar import step_masks
-    from pd.text.tokenizer import Tokenizer
-
-    tok = Tokenizer.from_dir(tiny_model_dir)
-    eos = tok.eos_token_ids[0]
-    ids = tok.encode('{"name": "ab", "n": 12}', add_special_tokens=False)
-    spec = ("json", json.dumps(SCHEMA))
-
-    def same(state):
-        assert state.terminated == state._m.is_terminated()
-        return state.terminated
-
-    state, other = grammars.matcher(spec), grammars.matcher(spec)
-    for t in ids:
-        step_masks([(state, t, None), (other, t, None)], None)  # one batch of walks
-        assert not same(state) and not same(other)
-        assert state.accept(t) and other.accept(t)
-    state.masks_along([eos], 2)  # walks the stop token, rolls it back
-    assert not same(state)
-    assert other.accept(eos) and same(other)  # not walked first
-    state.walk(eos)
-    assert same(state)
-    # another token than the one walked: the walk is rolled back, then that token refused
-    assert not state.accept(ids[0])
-    assert state.terminated and state.failed and not state._m.is_terminated()

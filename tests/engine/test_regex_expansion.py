@@ -1,6 +1,6 @@
 """`pd.engine.regex_expansion`: the rewritten regex matches the same strings (Python's `re` on
 every short string over the regex's letters), and what the parser does not follow is left as it
-is. That xgrammar allows the same tokens under both is `tests/engine/test_grammar.py`'s."""
+is. That xgrammar allows the same tokens under both is `tests/engine/test_grammar_state.py`'s."""
 
 from __future__ import annotations
 
