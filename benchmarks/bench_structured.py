@@ -14,9 +14,9 @@ refused ("taken back": the refusals per 1000 tokens; the masked steps after a re
 plain steps and sample those rows again under their masks late, "late" per 1000 tokens), below
 that they are masked; the `-masked` rows (PD_CHECKED_GRAMMAR=0) fill each mask on the host per
 request per step for the sampler, the overlap loop waiting for each step's tokens before the
-next mask (its forward runs meanwhile). The table shows the cost beside the plain rate, and the
-wall time per step with the decode loop's host time per step by phase. The rows run in turn,
-`--repeats` rounds (a host whose speed drifts slows every row of a round alike): each row's
+next mask (its forward runs meanwhile). The table shows the decode loop's steps (a refusal
+costs its request one), the cost beside the plain rate, and the wall time per step with the
+decode loop's host time per step by phase. The rows run in turn, `--repeats` rounds (a host whose speed drifts slows every row of a round alike): each row's
 fastest run counts, and "per round" lists each round's ratio to the first row. Timings only,
 no assertions.
 """
@@ -74,7 +74,8 @@ def main() -> None:
           f"up to {args.max_tokens} tokens, best of {args.repeats} rounds of the grammars in turn")
     # the decode loop's host time per step by phase (`pd.engine.loop_stats.HostTimes`), in us
     host = llm.engine.loop.times
-    print(f"{'batch':>5} {'grammar':>12} {'tokens':>7} {'seconds':>8} {'tok/s':>9} {'vs none':>8} "
+    print(f"{'batch':>5} {'grammar':>12} {'tokens':>7} {'steps':>5} {'seconds':>8} {'tok/s':>9} "
+          f"{'vs none':>8} "
           f"{'us/step':>7} " + " ".join(f"{k:>8}" for k in PHASES)
           + f" {'back/1k':>7} {'late/1k':>7}  per round")
     for batch in args.batch:
@@ -91,12 +92,12 @@ def main() -> None:
                 runs[name].append(one_run(llm, batch_prompts, name, args.max_tokens, host))
         base = None
         for name in args.grammars:
-            tokens, secs, phases, back, late = max(runs[name], key=lambda r: r[0] / r[1])
+            tokens, secs, phases, back, late, steps = max(runs[name], key=lambda r: r[0] / r[1])
             tps = tokens / secs
             base = base or tps
             rounds = [(r[0] / r[1]) / (b[0] / b[1])
                       for r, b in zip(runs[name], runs[args.grammars[0]])]
-            print(f"{batch:>5} {name:>12} {tokens:>7} {secs:>8.3f} {tps:>9.0f} "
+            print(f"{batch:>5} {name:>12} {tokens:>7} {steps:>5} {secs:>8.3f} {tps:>9.0f} "
                   f"{tps / base:>7.2f}x {secs / args.max_tokens * 1e6:>7.0f} "
                   + " ".join(f"{phases[k]:>8.0f}" for k in PHASES)
                   + f" {back:>7.1f} {late:>7.1f}  " + " ".join(f"{x:.2f}" for x in rounds))
@@ -104,20 +105,21 @@ def main() -> None:
 
 def one_run(llm, prompts: list[str], name: str, max_tokens: int, host) -> tuple:
     """One generate of the grammar's requests: (tokens, seconds, host us per step by phase,
-    refusals and late rows per 1000 tokens)."""
+    refusals and late rows per 1000 tokens, the decode loop's steps)."""
     # NOTE: min_tokens keeps every request going as long (a grammar may let EOS in early)
     os.environ["PD_CHECKED_GRAMMAR"] = "0" if name.endswith("-masked") else "1"
     params = SamplingParams(max_tokens=max_tokens, min_tokens=max_tokens, temperature=0.0,
                             structured_output=SPECS[name])
     loop = llm.engine.loop
     before, back, late = dict(host.total), loop.num_taken_back, loop.num_resampled
+    steps = loop.num_steps
     start = time.perf_counter()
     outs = llm.generate(prompts, params)
     secs = time.perf_counter() - start
     tokens = sum(len(o.token_ids) for o in outs)
     phases = {k: (host.total[k] - before[k]) / max_tokens * 1e6 for k in PHASES}
     return (tokens, secs, phases, (loop.num_taken_back - back) / tokens * 1000,
-            (loop.num_resampled - late) / tokens * 1000)
+            (loop.num_resampled - late) / tokens * 1000, loop.num_steps - steps)
 
 
 if __name__ == "__main__":

@@ -97,6 +97,7 @@ class DecodeLoop(SpecSteps, GrammarSteps):
         self.gaps = StepGaps()
         self.busy: deque[float] = deque(maxlen=4096)  # device time of each step, for benchmarks
         self.on_gap, self.on_busy = on_gap, on_busy
+        self.num_steps = 0  # steps processed
         self.num_syncs = 0  # overlap steps that had to wait for the previous one first
         self.num_ahead = 0  # steps launched while the previous one was still unprocessed
         self.num_deferred = 0  # of those, steps whose sampler waited for the previous one's tokens
@@ -252,6 +253,7 @@ class DecodeLoop(SpecSteps, GrammarSteps):
 
     def record_busy(self, seconds: float) -> None:
         """A processed step's device time (`busy`, and the node's metric where it gave one)."""
+        self.num_steps += 1
         self.busy.append(seconds)
         if self.on_busy is not None:
             self.on_busy(seconds)

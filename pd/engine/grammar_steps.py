@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from kernels.masked_argmax import BANS, ITEM
+from pd.engine.checked_grammar import narrow_masks
 from pd.engine.grammar import step_masks
 from pd.engine.request import Req
 from pd.engine.sampler import banned_token_ids
@@ -149,7 +150,8 @@ class GrammarSteps:
         """Step cur's late rows (`grammar_modes`), whose masks `fill_masks` filled in `work` (a
         `LateWork`), taken again from cur's logits under them, and the rows of cur whose input
         the step before (`last`) sampled and its grammar refused (`fixes`, `take_back`) from
-        last's logits; less the tokens min_tokens bans there (greedy rows: `Engine.bind_grammar`
+        last's logits (a late row whose mask was narrow stays masked: `masked_narrow`); less
+        the tokens min_tokens bans there (greedy rows: `Engine.bind_grammar`
         checks no other), which the rows of work carry (more than `BANS` cleared from the mask
         here). Their tokens replace the ones cur sampled without, before any later step reads
         them (`executor.resample`). Called once for each step launched late, whatever is left
@@ -157,6 +159,12 @@ class GrammarSteps:
         members, valid, mask_rows = cur.members, cur.rows, work.mask_rows
         late = [j for j in (members.get(req, -1) for req in cur.late) if j >= 0 and valid[j] >= 0]
         fixes = [(i, j) for i, j in cur.fixes if valid[j] >= 0]
+        if late and mask_rows:
+            narrow = narrow_masks(work.masks[:len(mask_rows)].numpy())
+            for j in late:
+                m = mask_rows.get(j)
+                if m is not None and narrow[m]:
+                    cur.batch.reqs[valid[j]].grammar.checked.masked_narrow()
         items = []
         for j, src in zip(late + [j for _, j in fixes], late + [-i - 1 for i, _ in fixes]):
             m = mask_rows.get(j)

@@ -112,3 +112,36 @@ def test_checked_sampling_masks_after_refusals_and_gives_up_on_an_empty_mask():
     assert not c.launch(True, late=True) and not state.masks_late  # checked again
     state.walk(0)  # refused again at that position: the masked step's token too
     assert state.failed and state.terminated and not c.refused and c.taken_back == 6
+
+
+def test_a_narrow_late_mask_keeps_the_row_masked():
+    """A masked run goes on while the row's late masks are narrow (tokens in under NARROW of
+    their pairs of words, every WIDTH_STRIDE-th pair counted: `narrow_masks`) and ends at the
+    first wide one."""
+    import numpy as np
+
+    from pd.engine.checked_grammar import CheckedSampling, narrow_masks
+
+    stride, words = CheckedSampling.WIDTH_STRIDE, 4008  # 128,256 tokens
+    masks = np.zeros((4, words), dtype=np.int32)
+    masks[0] = -1  # inside a string: nearly everything
+    masks[1, :40] = 0x10  # punctuation: a few hundred tokens
+    counted = np.arange(0, words, 2 * stride)  # the first word of each pair counted
+    masks[2, counted[:len(counted) // 2 + 1] + 1] = 1  # just over half the pairs counted
+    masks[3, counted[:len(counted) // 2 - 1]] = -1  # just under
+    assert narrow_masks(masks).tolist() == [False, True, False, True]
+    assert narrow_masks(masks[:0]).shape == (0,)
+    odd = np.full((2, 1571), -1, dtype=np.int32)  # 50,257 tokens: an odd count of words
+    odd[1, :-1] = 0
+    assert narrow_masks(odd).tolist() == [False, True]
+
+    c = CheckedSampling()
+    assert not c.launch(True, late=True) and not c.masked  # never refused: checked
+    c.take_back()
+    run = CheckedSampling.FIRST_MASKED
+    for _ in range(run):
+        assert not c.launch(True, late=True) and c.late
+    for _ in range(3):  # narrow masks seen: one more masked step each
+        c.masked_narrow()
+        assert not c.launch(True, late=True) and c.late
+    assert not c.launch(True, late=True) and not c.late and not c.masked  # a wide one: checked
