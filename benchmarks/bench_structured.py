@@ -4,9 +4,10 @@ unless `--synthetic-1b`: the Llama-3.2-1B shape with random bf16 weights and a t
 128,256 trained tokens, as Llama 3's: `pd.testing.tiny.full_vocab_tokenizer`; the embedded
 tokenizer padded to that many ids made each grammar walk cost 20 us instead of 1).
 
-    python benchmarks/bench_structured.py [--device cuda] [--synthetic-1b] [--batch 1 32]
-                                          [--max-tokens 128] [--repeats 3]
+    python benchmarks/bench_structured.py [--device cuda] [--synthetic-1b [--layers N]]
+                                          [--batch 1 32] [--max-tokens 128] [--repeats 3]
                                           [--grammars none regex json json-masked]
+                                          [--overlap auto|on|off] [--narrow 0.5]
 
 Where a step has 16 or more of them, greedy rows check each token against the grammar after
 sampling (the step runs as a plain one) and sample under the mask only where a token was
@@ -32,6 +33,7 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "gpu"))
 
+from pd.engine.checked_grammar import CheckedSampling  # noqa: E402
 from pd.engine.llm import LLM  # noqa: E402
 from pd.wire.sampling_params import SamplingParams  # noqa: E402
 
@@ -59,16 +61,29 @@ def main() -> None:
                    help="rounds of the rows in turn; each row's fastest run counts")
     p.add_argument("--grammars", nargs="+", choices=list(SPECS), default=list(SPECS),
                    help="which rows to run (the ratio is to the first one run)")
+    p.add_argument("--layers", type=int, default=None,
+                   help="with --synthetic-1b: this many layers instead of 16 (a CPU run's "
+                        "steps and refusals in less time)")
+    p.add_argument("--overlap", choices=("auto", "on", "off"), default="auto",
+                   help="the overlap loop (auto: on CUDA only); on the CPU `on` samples masked "
+                        "rows late as the GPU does")
+    p.add_argument("--narrow", type=float, default=CheckedSampling.NARROW,
+                   help="a late mask allowing tokens in under this share of the vocabulary's "
+                        "64-token stretches keeps its row masked (`CheckedSampling.NARROW`; "
+                        "0: never)")
     args = p.parse_args()
+    CheckedSampling.NARROW = args.narrow
     model = None
     if args.synthetic_1b:
         from bench_decode import LLAMA_1B
 
         from pd.testing.tiny import write_tiny_checkpoint
 
+        shape = dict(LLAMA_1B, num_layers=args.layers or LLAMA_1B["num_layers"])
         model = write_tiny_checkpoint(tempfile.mkdtemp(prefix="pd-1b-"), "llama", mtp=False,
-                                      dtype="bfloat16", full_vocab=True, **LLAMA_1B)
-    llm = LLM(model, device=args.device, num_blocks=4096)
+                                      dtype="bfloat16", full_vocab=True, **shape)
+    overlap = {"auto": None, "on": True, "off": False}[args.overlap]
+    llm = LLM(model, device=args.device, num_blocks=4096, overlap=overlap)
     prompts = ["def fibonacci(n):", "# a JSON object:\n", "class Stack:", "import os\n"]
     print(f"device {args.device}, {'1B shape' if args.synthetic_1b else 'embedded model'}, greedy, "
           f"up to {args.max_tokens} tokens, best of {args.repeats} rounds of the grammars in turn")

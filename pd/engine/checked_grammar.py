@@ -39,16 +39,15 @@ class CheckedSampling:
     tokens for a while (the keys and punctuation between a JSON object's values), so the first
     run covers a few: on the H100's 1B shape with random weights (JSON, batch 32, 128 tokens)
     a first run of 4 took 120 refusals and 134 steps against 168 and 136 for a run of 1, with
-    as many rows sampled masked (~2150). And a run goes on while the row's late masks are
-    narrow (`masked_narrow`, `narrow_masks`: tokens in under half the vocabulary), ending at
-    the first wide one: the same shape on the CPU (float32, the same benchmark) took 40
-    refusals and 131 steps against 120 and 135 without it (129 with no grammar), ~2100 rows
-    sampled masked either way; a model that follows its grammar is refused rarely and never
-    gets there. A masked step of a checking loop launched ahead of
-    its inputs' tokens samples the row late (`late`): the step runs as a plain one, and once
-    the host has walked the token before, the row is sampled again from the step's kept
-    logits under its mask (`GrammarSteps.resample_late`), so the other rows never wait for
-    it."""
+    as many rows sampled masked (~2150). And a run goes on while the row's late masks are narrow
+    (`masked_narrow`, `narrow_masks`: tokens in under half of the vocabulary's 64-token
+    stretches: sparse), ending at the first wide one: the same shape on the CPU (float32, the
+    same benchmark) took 40 refusals and 130 steps against 120 and 134 without it (128 with no
+    grammar), 2136 rows sampled masked either way; a model that follows its grammar is refused
+    rarely and never gets there. A masked step of a checking loop launched ahead of its inputs'
+    tokens samples the row late (`late`): the step runs as a plain one, and once the host has
+    walked the token before, the row is sampled again from the step's kept logits under its mask
+    (`GrammarSteps.resample_late`), so the other rows never wait for it."""
 
     FIRST_MASKED = 4
     MAX_MASKED = 32

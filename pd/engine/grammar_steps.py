@@ -151,11 +151,11 @@ class GrammarSteps:
         `LateWork`), taken again from cur's logits under them, and the rows of cur whose input
         the step before (`last`) sampled and its grammar refused (`fixes`, `take_back`) from
         last's logits (a late row whose mask was narrow stays masked: `masked_narrow`); less
-        the tokens min_tokens bans there (greedy rows: `Engine.bind_grammar`
-        checks no other), which the rows of work carry (more than `BANS` cleared from the mask
-        here). Their tokens replace the ones cur sampled without, before any later step reads
-        them (`executor.resample`). Called once for each step launched late, whatever is left
-        of its rows (a row whose request ended stays as it was: its slot is discarded)."""
+        the tokens min_tokens bans there (greedy rows: `Engine.bind_grammar` checks no other),
+        which the rows of work carry (more than `BANS` cleared from the mask here). Their
+        tokens replace the ones cur sampled without, before any later step reads them
+        (`executor.resample`). Called once for each step launched late, whatever is left of its
+        rows (a row whose request ended stays as it was: its slot is discarded)."""
         members, valid, mask_rows = cur.members, cur.rows, work.mask_rows
         late = [j for j in (members.get(req, -1) for req in cur.late) if j >= 0 and valid[j] >= 0]
         fixes = [(i, j) for i, j in cur.fixes if valid[j] >= 0]
