@@ -23,7 +23,7 @@ import logging
 import numpy as np
 import torch
 
-from kernels.block_copy import launch_copy
+from pd_kernels.block_copy import launch_copy
 
 from .errors import TransportError
 from .kv import copy_stream, dtype_name, ids_on_device

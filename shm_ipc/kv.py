@@ -8,7 +8,7 @@ gathers into ring memory (or a fresh tensor for ZMQ); the receiver copies a reco
 into `kv[l0:l1, :, dst_block_ids[b0:b1]]`. On CUDA, with a page-locked record, each way is DMA
 alone where the chunk's blocks form few runs of consecutive ids (`dma_plan`): one 2-D copy per
 run between the cache and the record (a row per layer and K/V), on a side stream, with no
-kernel and no staging. Otherwise each way is one block-copy kernel (`kernels.block_copy`)
+kernel and no staging. Otherwise each way is one block-copy kernel (`pd_kernels.block_copy`)
 between the cache and a device staging buffer, and one DMA copy between that buffer and the
 record: the DMAs on one side stream, the kernels on another, and `STAGING_SLOTS` staging buffers
 used in turn, so one record's kernel overlaps another's DMA.
@@ -30,7 +30,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from kernels.block_copy import compile_kernel, copy_blocks
+from pd_kernels.block_copy import compile_kernel, copy_blocks
 from pd.engine.host_ring import to_device
 
 from .records import DTYPE_CODES, KVRecord
@@ -116,7 +116,7 @@ def dma_plan(kv: torch.Tensor, l0: int, l1: int, block_ids) -> list[Copy2D] | No
 
 def _dma(plan: list[Copy2D], kv: torch.Tensor, chunk: torch.Tensor, to_chunk: bool) -> None:
     """Run `plan` between the CUDA cache and a page-locked chunk on torch's current stream."""
-    from kernels.launch import _cupy  # noqa: PLC0415
+    from pd_kernels.launch import _cupy  # noqa: PLC0415
 
     runtime = _cupy().cuda.runtime
     stream = torch.cuda.current_stream(kv.device).cuda_stream

@@ -1,10 +1,11 @@
 """The house's structure, checked: imports run one way between layers (wire <- model <- engine <-
-service <- nodes <- cli), no two files of the project import each other in a cycle, and the
-router never imports torch.
+service <- nodes <- cli), no two files of the project import each other in a cycle, the
+router never imports torch, and no installed distribution other than pd ships a top-level
+package of one of pd's names.
 
 Layers, lowest first (a file may import its own layer and those below):
   0 wire     pd.config, pd.wire, pd.text            torch-free types every process shares
-  1 model    pd.model, kernels, pd.testing          the network, its kernels, test checkpoints
+  1 model    pd.model, pd_kernels, pd.testing       the network, its kernels, test checkpoints
   2 engine   pd.engine, pd.spec                     running the model over requests
   3 service  pd.service, shm_ipc                    node process parts, the KV transport
   4 nodes    prefill_node, decode_node, router      the services
@@ -20,10 +21,10 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("pd", "prefill_node", "decode_node", "router", "shm_ipc", "kernels")
+PACKAGES = ("pd", "prefill_node", "decode_node", "router", "shm_ipc", "pd_kernels")
 LAYERS = [
     ("wire", ("pd.config", "pd.wire", "pd.text")),
-    ("model", ("pd.model", "kernels", "pd.testing")),
+    ("model", ("pd.model", "pd_kernels", "pd.testing")),
     ("engine", ("pd.engine", "pd.spec")),
     ("service", ("pd.service", "shm_ipc")),
     ("nodes", ("prefill_node", "decode_node", "router")),
@@ -141,3 +142,15 @@ def test_the_layer_table_covers_every_package():
     for module in project_modules():
         if module != "pd" and not module.endswith("__main__"):
             assert layer_of(module) is not None, module
+
+
+def test_no_installed_distribution_shares_a_package_name():
+    """A top-level package of pd's named like one another distribution installs is shadowed by
+    it or shadows it: transformers 5.25 pulled in Hugging Face's `kernels`, and the folder of
+    this project's kernels, then called `kernels`, made `import transformers`' model code fail
+    (and a pip install of both would have written one over the other)."""
+    from importlib.metadata import packages_distributions
+
+    shipped = packages_distributions()
+    others = {name: sorted(set(shipped.get(name, ())) - {"pd"}) for name in PACKAGES}
+    assert not any(others.values()), others

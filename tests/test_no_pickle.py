@@ -11,7 +11,7 @@ import tokenize
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("pd", "router", "prefill_node", "decode_node", "shm_ipc", "kernels", "tools",
+PACKAGES = ("pd", "router", "prefill_node", "decode_node", "shm_ipc", "pd_kernels", "tools",
             "benchmarks")
 BANNED = re.compile(r"pickle|marshal|shelve|_pyobj|^dill$|^joblib$", re.IGNORECASE)
 

@@ -1,5 +1,5 @@
 """On a CUDA machine: decode attention over the paged cache, the Triton kernel
-(`kernels.paged_decode`) against the engine's torch path (gather + SDPA, `PD_ATTENTION=torch`),
+(`pd_kernels.paged_decode`) against the engine's torch path (gather + SDPA, `PD_ATTENTION=torch`),
 for one layer of a Llama-3.2-1B shape (32 query heads, 8 KV heads, head dim 64, bf16, 16-token
 blocks), with achieved GB/s (KV bytes read / time) beside the device-to-device copy bandwidth.
 Each path is captured in a CUDA graph and its replays are timed, as the engine runs it (the host
@@ -19,7 +19,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_decode import copy_bandwidth, graph_time  # noqa: E402
 
-from kernels.paged_decode import paged_decode  # noqa: E402
+from pd_kernels.paged_decode import paged_decode  # noqa: E402
 from pd.model.attention import paged_attention  # noqa: E402
 from pd.model.context import build_context, forward_context  # noqa: E402
 

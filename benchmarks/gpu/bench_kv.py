@@ -43,7 +43,7 @@ import zmq
 from shm_ipc import records
 from shm_ipc.doorbell import Doorbell, DoorbellWaiter
 from shm_ipc.header import Flag, pack
-from kernels.block_copy import copy_blocks
+from pd_kernels.block_copy import copy_blocks
 from shm_ipc.kv import (DMA_ENV, dtype_name, gather_pipelined, install_kv, installed, plan_chunks,
                         prepare, unit_bytes)
 from shm_ipc.records import KV_DATA_OFFSET

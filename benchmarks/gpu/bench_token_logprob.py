@@ -1,4 +1,4 @@
-"""`kernels.token_logprob` timed on a CUDA device: rows of a 128k vocabulary (Llama-3's) in
+"""`pd_kernels.token_logprob` timed on a CUDA device: rows of a 128k vocabulary (Llama-3's) in
 bf16, 20 calls captured in one CUDA graph, the median replay over 20, per call in us: the cost
 a step's top_logprobs 0 columns add (an MTP step at batch b has b * (k + 1) rows). Then an MTP
 step's whole top_logprobs 0 tail (`pd.spec.step_graphs.StepGraphs._with_lp0`: its result [S, 3k + 4]
@@ -21,7 +21,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 from bench_decode import graph_time  # noqa: E402
 
-from kernels.token_logprob import split, token_logprob  # noqa: E402
+from pd_kernels.token_logprob import split, token_logprob  # noqa: E402
 
 
 def per_call_us(rows: int, vocab: int, calls: int = 20) -> float:

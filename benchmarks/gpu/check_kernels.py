@@ -13,10 +13,10 @@ import sys
 
 import torch
 
-from kernels import draft_preprocess, update_status, verify_accept
-from kernels.accept_step import accept_step
-from kernels.advance_inputs import advance_inputs
-from kernels.testing import (accept_step_inputs, advance_inputs_inputs, preprocess_inputs,
+from pd_kernels import draft_preprocess, update_status, verify_accept
+from pd_kernels.accept_step import accept_step
+from pd_kernels.advance_inputs import advance_inputs
+from pd_kernels.testing import (accept_step_inputs, advance_inputs_inputs, preprocess_inputs,
                              status_inputs, verify_inputs)
 
 KS = (1, 2, 3, 4)

@@ -27,7 +27,7 @@ import logging
 
 import torch
 
-from kernels.argmax import argmax
+from pd_kernels.argmax import argmax
 from pd.engine.decode_inputs import DecodeInputs, DecodeLayout, fill_decode_inputs
 from pd.engine.graph import Graph, capture
 from pd.engine.host_ring import HostRing, copy_async

@@ -1,13 +1,13 @@
 """Structured output's masks in the sampler (`apply_grammar`): each grammar row's bitmask
 (`SamplingRow.allowed`, int32 words on the host, `pd.engine.grammar`) copied to the device in
 one go, straight from the page-locked buffer the decode loop filled where it can, and applied
-by one kernel (`kernels.token_mask`), without a host wait."""
+by one kernel (`pd_kernels.token_mask`), without a host wait."""
 
 from __future__ import annotations
 
 import torch
 
-from kernels.token_mask import apply_token_mask
+from pd_kernels.token_mask import apply_token_mask
 from pd.engine.host_ring import list_to_device, to_device
 
 
@@ -55,7 +55,7 @@ def apply_grammar(x: torch.Tensor, rows: list) -> None:
     `pd.engine.sampler.SamplingRow`: their `allowed`), in place on logits [B, V]; tokens past
     the mask's words are not allowed. One copy of the masks to the device (straight from their
     page-locked buffer when they are its consecutive rows) and one kernel
-    (`kernels.token_mask`), no wait."""
+    (`pd_kernels.token_mask`), no wait."""
     masked = [i for i, r in enumerate(rows) if r.allowed is not None]
     if not masked:
         return

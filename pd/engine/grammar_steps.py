@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from kernels.masked_argmax import BANS, ITEM
+from pd_kernels.masked_argmax import BANS, ITEM
 from pd.engine.checked_grammar import narrow_masks
 from pd.engine.grammar import step_masks
 from pd.engine.request import Req
@@ -26,7 +26,7 @@ CHECK_FROM_ROWS = 16
 class LateWork:
     """A late step's sampling again (`GrammarSteps.resample_late`) in one buffer [header + rows,
     ceil(V / 32)] int32 (`ModelRunner.late_work`'s), copied to the device at once: its rows of
-    work (`kernels.masked_argmax.items`: out row, logits row, mask row, banned ids) in the
+    work (`pd_kernels.masked_argmax.items`: out row, logits row, mask row, banned ids) in the
     first `header` rows, then the masks of the rows sampled again alone, in the order their
     fills were asked for (`mask_rows`: row of the step -> row of `masks`); a step's other rows'
     masks are neither filled nor copied."""

@@ -22,7 +22,7 @@ from typing import NamedTuple
 
 import torch
 
-from kernels.token_logprob import token_logprob
+from pd_kernels.token_logprob import token_logprob
 
 MAX_PACKED_VOCAB = 1 << 24  # ids and ranks travel as float32 (`pack_logprobs`): exact below this
 
@@ -92,7 +92,7 @@ def pack_logprobs(lp: Logprobs) -> torch.Tensor:
 
 
 def packed_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, num_top: int) -> torch.Tensor:
-    """`compute_logprobs` packed (`pack_logprobs`); with no top columns `kernels.token_logprob`,
+    """`compute_logprobs` packed (`pack_logprobs`); with no top columns `pd_kernels.token_logprob`,
     one kernel and no [B, V] temporaries."""
     if num_top == 0:
         return token_logprob(logits, token_ids)

@@ -23,7 +23,7 @@ from typing import NamedTuple
 
 import torch
 
-from kernels.masked_argmax import ITEM, masked_argmax
+from pd_kernels.masked_argmax import ITEM, masked_argmax
 from pd.config import EngineConfig, ModelConfig, dtype_name
 from pd.model import parallel
 from pd.model.context import ForwardContext, forward_context
@@ -285,7 +285,7 @@ class ModelRunner(StepInputs):
                  prev: torch.Tensor | None, next_tokens: torch.Tensor,
                  tokens_cpu: torch.Tensor) -> None:
         """Greedy rows of a step `execute` ran taken again under their masks, in place in its
-        `next_tokens` (`kernels.masked_argmax`, one launch), and the step's tokens copied to
+        `next_tokens` (`pd_kernels.masked_argmax`, one launch), and the step's tokens copied to
         the host again: the first `num` rows of work of `work` (filled since: rows of the
         logits `execute` kept of this step, `logits`, or of the step before, `prev`), with the
         masks there, copied to the device in one copy. Never waits."""

@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kernels.argmax import argmax
+from pd_kernels.argmax import argmax
 from pd.engine.decode_inputs import GRAPH_BANS
 from pd.engine.grammar_masks import apply_grammar
 from pd.engine.host_ring import list_to_device

@@ -16,7 +16,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from kernels.masked_argmax import ITEM
+from pd_kernels.masked_argmax import ITEM
 from pd.engine.decode_inputs import DecodeLayout, write_bans
 from pd.engine.grammar import fill_masks
 from pd.engine.grammar_steps import LateWork

@@ -1,11 +1,11 @@
 """Paged attention in plain torch: correct on CPU and CUDA, for mixed batches of prefill chunks
 and decode tokens.
 
-The step's K/V are already in the paged cache (`kernels.rope_cache`, called by
+The step's K/V are already in the paged cache (`pd_kernels.rope_cache`, called by
 `rope_cache_attention` before it; in a plain decode step on CUDA both are one kernel); each
 call gathers every sequence's keys through its block table into a padded batch and
 runs one masked `scaled_dot_product_attention` over it. On CUDA, decode steps (one query per sequence) run
-`kernels.paged_decode` instead, a Triton kernel that reads the blocks in place (`PD_ATTENTION=torch`
+`pd_kernels.paged_decode` instead, a Triton kernel that reads the blocks in place (`PD_ATTENTION=torch`
 keeps the torch path); prefill chunks on CUDA in 16 bits run one variable-length flash
 attention call over the batch (`prefill_varlen`), in float32 (no flash) up to 8 sequences run
 one SDPA per sequence, causal from the lower right (`prefill_per_sequence`); a
@@ -20,8 +20,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels.paged_decode import can_use_kernel, paged_decode
-from kernels.rope_cache import rope_and_cache
+from pd_kernels.paged_decode import can_use_kernel, paged_decode
+from pd_kernels.rope_cache import rope_and_cache
 from pd.model.context import get_context
 
 

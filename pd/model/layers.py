@@ -13,16 +13,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.activation import silu_and_mul
-from kernels.rms_norm import rms_norm
-from kernels.skinny_linear import norm_linear, skinny_linear
+from pd_kernels.activation import silu_and_mul
+from pd_kernels.rms_norm import rms_norm
+from pd_kernels.skinny_linear import norm_linear, skinny_linear
 from pd.model import parallel
 from pd.model.context import get_context
 
 
 class Linear(nn.Linear):
     """nn.Linear (same parameters and names) whose product goes through
-    `kernels.skinny_linear`: its kernel for a decode step's few rows where it measured faster
+    `pd_kernels.skinny_linear`: its kernel for a decode step's few rows where it measured faster
     than cuBLAS, `F.linear` everywhere else."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -43,9 +43,9 @@ class RowLinear(Linear):
 
 class RMSNorm(nn.Module):
     """`forward(x)` -> normed x; `forward(x, residual)` -> (normed x + residual, x + residual),
-    the residual add fused into the norm (`kernels.rms_norm`, a Triton kernel on CUDA);
+    the residual add fused into the norm (`pd_kernels.rms_norm`, a Triton kernel on CUDA);
     `into(linear weight, bias, x, residual, rows)`: the norm and the product after it,
-    (product, residual stream), one kernel where `kernels.skinny_linear.norm_linear` fuses
+    (product, residual stream), one kernel where `pd_kernels.skinny_linear.norm_linear` fuses
     them."""
 
     def __init__(self, dim: int, eps: float) -> None:
@@ -125,7 +125,7 @@ class RotaryEmbedding:
     (it takes the longest sequence of the batch). A plain object, not a module: its float32
     `inv_freq` must not follow the model's dtype. The cos/sin tables (`tables`) are computed
     once per forward (every layer sees the same positions tensor); applying them, fused with the
-    KV-cache write, is `kernels.rope_cache`'s (in a plain decode step on CUDA, the attention
+    KV-cache write, is `pd_kernels.rope_cache`'s (in a plain decode step on CUDA, the attention
     kernel's: `pd.model.attention.rope_cache_attention`).
     """
 

@@ -24,8 +24,8 @@ from contextlib import nullcontext
 import torch
 from torch import nn
 
-from kernels.rms_norm import rms_norm
-from kernels.skinny_linear import skinny_linear
+from pd_kernels.rms_norm import rms_norm
+from pd_kernels.skinny_linear import skinny_linear
 from pd.config import ModelConfig
 from pd.model.attention import rope_cache_attention
 from pd.model import parallel

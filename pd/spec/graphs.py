@@ -5,24 +5,24 @@ query rows b * (k + 1) .. b * (k + 1) + k, its newest token then its n <= k draf
 past n are padding (token 0 at position 0, written to the cache's spare block). Every row is
 run as its own one-query sequence over its slot's block table with KV length position + 1, so
 the verify forward is a plain decode forward of S * (k + 1) rows: the same layers and the same
-attention kernel as a plain decode step (`kernels.paged_decode`), and no mask.
+attention kernel as a plain decode step (`pd_kernels.paged_decode`), and no mask.
 
 Graphs per (padded slot count, padded block-table width; no narrower than MIN_WIDTH_TOKENS),
 sharing the decode graphs' memory pool:
 - verify: target forward, logits of every row (in the model's dtype: the argmax and the token
   logprobs read them as they are, a sampler widens them), the greedy target (argmax) of every row;
 - draft: acceptance, stops inside the accepted run and the MTP layer's inputs in one kernel
-  (`kernels.accept_step`), the layer's pass over the step's rows and the k - 1 chained
+  (`pd_kernels.accept_step`), the layer's pass over the step's rows and the k - 1 chained
   single-token passes, each with the LM head at the slots' drafting rows and its argmax
   (`CausalLM.mtp_logits`), and one packed int64 result [S, 2k + 4] (accepted ids, kept count,
   verified count, stop flag, drafts; every part written in place) that the host copies back
   in one transfer;
 - advance: the next step's inputs from that result, on the device, for a step launched before
-  the host has read this one (`kernels.advance_inputs`, one kernel; the overlap loop);
+  the host has read this one (`pd_kernels.advance_inputs`, one kernel; the overlap loop);
 - chain: advance, verify and draft in one graph, for such a step when no logprobs are asked;
 - logprobs: the raw logprobs of every row's accepted token, one graph per top-k width; with
   top_logprobs 0 a second draft graph instead, the draft chain followed by each row's token
-  logprob and rank (`kernels.token_logprob`) packed after the result, so one replay and one host
+  logprob and rank (`pd_kernels.token_logprob`) packed after the result, so one replay and one host
   copy carry both.
 Greedy rows without logit processing need nothing between the two replays. Other rows
 (sampling, penalties, min_tokens) overwrite the target ids, the target's draft probabilities
@@ -43,11 +43,11 @@ import logging
 import numpy as np
 import torch
 
-from kernels import update_status, verify_accept
-from kernels.accept_step import accept_step
-from kernels.advance_inputs import INPUTS as ADVANCED, advance_inputs
-from kernels.argmax import argmax
-from kernels.launch import use_kernels
+from pd_kernels import update_status, verify_accept
+from pd_kernels.accept_step import accept_step
+from pd_kernels.advance_inputs import INPUTS as ADVANCED, advance_inputs
+from pd_kernels.argmax import argmax
+from pd_kernels.launch import use_kernels
 from pd.engine.cuda_graph import BATCH_SIZES, round_up
 from pd.model.context import ForwardContext, forward_context
 from pd.spec.step_graphs import StepGraphs, Verified
@@ -202,7 +202,7 @@ class SpecGraphs:
     def _draft(self, v: dict[str, torch.Tensor], ver: Verified, p_draft: torch.Tensor,
                uniforms: torch.Tensor, width: int) -> torch.Tensor:
         """The step's result [S, 2k + 4]: acceptance, stops and the MTP layer's inputs in one
-        kernel (`kernels.accept_step`), then the draft chain writing the drafts' columns."""
+        kernel (`pd_kernels.accept_step`), then the draft chain writing the drafts' columns."""
         k, dev = self.k, self.device
         result, mtp_ids, draft_rows, chain_pos, chain_slots = accept_step(
             v["slot_index"], v["num_drafts"], v["draft_ids"], ver.target, p_draft, uniforms,
@@ -242,7 +242,7 @@ class SpecGraphs:
         """The drafts [S, k] into `drafts` (the result's columns) from the MTP layer's output
         at each slot's drafting row, `prev` [S, H] and its `logits`: their argmax, then k - 1
         chained single-token passes, pass m at positions `chain_pos[m]` [k, S] writing the MTP
-        layer's KV at `chain_slots[m]` [k - 1, S] (`kernels.accept_step`'s layout, or
+        layer's KV at `chain_slots[m]` [k - 1, S] (`pd_kernels.accept_step`'s layout, or
         `by_pass`'); `slots`: 0 .. S - 1."""
         argmax(logits, out=drafts[:, 0])
         for m in range(self.k - 1):
@@ -255,7 +255,7 @@ class SpecGraphs:
             argmax(logits, out=drafts[:, m + 1])
 
     def by_pass(self, chain_pos: torch.Tensor, chain_slots: torch.Tensor):
-        """`kernels.draft_preprocess`' chained positions [S] and cache slots [S, k - 1] (-1:
+        """`pd_kernels.draft_preprocess`' chained positions [S] and cache slots [S, k - 1] (-1:
         none) laid out as `chain_drafts` reads them: [k, S] positions, [k - 1, S] slots (the
         spare slot for none)."""
         spare = self.dummy_block * self.block_size
@@ -264,7 +264,7 @@ class SpecGraphs:
 
     def _advance(self, v: dict[str, torch.Tensor], result: torch.Tensor) -> None:
         """Step N + 1's device-dependent inputs from step N's `result`, for the same slots, in
-        one kernel (`kernels.advance_inputs`): each live slot moves past the tokens it kept, its
+        one kernel (`pd_kernels.advance_inputs`): each live slot moves past the tokens it kept, its
         newest token and its drafts (as many as its length budget leaves, as the scheduler cuts
         them) become the next rows; a slot that stopped in N, or was invalid in it, becomes
         invalid and padding. The host has already written the known part (`Layout.tail`)."""

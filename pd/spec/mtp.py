@@ -3,7 +3,7 @@ its KV cache layer is kept in step with the target's.
 
 After each target step (`pd.spec.verify`), one MTP pass runs over the step's own token layout
 (same positions, same cache slots, same attention context): the entry at position p reads the
-target's pre-norm hidden state at p and the token at p + 1 (`kernels.draft_preprocess` builds
+target's pre-norm hidden state at p and the token at p + 1 (`pd_kernels.draft_preprocess` builds
 those ids from the accepted tokens). The output at each sampled slot's last accepted position
 gives draft 1 (argmax); drafts 2..k chain: the entry at the next position reads the previous
 draft's embedding and the previous MTP output, one token per slot per pass, attending over the
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels import draft_preprocess
+from pd_kernels import draft_preprocess
 from pd.model.context import ForwardContext, forward_context
 
 

@@ -16,7 +16,7 @@ lie:
 After the target's forward: the first token of each slot (the LM head and argmax of its last
 row, as a plain prefill's greedy sampler), accepted and stop-checked by the verify step's
 kernels as a slot with no drafts (`SpecGraphs.accept`); the MTP layer's inputs
-(`kernels.draft_preprocess`), its pass over every row with the prefill graph's context, and
+(`pd_kernels.draft_preprocess`), its pass over every row with the prefill graph's context, and
 the chained passes (`SpecGraphs.chain_drafts`) over each slot's block table; one packed result
 [S, 2k + 4] in the verify step's format, followed by each first token's logprobs where asked
 (a graph per top-k width), copied to the host at once. The slots' own values (block tables,
@@ -33,10 +33,10 @@ import logging
 
 import torch
 
-from kernels import draft_preprocess
-from kernels.argmax import argmax
-from kernels.draft_preprocess import CHUNK, PREFILL
-from kernels.launch import use_kernels
+from pd_kernels import draft_preprocess
+from pd_kernels.argmax import argmax
+from pd_kernels.draft_preprocess import CHUNK, PREFILL
+from pd_kernels.launch import use_kernels
 from pd.engine.prefill_graphs import PrefillGraphs
 from pd.engine.graph import Graph, capture
 from pd.engine.host_ring import HostRing

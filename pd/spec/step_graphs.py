@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, NamedTuple
 import numpy as np
 import torch
 
-from kernels.token_logprob import token_logprob
+from pd_kernels.token_logprob import token_logprob
 from pd.engine.cuda_graph import LOGPROB_GRAPH_ELEMENTS
 from pd.engine.graph import Graph, capture
 from pd.engine.host_ring import HostRing
@@ -154,7 +154,7 @@ class StepGraphs:
         """Raw logprobs of each row's accepted token with `num_top` top columns, from the
         verified logits and the result, packed (`pack_logprobs`) [S * (k + 1), 2 + 2 num_top];
         a graph per `num_top` where the logits are small enough to keep the temporaries
-        (`LOGPROB_GRAPH_ELEMENTS`). With no top columns, `kernels.token_logprob`'s one kernel."""
+        (`LOGPROB_GRAPH_ELEMENTS`). With no top columns, `pd_kernels.token_logprob`'s one kernel."""
         def packed() -> torch.Tensor:
             accepted = self.result[:, :self.owner.k + 1].clamp(min=0).reshape(-1)
             return packed_logprobs(self.verified.logits.float(), accepted, num_top)

@@ -3,7 +3,7 @@ its draft tokens, acceptance (greedy exact match, or rejection sampling), stop d
 the accepted run, and the next drafts from a drafter strategy (`pd.spec.mtp.MTPDrafter`, or any
 object with its `propose`).
 
-A request in the step is one slot. Its kind (see `kernels.draft_preprocess`): a verify slot
+A request in the step is one slot. Its kind (see `pd_kernels.draft_preprocess`): a verify slot
 (decode; q = 1 + n rows for n drafts), a prefill slot whose chunk ends the prompt (samples one
 token: the same path with n = 0), or a chunk slot (samples nothing; the drafter still runs the
 MTP layer over it so that the MTP layer's KV keeps pace with the target's). Sampled slots are
@@ -29,9 +29,9 @@ from typing import NamedTuple
 
 import torch
 
-from kernels import update_status, verify_accept
-from kernels.draft_preprocess import CHUNK, DECODE, PREFILL
-from kernels.update_status import LENGTH, STOP
+from pd_kernels import update_status, verify_accept
+from pd_kernels.draft_preprocess import CHUNK, DECODE, PREFILL
+from pd_kernels.update_status import LENGTH, STOP
 from pd.model.context import ForwardContext, build_context
 from pd.engine.logprobs import packed_logprobs, prompt_spans, record_prompt_logprobs
 from pd.engine.request import FinishReason, Req

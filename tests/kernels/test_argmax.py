@@ -1,4 +1,4 @@
-"""`kernels.argmax`: the wrapper's checks and `out=` on CPU (the twin), the twin's banned ids
+"""`pd_kernels.argmax`: the wrapper's checks and `out=` on CPU (the twin), the twin's banned ids
 against a brute-force reference, the kernels with banned ids in triton's interpreter (CPU, CI),
 and the Triton kernels against the twin on a CUDA machine: fresh random rows with ties planted
 across chunk borders, rows of -inf, poisoned outputs, banned ids (skipped without CUDA;
@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.argmax import CHUNK, argmax
+from pd_kernels.argmax import CHUNK, argmax
 from tests.kernels.interpreter import run_interpreted
 
 CUDA = torch.cuda.is_available()
@@ -87,7 +87,7 @@ def test_twin_passes_over_banned_ids():
 def test_kernels_pass_over_banned_ids_in_the_interpreter():
     run_interpreted("""
 import torch
-from kernels.argmax import argmax
+from pd_kernels.argmax import argmax
 from tests.kernels.test_argmax import bans_for, expected_with_bans, rows_with_ties
 for rows, vocab in ((3, 70), (4, 9000)):  # one chunk (the direct kernel), then three
     x = rows_with_ties(rows, vocab, torch.float32, "cpu", vocab)

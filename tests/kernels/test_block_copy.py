@@ -1,4 +1,4 @@
-"""`kernels.block_copy.copy_blocks`: gather and scatter of KV blocks between [R, N, ...] layouts,
+"""`pd_kernels.block_copy.copy_blocks`: gather and scatter of KV blocks between [R, N, ...] layouts,
 the twin against a block-by-block reference on CPU, and the kernel against the twin on a GPU."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.block_copy import copy_blocks
+from pd_kernels.block_copy import copy_blocks
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 

@@ -1,5 +1,5 @@
-"""The decode layer's fused kernels (`kernels.rms_norm`, `kernels.rope_cache`,
-`kernels.activation`): each torch twin against an independent float64 reference (on CPU, in CI),
+"""The decode layer's fused kernels (`pd_kernels.rms_norm`, `pd_kernels.rope_cache`,
+`pd_kernels.activation`): each torch twin against an independent float64 reference (on CPU, in CI),
 and each Triton kernel against its twin on fresh random inputs, never zeros, with poisoned
 outputs and negative (invalid) cache slots (on CUDA)."""
 
@@ -9,9 +9,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels.activation import silu_and_mul, silu_and_mul_ref
-from kernels.rms_norm import rms_norm, rms_norm_ref
-from kernels.rope_cache import rope_and_cache, rope_and_cache_ref
+from pd_kernels.activation import silu_and_mul, silu_and_mul_ref
+from pd_kernels.rms_norm import rms_norm, rms_norm_ref
+from pd_kernels.rope_cache import rope_and_cache, rope_and_cache_ref
 
 CUDA = torch.cuda.is_available()
 needs_cuda = pytest.mark.skipif(not CUDA, reason="the Triton kernels need a CUDA device")

@@ -1,4 +1,4 @@
-"""`kernels.masked_argmax`: the twin gives each row of work's argmax over the tokens its bitmask
+"""`pd_kernels.masked_argmax`: the twin gives each row of work's argmax over the tokens its bitmask
 allows but its banned ids (ties to the lowest id, a partial last word, a mask narrower than the
 vocabulary, a mask that allows nothing: token 0), from its own logits' row or another's, of
 these logits or another step's (`prev`), its mask from any row of the bitmask, leaves the other
@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.masked_argmax import BANS, items, masked_argmax
+from pd_kernels.masked_argmax import BANS, items, masked_argmax
 from tests.kernels.interpreter import run_interpreted
 
 CUDA = torch.cuda.is_available()
@@ -99,7 +99,7 @@ def test_wrapper_refuses_what_does_not_fit():
 def test_kernel_equals_twin_in_the_interpreter():
     run_interpreted("""
 import torch
-from kernels.masked_argmax import items, masked_argmax
+from pd_kernels.masked_argmax import items, masked_argmax
 from tests.kernels.test_masked_argmax import bans_for, case
 for rows, vocab, width in ((3, 70, 3), (4, 4100, 120), (2, 9000, 300)):
     x, bits, idx = case(rows, vocab, width, vocab)

@@ -1,4 +1,4 @@
-"""`kernels.paged_decode`: the torch twin against the engine's reference attention (`pd.model.attention`,
+"""`pd_kernels.paged_decode`: the torch twin against the engine's reference attention (`pd.model.attention`,
 masked SDPA over gathered blocks) on CPU, and the Triton kernel against the twin on fresh random
 inputs on a CUDA machine (skipped without one; `benchmarks/gpu/run_all.sh` runs it there)."""
 from __future__ import annotations
@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from kernels.paged_decode import can_use_kernel, paged_decode, paged_decode_ref
+from pd_kernels.paged_decode import can_use_kernel, paged_decode, paged_decode_ref
 from pd.model.attention import paged_attention
 from pd.model.context import build_context, forward_context
 from tests.kernels.interpreter import run_interpreted
@@ -107,7 +107,7 @@ def test_rotary_and_cache_write_inside_equal_the_rope_kernel_first(dtype, whole)
     """The kernel that rotates q and k and writes the step's keys and values itself leaves the
     cache bit-equal to `rope_and_cache` and gives the bits of attention after it (a row with a
     negative slot writes nothing)."""
-    from kernels.rope_cache import rope_and_cache
+    from pd_kernels.rope_cache import rope_and_cache
 
     q, k_cache, v_cache, tables, lens = case(5, 40, 8, 4, 64, 16, 900, dtype, "cuda")
     k, v, cos, sin = rope_inputs(5, 40, 8, 64, dtype, "cuda")
@@ -196,7 +196,7 @@ def test_sub_tiles_equal_twin_and_stay_batch_invariant(sub_tokens, stages, warps
 INTERPRETED = """
 import torch
 from tests.kernels.test_paged_decode import case, padded
-from kernels import paged_decode as pd_
+from pd_kernels import paged_decode as pd_
 for seed, (ns, kvh, g, d, ml) in enumerate([(5, 2, 4, 32, 400), (3, 2, 3, 32, 2600), (2, 1, 1, 16, 1500)]):
     q, kc, vc, tables, lens = case(seed, ns, kvh, g, d, 16, ml, torch.float32, "cpu")
     bt = padded(tables, "cpu", width=max(map(len, tables)) + 9)
@@ -216,7 +216,7 @@ for seed, (ns, kvh, g, d, ml) in enumerate([(5, 2, 4, 32, 400), (3, 2, 3, 32, 26
 assert all(int(c.abs().sum()) == 0 for c in pd_._COUNTS.values())
 # rotary and the cache write inside: the cache and the output of the rope twin first
 from tests.kernels.test_paged_decode import rope_inputs
-from kernels.rope_cache import rope_and_cache_ref
+from pd_kernels.rope_cache import rope_and_cache_ref
 q, kc, vc, tables, lens = case(9, 5, 2, 4, 32, 16, 400, torch.float32, "cpu")
 k, v, cos, sin = rope_inputs(9, 5, 2, 32, torch.float32, "cpu")
 slots = torch.tensor([t[(n - 1) // 16] * 16 + (n - 1) % 16 for t, n in zip(tables, lens)])

@@ -1,4 +1,4 @@
-"""`kernels.skinny_linear`: the twin (with and without `out`, with a bias) against float64 on
+"""`pd_kernels.skinny_linear`: the twin (with and without `out`, with a bias) against float64 on
 CPU, where the kernel is never chosen; the kernel's logic (K split in slices, the last program
 adding them, the counters left at zero) in triton's interpreter on a machine without a GPU; the
 Triton kernel against float64 on fresh random inputs on a CUDA machine, row counts in every
@@ -12,8 +12,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.rms_norm import rms_norm
-from kernels.skinny_linear import MAX_ROWS, norm_linear, row_bucket, skinny_linear, use_skinny
+from pd_kernels.rms_norm import rms_norm
+from pd_kernels.skinny_linear import MAX_ROWS, norm_linear, row_bucket, skinny_linear, use_skinny
 from tests.kernels.interpreter import run_interpreted
 
 CUDA = torch.cuda.is_available()
@@ -66,7 +66,7 @@ def test_kernel_against_float64(m, n, k, bias, config):
 
 INTERPRETED = """
 import torch
-from kernels import skinny_linear as sk
+from pd_kernels import skinny_linear as sk
 torch.manual_seed(0)
 for m, n, k, config, bias in [(1, 96, 200, (16, 64, 1, 2, 4), True), (5, 100, 300, (32, 64, 3, 2, 4), False),
                               (20, 64, 512, (16, 32, 4, 1, 4), True), (40, 48, 130, (16, 32, 2, 1, 4), False)]:
@@ -101,8 +101,8 @@ def test_kernel_refuses_too_many_rows():
 
 PROLOGUES = """
 import torch
-from kernels import skinny_linear as sk
-from kernels.rms_norm import rms_norm_ref
+from pd_kernels import skinny_linear as sk
+from pd_kernels.rms_norm import rms_norm_ref
 torch.manual_seed(0)
 for m, n, k in [(1, 96, 200), (5, 100, 300), (20, 64, 130)]:
     w, g = torch.randn(n, k) / k ** 0.5, torch.rand(k) + 0.5

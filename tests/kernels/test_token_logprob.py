@@ -1,4 +1,4 @@
-"""`kernels.token_logprob`: the twin against `pd.engine.logprobs.compute_logprobs` (what the MTP
+"""`pd_kernels.token_logprob`: the twin against `pd.engine.logprobs.compute_logprobs` (what the MTP
 graphs packed before), the wrapper's checks on CPU, and the Triton kernel against the twin on a
 CUDA machine, with tied logits planted around the chosen token (skipped without CUDA;
 `benchmarks/gpu/run_all.sh` runs them)."""
@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.token_logprob import CHUNK, split, token_logprob
+from pd_kernels.token_logprob import CHUNK, split, token_logprob
 from tests.kernels.interpreter import run_interpreted
 from pd.engine.logprobs import compute_logprobs, pack_logprobs
 

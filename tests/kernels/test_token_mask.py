@@ -1,4 +1,4 @@
-"""`kernels.token_mask`: the twin masks exactly the tokens a bitmask refuses (a partial last
+"""`pd_kernels.token_mask`: the twin masks exactly the tokens a bitmask refuses (a partial last
 word, a mask narrower than the vocabulary, rows out of order, no row), the wrapper refuses
 what does not fit; the Triton kernel equals the twin in triton's interpreter (CPU, CI) and on
 a CUDA machine."""
@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.token_mask import apply_token_mask
+from pd_kernels.token_mask import apply_token_mask
 from tests.kernels.interpreter import run_interpreted
 
 CUDA = torch.cuda.is_available()
@@ -57,7 +57,7 @@ def test_wrapper_refuses_what_does_not_fit():
 def test_kernel_equals_twin_in_the_interpreter():
     run_interpreted("""
 import torch
-from kernels.token_mask import apply_token_mask
+from pd_kernels.token_mask import apply_token_mask
 from tests.kernels.test_token_mask import case
 for rows, vocab, width in ((3, 70, 3), (4, 4100, 120), (2, 9000, 300)):
     x, bits, idx = case(rows, vocab, width, vocab)

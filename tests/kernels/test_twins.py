@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import draft_preprocess, update_status, verify_accept
-from kernels.accept_step import accept_step
-from kernels.advance_inputs import advance_inputs
-from kernels.testing import (accept_step_inputs, advance_inputs_inputs, preprocess_inputs,
+from pd_kernels import draft_preprocess, update_status, verify_accept
+from pd_kernels.accept_step import accept_step
+from pd_kernels.advance_inputs import advance_inputs
+from pd_kernels.testing import (accept_step_inputs, advance_inputs_inputs, preprocess_inputs,
                              status_inputs, verify_inputs)
 
 CASES = [(k, b, seed) for k in (1, 2, 3, 4) for b, seed in ((1, 0), (7, 1), (64, 2))]
@@ -196,7 +196,7 @@ def test_wrappers_refuse_bad_inputs():
 def test_no_cupy_import_on_cpu():
     import sys
 
-    import kernels  # noqa: F401
+    import pd_kernels  # noqa: F401
     x = verify_inputs(3, 2, vocab=7, seed=4)
     verify_accept(**x)
     assert "cupy" not in sys.modules or torch.cuda.is_available()

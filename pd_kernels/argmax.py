@@ -18,7 +18,7 @@ import functools
 
 import torch
 
-from kernels.triton_support import triton_usable
+from pd_kernels.triton_support import triton_usable
 
 CHUNK = 4096  # columns per program of the first kernel
 

@@ -24,7 +24,7 @@ import functools
 
 import torch
 
-from kernels.triton_support import triton_usable
+from pd_kernels.triton_support import triton_usable
 
 CHUNK = 4096  # columns per pass of one program
 TARGET_PROGRAMS = 256  # programs per kernel the rows are cut for (a few per SM)

@@ -18,7 +18,7 @@ while that kernel finishes.
 
 `norm_linear` reads x through a prologue in place of the norm kernel before the product:
 RMSNorm, after the residual add, of x's rows or of gathered rows (an embedding lookup),
-rounded as `kernels.rms_norm` rounds. Every program recomputes it over whole rows (the norm's
+rounded as `pd_kernels.rms_norm` rounds. Every program recomputes it over whole rows (the norm's
 statistics span all of K), so it serves small K only (`PROLOGUE_SHAPES`).
 
 Used for 16-bit weights where `config_for` has a measured configuration (`SHAPES`, from
@@ -34,8 +34,8 @@ import os
 import torch
 import torch.nn.functional as F
 
-from kernels.rms_norm import rms_norm
-from kernels.triton_support import pdl_options, triton_usable
+from pd_kernels.rms_norm import rms_norm
+from pd_kernels.triton_support import pdl_options, triton_usable
 
 MAX_ROWS = 64  # rows of x one program multiplies at most (the largest BM)
 
@@ -51,7 +51,7 @@ def _kernel():
                NORM: tl.constexpr, HAS_RES: tl.constexpr):
         """A [BM, BK] tile of the product's input at columns `k_idx`: x's rows (`src`), after
         the prologue (the residual add, the norm with row scale `rstd`), rounded as
-        `kernels.rms_norm` rounds."""
+        `pd_kernels.rms_norm` rounds."""
         ok = rm_ok[:, None] & k_ok[None, :]
         x = tl.load(x_ptr + src[:, None] * stride_xm + k_idx[None, :], mask=ok, other=0.0)
         if HAS_RES:
@@ -63,7 +63,7 @@ def _kernel():
             x = (normed * gw[None, :]).to(x.dtype)
         return x
 
-    # NOTE: as in kernels.paged_decode: triton's interpreter runs the kernel with the module's
+    # NOTE: as in pd_kernels.paged_decode: triton's interpreter runs the kernel with the module's
     # globals alone
     globals().update(load_x=load_x)
 
@@ -88,7 +88,7 @@ def _kernel():
             k_lo = s * span
             k_hi = tl.minimum(K, k_lo + span)
         w_base = w_ptr + rn[:, None].to(tl.int64) * stride_wn
-        if PDL:  # see kernels.triton_support.pdl_options
+        if PDL:  # see pd_kernels.triton_support.pdl_options
             # the first two steps of the slice into L2, one 128-byte line per request (the
             # weights are 16-bit: 64 per line), rows and columns clamped inside the matrix
             lines = tl.minimum(k_lo + tl.arange(0, 2 * BK // 64) * 64, K - 1)
@@ -135,7 +135,7 @@ def _kernel():
         # part [SPLITS, BM, N] float32
         part = part_ptr + (rm[:, None].to(tl.int64) * N + rn[None, :])
         tl.store(part + s * BM * N, acc, mask=ok)
-        # NOTE: as in kernels.paged_decode: every thread's partial is stored (barrier) before
+        # NOTE: as in pd_kernels.paged_decode: every thread's partial is stored (barrier) before
         # the release of the count; the last program's acquire makes the others' partials
         # visible to its loads (which bypass L1). It resets the count for the next launch and
         # adds the slices in their order, whichever program is last
@@ -315,7 +315,7 @@ def norm_linear(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: 
     rows or of `rows` of x and the residual (an embedding lookup, x the table): h is the
     residual stream after the add, what the next norm adds; the product into `out` when given.
     One kernel where `prologue_config` has a configuration (or `use_kernel`; `config`
-    overrides), else `kernels.rms_norm` and `skinny_linear`; the same rounding."""
+    overrides), else `pd_kernels.rms_norm` and `skinny_linear`; the same rounding."""
     m, k = (x.shape[0] if rows is None else rows.shape[0]), x.shape[1]
     if use_kernel is None:
         config = config or prologue_config(m, weight, x)

@@ -16,11 +16,11 @@ from __future__ import annotations
 
 import torch
 
-from kernels.launch import check, launch, use_kernels
+from pd_kernels.launch import check, launch, use_kernels
 
 RUNNING, STOP, LENGTH = 0, 1, 2
 
-# NOTE: the run's stop checks as a device function, which `kernels.accept_step` calls too:
+# NOTE: the run's stop checks as a device function, which `pd_kernels.accept_step` calls too:
 # advances *len and *outs by the tokens taken, cuts *kept, returns the flag
 DEVICE = r"""
 __device__ int stop_in_run(const long long* acc, int* kept, long long* len, long long* outs,

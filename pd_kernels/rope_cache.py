@@ -19,7 +19,7 @@ import functools
 
 import torch
 
-from kernels.triton_support import pdl_options, triton_usable
+from pd_kernels.triton_support import pdl_options, triton_usable
 
 
 @functools.cache
@@ -50,7 +50,7 @@ def _kernel():
                           HQ: tl.constexpr, HKV: tl.constexpr, HQ_P2: tl.constexpr,
                           HKV_P2: tl.constexpr, HALF: tl.constexpr, HAS_INDEX: tl.constexpr,
                           PDL: tl.constexpr):
-        if PDL:  # see kernels.triton_support.pdl_options
+        if PDL:  # see pd_kernels.triton_support.pdl_options
             gdc_wait()
             gdc_launch_dependents()
         t = tl.program_id(0).to(tl.int64)

@@ -13,7 +13,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from kernels.triton_support import pdl_options, triton_usable
+from pd_kernels.triton_support import pdl_options, triton_usable
 
 BLOCK = 1024
 
@@ -27,7 +27,7 @@ def _kernel():
     @triton.jit
     def silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, n_cols, BLOCK: tl.constexpr,
                             PDL: tl.constexpr):
-        if PDL:  # see kernels.triton_support.pdl_options
+        if PDL:  # see pd_kernels.triton_support.pdl_options
             gdc_wait()
             gdc_launch_dependents()
         row = tl.program_id(0).to(tl.int64)

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.launch import check, launch, use_kernels
+from pd_kernels.launch import check, launch, use_kernels
 
 SOURCE = r"""
 extern "C" __global__ void advance_inputs(

@@ -25,10 +25,10 @@ from __future__ import annotations
 
 import torch
 
-from kernels.draft_preprocess import DEVICE as PREPROCESS, draft_preprocess
-from kernels.launch import check, launch, use_kernels
-from kernels.update_status import DEVICE as STATUS, update_status
-from kernels.verify_accept import DEVICE as ACCEPT, verify_accept
+from pd_kernels.draft_preprocess import DEVICE as PREPROCESS, draft_preprocess
+from pd_kernels.launch import check, launch, use_kernels
+from pd_kernels.update_status import DEVICE as STATUS, update_status
+from pd_kernels.verify_accept import DEVICE as ACCEPT, verify_accept
 
 SOURCE = ACCEPT + STATUS + PREPROCESS + r"""
 extern "C" __global__ void accept_step(

@@ -15,7 +15,7 @@ import functools
 
 import torch
 
-from kernels.triton_support import pdl_options, triton_usable
+from pd_kernels.triton_support import pdl_options, triton_usable
 
 
 @functools.cache
@@ -28,7 +28,7 @@ def _kernel():
     def rms_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, h_ptr, rows_ptr, stride_x, stride_r,
                         stride_o, stride_h, stride_rows, n_cols, eps, HAS_RESIDUAL: tl.constexpr,
                         HAS_ROWS: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
-        if PDL:  # see kernels.triton_support.pdl_options
+        if PDL:  # see pd_kernels.triton_support.pdl_options
             gdc_wait()
             gdc_launch_dependents()
         row = tl.program_id(0).to(tl.int64)

@@ -18,7 +18,7 @@ same arithmetic (so the same bits):
 The split never depends on the batch, so a sequence's output does not depend on the batch it is
 in (batch-invariant). Everything is on the current stream and capturable
 in a CUDA graph (shapes depend only on the batch and the block-table width). Writing the step's
-own K/V into the cache before the call is `kernels.rope_cache`'s job, except in a plain decode
+own K/V into the cache before the call is `pd_kernels.rope_cache`'s job, except in a plain decode
 step, where the kernel rotates q and k and writes them itself (`rope`).
 
 `triton` is imported on first use only; CPU machines run the twin.
@@ -31,8 +31,8 @@ import os
 
 import torch
 
-from kernels.rope_cache import rope_and_cache_ref
-from kernels.triton_support import pdl_options
+from pd_kernels.rope_cache import rope_and_cache_ref
+from pd_kernels.triton_support import pdl_options
 
 SPLIT_TOKENS = 128  # keys per program: fixed, so a sequence's result is the same in any batch
 
@@ -82,7 +82,7 @@ def _kernel():
     @triton.jit
     def _rotated(ptr, offs, row_ok, cos_row, sin_row, D: tl.constexpr):
         """Rows of x at ptr + offs (+ column) rotated (rotate-half RoPE by the cos/sin row of
-        their token), rounded step by step as `kernels.rope_cache` rounds them."""
+        their token), rounded step by step as `pd_kernels.rope_cache` rounds them."""
         cols = tl.arange(0, D)
         partner = (cols + D // 2) % D
         x = tl.load(ptr + offs[:, None] + cols[None, :], mask=row_ok[:, None], other=0.0)
@@ -124,7 +124,7 @@ def _kernel():
                       TILE: tl.constexpr, SUB: tl.constexpr, STAGES: tl.constexpr,
                       IEEE: tl.constexpr, WHOLE: tl.constexpr, ROPE: tl.constexpr,
                       HAS_INDEX: tl.constexpr, PDL: tl.constexpr):
-        if PDL:  # see kernels.triton_support.pdl_options
+        if PDL:  # see pd_kernels.triton_support.pdl_options
             gdc_wait()
             gdc_launch_dependents()
         b, h, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -278,7 +278,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     Every sequence must have context_lens >= 1 and block_tables wide enough for it.
     `rope` = (k, v, cos, sin, slot_mapping), one row per sequence (a plain decode step, where no
     row reads another row's new key): q, k and v are the projection's, unrotated; the kernel
-    rotates q and k (as `kernels.rope_cache` does, to the bit) and writes k and v to the cache
+    rotates q and k (as `pd_kernels.rope_cache` does, to the bit) and writes k and v to the cache
     at each row's slot (none where it is negative) before it reads them: one kernel for what
     was two. `rope` may carry a sixth element, each row's index into cos and sin [P, D] (the
     rotary position cache: the gather is the kernel's). `table_rows`: each table of

@@ -1,7 +1,7 @@
 """Whether a tensor's work may go to one of the decode layer's Triton kernels (`rms_norm`,
 `rope_cache`, `activation`): on CUDA, with triton importable, unless `PD_TRITON=0` asks for
 their torch twins (to compare, or to rule a kernel out). The decode attention has its own
-switch, `PD_ATTENTION=torch` (`kernels.paged_decode.can_use_kernel`). `pdl_options`: how those
+switch, `PD_ATTENTION=torch` (`pd_kernels.paged_decode.can_use_kernel`). `pdl_options`: how those
 kernels are launched back to back on a Hopper GPU (`PD_PDL=0` turns it off)."""
 
 from __future__ import annotations

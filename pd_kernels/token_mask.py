@@ -16,7 +16,7 @@ import math
 
 import torch
 
-from kernels.triton_support import triton_usable
+from pd_kernels.triton_support import triton_usable
 
 BLOCK = 4096  # columns per program
 

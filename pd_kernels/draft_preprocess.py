@@ -20,12 +20,12 @@ from __future__ import annotations
 
 import torch
 
-from kernels.launch import check, launch, use_kernels
+from pd_kernels.launch import check, launch, use_kernels
 
 DECODE, PREFILL, CHUNK = 0, 1, 2
 
 # NOTE: one slot's MTP ids (returning its drafting row) and a chained position's cache slot as
-# device functions, which `kernels.accept_step` calls too
+# device functions, which `pd_kernels.accept_step` calls too
 DEVICE = r"""
 __device__ long long mtp_rows(int kind, long long s, long long q, const long long* acc,
                               long long n, const long long* input_ids, long long* mtp_ids)

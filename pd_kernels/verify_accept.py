@@ -17,9 +17,9 @@ from __future__ import annotations
 
 import torch
 
-from kernels.launch import check, launch, use_kernels
+from pd_kernels.launch import check, launch, use_kernels
 
-# NOTE: the run of one slot as a device function, which `kernels.accept_step` calls too;
+# NOTE: the run of one slot as a device function, which `pd_kernels.accept_step` calls too;
 # draft_probs may be null there (every draft probability 1)
 DEVICE = r"""
 __device__ int accept_run(int n, const long long* d, const long long* t, const float* dp,

@@ -25,9 +25,9 @@ import functools
 
 import torch
 
-from kernels.argmax import argmax_ref
-from kernels.token_mask import apply_token_mask_ref
-from kernels.triton_support import triton_usable
+from pd_kernels.argmax import argmax_ref
+from pd_kernels.token_mask import apply_token_mask_ref
+from pd_kernels.triton_support import triton_usable
 
 CHUNK = 2048  # columns per program
 BANS = 8  # banned ids a row of work carries (-1: none)

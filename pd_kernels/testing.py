@@ -86,7 +86,7 @@ def preprocess_inputs(num_slots: int, k: int, vocab: int, seed: int, block_size:
 
 def advance_inputs_inputs(num_slots: int, k: int, vocab: int, seed: int, block_size: int = 4,
                           device="cpu") -> dict:
-    """A step's inputs in the graphs' layout and its packed result (`kernels.advance_inputs`):
+    """A step's inputs in the graphs' layout and its packed result (`pd_kernels.advance_inputs`):
     invalid and stopped slots, kept counts 0 .. k + 1, length budgets that cut the drafts, and
     positions that reach past a short block table."""
     g = _gen(seed)
@@ -119,7 +119,7 @@ def advance_inputs_inputs(num_slots: int, k: int, vocab: int, seed: int, block_s
 
 def accept_step_inputs(num_slots: int, k: int, vocab: int, seed: int, block_size: int = 4,
                        device="cpu") -> dict:
-    """A graphed MTP step's inputs (`kernels.accept_step`): the verify inputs' runs and the
+    """A graphed MTP step's inputs (`pd_kernels.accept_step`): the verify inputs' runs and the
     status inputs' lengths and stops, int64 counts and flags, positions in the graphs' layout
     (rows past a slot's drafts at position 0) and tables too short for some chained positions."""
     x, st = verify_inputs(num_slots, k, vocab, seed), status_inputs(num_slots, k, vocab, seed + 1)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.launch import use_kernels
+from pd_kernels.launch import use_kernels
 
 SOURCE = r"""
 extern "C" __global__ void copy_blocks(
@@ -45,7 +45,7 @@ def compile_kernel(device: torch.device) -> None:
     """Compile (or load from CuPy's cache) the kernel for `device` now, so that a node's first
     KV transfer does not pay for it; nothing on CPU or without cupy."""
     if device.type == "cuda" and use_kernels(torch.empty(0, device=device)):
-        from kernels.launch import _compiled  # noqa: PLC0415
+        from pd_kernels.launch import _compiled  # noqa: PLC0415
 
         _compiled("copy_blocks", SOURCE, device.index or 0)
 
@@ -92,7 +92,7 @@ def launch_copy(src: int, dst: int, rows: int, unit: int, src_row: int, dst_row:
         return
     import numpy as np  # noqa: PLC0415
 
-    from kernels.launch import _compiled, _cupy, current_stream  # noqa: PLC0415
+    from pd_kernels.launch import _compiled, _cupy, current_stream  # noqa: PLC0415
     dev = device.index or 0
     kernel = _compiled("copy_blocks", SOURCE, dev)
     ptr = lambda t: np.uint64(t.data_ptr() if t is not None else 0)  # noqa: E731
