@@ -9,9 +9,13 @@ the device's step. Medians of repeated calls, in microseconds.
 - append + stop: each request's token appended and its stop checked (`DecodeLoop.process`);
 - register: a prompt's full blocks entered in the prefix cache after its step
   (`BlockAllocator.register_all`, at --prompt tokens);
-- prompt slots: a prompt chunk's KV slots (`run_slots`).
+- prompt slots: a prompt chunk's KV slots (`run_slots`);
+- with `--walks N`: N JSON grammars over a 128,256-token vocabulary each walking one token, as
+  a step's checked rows do (`pd.engine.grammar.step_masks`: one `accept_token` each), beside
+  the same walks through xgrammar's batch call on one thread (the tokenizer is trained first,
+  ~40 s).
 
-    python benchmarks/bench_host_step.py [--batch 64 256] [--prompt 8192]
+    python benchmarks/bench_host_step.py [--batch 64 256] [--prompt 8192] [--walks 32]
 """
 
 from __future__ import annotations
@@ -67,6 +71,8 @@ def main() -> None:
     p.add_argument("--batch", type=int, nargs="+", default=[64, 256])
     p.add_argument("--context", type=int, default=144, help="tokens per decoding request")
     p.add_argument("--prompt", type=int, default=8192, help="prompt tokens for register and slots")
+    p.add_argument("--walks", type=int, default=0,
+                   help="also time this many JSON grammars' walks of one token each (0: not)")
     args = p.parse_args()
     print(f"{'batch':>5} | {'graph inputs':>12} {'advanced':>8} {'sampler rows':>12} "
           f"{'append + stop':>13} (us)")
@@ -102,6 +108,66 @@ def main() -> None:
     table = list(range(blocks_needed))
     print(f"prompt of {args.prompt} tokens: register {median_us(register, 50) - alloc_only:.1f} us "
           f"({blocks_needed} blocks), KV slots {median_us(lambda: run_slots(table, 0, args.prompt, BLOCK)):.1f} us")
+    if args.walks:
+        walks(args.walks)
+
+
+def walks(num: int) -> None:
+    """`num` JSON grammars, each at another point of one JSON text, walking its next token: as
+    `step_masks` walks them, and as one xgrammar batch call on one thread, in turn."""
+    import tempfile  # noqa: PLC0415 (the rows above need neither)
+
+    import xgrammar
+    from tokenizers import Tokenizer
+
+    from pd.engine.grammar import Grammars, step_masks
+    from pd.testing.tiny import write_tiny_checkpoint
+
+    vocab = 128256
+    model = write_tiny_checkpoint(tempfile.mkdtemp(prefix="pd-walks-"), "llama", mtp=False,
+                                  vocab_size=vocab, full_vocab=True)
+    schema = ('{"type": "object", "properties": {"name": {"type": "string"}, "tags": {"type": '
+              '"array", "items": {"type": "string"}}, "size": {"type": "integer"}}}')
+    text = '{"name": "alpha beta gamma delta", "tags": ["one", "two", "three"], "size": 12345}'
+    ids = Tokenizer.from_file(str(model / "tokenizer.json")).encode(
+        text, add_special_tokens=False).ids
+    grammars = Grammars(model, vocab, (1,))
+    states = [grammars.matcher(("json", schema), checked=True) for _ in range(num)]
+    nexts = []
+    for i, state in enumerate(states):
+        at = i % (len(ids) - 1)
+        for token in ids[:at]:
+            assert state.accept(token)
+        nexts.append(ids[at])
+    batch = xgrammar.BatchGrammarMatcher(max_threads=1)
+
+    def undone(walk, undo, repeat: int = 300) -> float:
+        """Median us of `walk`, each followed by `undo` (not timed)."""
+        times = []
+        for _ in range(repeat):
+            t = time.perf_counter()
+            walk()
+            times.append(time.perf_counter() - t)
+            undo()
+        return statistics.median(times) * 1e6
+
+    def ours() -> None:
+        step_masks([(state, token, None) for state, token in zip(states, nexts)], None)
+
+    def batched() -> None:  # as `step_masks` walked them before: one batch call
+        alive = [not state.terminated for state in states]
+        made = [(state._m, token) for state, token, a in zip(states, nexts, alive) if a]
+        oks = iter(batch.batch_accept_token([m for m, _ in made], [t for _, t in made]))
+        for state, token, a in zip(states, nexts, alive):
+            state.walked(token, next(oks) if a else None)
+
+    def unwalk() -> None:
+        for state in states:
+            state._unwalk([])
+
+    for _ in range(2):  # in turn, twice
+        print(f"{num} JSON grammars' walks ({vocab} tokens): step_masks {undone(ours, unwalk):.1f} "
+              f"us, through xgrammar's batch call {undone(batched, unwalk):.1f} us")
 
 
 if __name__ == "__main__":

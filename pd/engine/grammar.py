@@ -210,15 +210,6 @@ def _new_batch(threads: int):
     return xgrammar.BatchGrammarMatcher(max_threads=threads)
 
 
-@functools.cache
-def _batch():
-    """The walks' matcher batch (`step_masks`), on this thread: a walk takes 1-2 us, and
-    xgrammar starts and joins its threads on every call (32 walks inside a JSON string: 60 us
-    on one thread, 48 on two, on the 2-core CPU; on the H100's host a checked step's walks
-    and its few masks took ~300 us on xgrammar's eight)."""
-    return _new_batch(1)
-
-
 class _Filler:
     """A step's masks, filled in parts on up to `WORKERS` threads of our own (each part one
     call into xgrammar on one thread, which lets the GIL go), as many as the masks' recent cost
@@ -291,22 +282,17 @@ def step_masks(jobs: list[tuple[GrammarState, int | None, int | None]],
                out: torch.Tensor | None, wait: bool = True) -> Callable[[], None]:
     """A step's grammar work at once: each job (state, token, row) walks `token` (unless None;
     `GrammarState.walk`), then fills the state's next mask into out[row] (unless None). The
-    walks are one call into xgrammar (on this thread, `_batch`), the masks are filled in parts
-    on as many threads as their recent cost pays for (`_Filler`): a JSON string's mask over
-    128k tokens takes 60-150 us. One matcher's fill holds the GIL (two Python threads took
-    1.1-1.2x the time one took for two masks); a batch call lets it go. With `wait` False the
-    masks are filled on the threads alone while this one goes on (`_Filler.start`): what is
-    returned waits for them (the masks may not be read, nor their states walked, before)."""
-    walks = [(state, token) for state, token, _ in jobs if token is not None]
-    if len(walks) == 1:
-        walks[0][0].walk(walks[0][1])
-    elif walks:
-        alive = [not state.terminated for state, _ in walks]
-        made = [(state._m, token) for (state, token), a in zip(walks, alive) if a]
-        oks = iter(_batch().batch_accept_token(
-            [m for m, _ in made], [token for _, token in made]) if made else ())
-        for (state, token), a in zip(walks, alive):
-            state.walked(token, next(oks) if a else None)
+    walks are one `accept_token` each, on this thread (32 walks inside JSON values: 56 us
+    against 81 for xgrammar's batch call on one thread, on the 2-core CPU; its threads, started
+    and joined on every call, cost more still), the masks are filled in parts on as many threads
+    as their recent cost pays for (`_Filler`): a JSON string's mask over 128k tokens takes
+    60-150 us. One matcher's fill holds the GIL (two Python threads took 1.1-1.2x the time one
+    took for two masks); a batch call lets it go. With `wait` False the masks are filled on the
+    threads alone while this one goes on (`_Filler.start`): what is returned waits for them (the
+    masks may not be read, nor their states walked, before)."""
+    for state, token, _ in jobs:
+        if token is not None:
+            state.walk(token)
     if out is None:
         return _nothing
     fills = []

@@ -98,16 +98,13 @@ def test_appended_tokens_walk_the_grammar_in_order(grammars, tiny_model_dir):
 @pytest.mark.parametrize("workers", [1, 3])
 def test_a_steps_masks_and_walks_at_once_equal_each_alone(grammars, tiny_model_dir, workers,
                                                           monkeypatch):
-    """`step_masks` and `fill_masks`, on one xgrammar thread or several: each state walks its
-    token and fills its row as it would alone; `accept` then takes the walk's result without
+    """`step_masks` and `fill_masks`, their masks on one thread or several: each state walks
+    its token and fills its row as it would alone; `accept` then takes the walk's result without
     walking again; a refused walk ends the request as a refused accept does; accepting another token
     than the one walked undoes the walk first."""
     from pd.engine import grammar
     from pd.text.tokenizer import Tokenizer
 
-    import xgrammar
-
-    monkeypatch.setattr(grammar, "_batch", lambda: xgrammar.BatchGrammarMatcher(workers))
     # the masks in as many parts as there may be threads (their cost would decide)
     monkeypatch.setattr(grammar._FILLER, "per_mask", 1.0 if workers > 1 else 0.0)
     tok = Tokenizer.from_dir(tiny_model_dir)
