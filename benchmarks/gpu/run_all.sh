@@ -87,7 +87,7 @@ TAIL=6 step structured_b32_narrow_off python3 benchmarks/bench_structured.py --d
     --synthetic-1b --batch 32 --max-tokens 128 --repeats 3 --grammars none json --narrow 0
 fi
 if [[ $PART == all || $PART == 4 ]]; then  # prefix caching through pd launch
-TAIL=5 step host_step python3 benchmarks/bench_host_step.py
+TAIL=7 step host_step python3 benchmarks/bench_host_step.py --walks 32
 TAIL=40 step host_calls python3 benchmarks/gpu/profile_launch.py --batch 1 64
 TAIL=40 step host_calls_mtp python3 benchmarks/gpu/profile_launch.py --batch 1 16 --k 3 --logprobs 0
 TAIL=24 step prefix_cache python3 benchmarks/bench_prefix_cache.py --device cuda --synthetic-1b \
