@@ -202,6 +202,9 @@ WORKERS = max(1, int(os.environ.get("PD_GRAMMAR_THREADS", 0)) or min(8, os.cpu_c
 # call, cost more: 32 regex masks over 128k tokens on the H100's host took 143 us on one of
 # them, 335 us on eight)
 WORK_PER_THREAD = 200e-6
+# the filling (seconds) below which masks started alone (`_Filler.start`) are filled at once
+# rather than on a thread while the caller goes on: a hand-off costs ~10-20 us
+HANDOFF = 30e-6
 
 
 def _new_batch(threads: int):
@@ -239,12 +242,13 @@ class _Filler:
 
     def start(self, matchers: list, out: torch.Tensor, rows: list[int]) -> Callable[[], None]:
         """`fill` on the pool's threads alone, this thread going on meanwhile; returns what
-        waits for it. Cheap masks (one part) are filled here and now."""
-        parts = self.parts(len(matchers))
-        if parts == 1:
+        waits for it. Masks cheaper all together than a hand-off (`HANDOFF`) are filled here
+        and now; one part's worth goes to one thread: a step's late rows in sparse JSON states
+        (~5 us each on the 2-core CPU, 32 of them) would otherwise hold up the caller."""
+        if WORKERS == 1 or len(matchers) * self.per_mask < HANDOFF:
             self.fill(matchers, out, rows)
             return _nothing
-        parts = min(parts, WORKERS - 1)
+        parts = min(self.parts(len(matchers)), WORKERS - 1)
         futures = [self._pool().submit(self._fill, matchers[i::parts], out, rows[i::parts])
                    for i in range(parts)]
 

@@ -169,6 +169,36 @@ def test_a_steps_masks_get_the_threads_their_recent_cost_pays_for(grammars, tiny
     assert not out[4].any()
 
 
+def test_masks_started_alone_go_to_a_thread_unless_cheaper_than_the_handoff(grammars):
+    """`_Filler.start` fills masks cheaper all together than a hand-off (`HANDOFF`) at once on
+    the calling thread, and more (one part's worth or several) on the pool's threads, the
+    caller going on until it joins; either way the masks equal each state's own."""
+    import threading
+
+    from pd.engine import grammar
+    from pd.engine.grammar import HANDOFF, WORK_PER_THREAD, _Filler
+
+    if grammar.WORKERS == 1:
+        pytest.skip("one CPU: every mask is filled at once")
+    states = [grammars.matcher(("json", json.dumps(SCHEMA))) for _ in range(4)]
+    filler = _Filler()
+    on = []
+    fill = filler._fill
+    filler._fill = lambda *a: on.append(threading.current_thread()) or fill(*a)
+    # at once; one part's worth, on one thread; several parts' worth
+    for per_mask, here, parts in ((HANDOFF / 8, True, 1), (HANDOFF / 2, False, 1),
+                                  (WORK_PER_THREAD, False, 4)):
+        filler.per_mask, on[:] = per_mask, []
+        assert filler.parts(len(states)) == min(parts, grammar.WORKERS)
+        out = torch.zeros((4, states[0].num_words), dtype=torch.int32)
+        join = filler.start([st._m for st in states], out, [3, 2, 1, 0])
+        assert (join is grammar._nothing) == here
+        join()
+        assert on and all((t is threading.main_thread()) == here for t in on)
+        for st, row in zip(states, [3, 2, 1, 0]):
+            assert torch.equal(out[row], st.mask())
+
+
 def test_terminated_follows_the_matcher_through_walks_and_rollbacks(grammars, tiny_model_dir):
     """`GrammarState.terminated`, kept rather than asked of xgrammar each time, is the
     matcher's own `is_terminated` after each way the state moves: walks (one or a step's
