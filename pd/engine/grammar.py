@@ -286,14 +286,16 @@ def step_masks(jobs: list[tuple[GrammarState, int | None, int | None]],
                out: torch.Tensor | None, wait: bool = True) -> Callable[[], None]:
     """A step's grammar work at once: each job (state, token, row) walks `token` (unless None;
     `GrammarState.walk`), then fills the state's next mask into out[row] (unless None). The
-    walks are one `accept_token` each, on this thread (32 walks inside JSON values: 56 us
-    against 81 for xgrammar's batch call on one thread, on the 2-core CPU; its threads, started
-    and joined on every call, cost more still), the masks are filled in parts on as many threads
-    as their recent cost pays for (`_Filler`): a JSON string's mask over 128k tokens takes
-    60-150 us. One matcher's fill holds the GIL (two Python threads took 1.1-1.2x the time one
-    took for two masks); a batch call lets it go. With `wait` False the masks are filled on the
-    threads alone while this one goes on (`_Filler.start`): what is returned waits for them (the
-    masks may not be read, nor their states walked, before)."""
+    walks are one `accept_token` each, on this thread (32 walks inside JSON values: 55-59 us
+    against 76-81 through xgrammar's batch call on one thread, on the 2-core CPU:
+    `benchmarks/bench_host_step.py --walks`; its threads, started and joined on every call, cost
+    more still; but beside a busy Python thread, as the CPU's overlap loop's forward, each short
+    call waits for the GIL), the masks are filled in parts on as many threads as their recent
+    cost pays for (`_Filler`): a JSON string's mask over 128k tokens takes 60-150 us. One
+    matcher's fill holds the GIL (two Python threads took 1.1-1.2x the time one took for two
+    masks); a batch call lets it go. With `wait` False the masks are filled on the threads alone
+    while this one goes on (`_Filler.start`): what is returned waits for them (the masks may not
+    be read, nor their states walked, before)."""
     for state, token, _ in jobs:
         if token is not None:
             state.walk(token)
