@@ -42,13 +42,17 @@ from pd.wire.sampling_params import SamplingParams  # noqa: E402
 BLOCK = 16
 
 
-def median_us(fn, repeat: int = 300) -> float:
-    fn()
+def median_us(fn, repeat: int = 300, after=None) -> float:
+    """Median us of `fn` over `repeat` calls after one warm-up, each call followed by `after`
+    (not timed) where given."""
     times = []
-    for _ in range(repeat):
+    for i in range(repeat + 1):
         t = time.perf_counter()
         fn()
-        times.append(time.perf_counter() - t)
+        if i:
+            times.append(time.perf_counter() - t)
+        if after is not None:
+            after()
     return statistics.median(times) * 1e6
 
 
@@ -113,12 +117,15 @@ def main() -> None:
 
 
 def walks(num: int) -> None:
-    """`num` JSON grammars, each at another point of one JSON text, walking its next token: as
-    `step_masks` walks them, and as one xgrammar batch call on one thread, in turn."""
+    """`num` JSON grammars (`bench_structured.py`'s schema), each at another point of one JSON
+    text, walking its next token: as `step_masks` walks them, and as one xgrammar batch call on
+    one thread, in turn."""
     import tempfile  # noqa: PLC0415 (the rows above need neither)
 
     import xgrammar
     from tokenizers import Tokenizer
+
+    from bench_structured import SPECS
 
     from pd.engine.grammar import Grammars, step_masks
     from pd.testing.tiny import write_tiny_checkpoint
@@ -126,13 +133,11 @@ def walks(num: int) -> None:
     vocab = 128256
     model = write_tiny_checkpoint(tempfile.mkdtemp(prefix="pd-walks-"), "llama", mtp=False,
                                   vocab_size=vocab, full_vocab=True)
-    schema = ('{"type": "object", "properties": {"name": {"type": "string"}, "tags": {"type": '
-              '"array", "items": {"type": "string"}}, "size": {"type": "integer"}}}')
     text = '{"name": "alpha beta gamma delta", "tags": ["one", "two", "three"], "size": 12345}'
     ids = Tokenizer.from_file(str(model / "tokenizer.json")).encode(
         text, add_special_tokens=False).ids
     grammars = Grammars(model, vocab, (1,))
-    states = [grammars.matcher(("json", schema), checked=True) for _ in range(num)]
+    states = [grammars.matcher(SPECS["json"], checked=True) for _ in range(num)]
     nexts = []
     for i, state in enumerate(states):
         at = i % (len(ids) - 1)
@@ -140,16 +145,6 @@ def walks(num: int) -> None:
             assert state.accept(token)
         nexts.append(ids[at])
     batch = xgrammar.BatchGrammarMatcher(max_threads=1)
-
-    def undone(walk, undo, repeat: int = 300) -> float:
-        """Median us of `walk`, each followed by `undo` (not timed)."""
-        times = []
-        for _ in range(repeat):
-            t = time.perf_counter()
-            walk()
-            times.append(time.perf_counter() - t)
-            undo()
-        return statistics.median(times) * 1e6
 
     def ours() -> None:
         step_masks([(state, token, None) for state, token in zip(states, nexts)], None)
@@ -166,8 +161,9 @@ def walks(num: int) -> None:
             state._unwalk([])
 
     for _ in range(2):  # in turn, twice
-        print(f"{num} JSON grammars' walks ({vocab} tokens): step_masks {undone(ours, unwalk):.1f} "
-              f"us, through xgrammar's batch call {undone(batched, unwalk):.1f} us")
+        print(f"{num} JSON grammars' walks ({vocab} tokens): step_masks "
+              f"{median_us(ours, after=unwalk):.1f} us, through xgrammar's batch call "
+              f"{median_us(batched, after=unwalk):.1f} us")
 
 
 if __name__ == "__main__":
