@@ -80,7 +80,7 @@ TAIL=13 step structured python3 benchmarks/bench_structured.py --device cuda --s
     --batch 1 32 --max-tokens 128 --repeats 2 --grammars none json json-masked regex regex-masked
 TAIL=24 step structured_steps python3 benchmarks/gpu/profile_structured.py --batch 32 \
     --grammars json none
-# issue 20's figure at batch 32, with the narrow-mask rule and without it (`--narrow 0`)
+# structured output's cost at batch 32, with the narrow-mask rule and without it (`--narrow 0`)
 TAIL=6 step structured_b32 python3 benchmarks/bench_structured.py --device cuda --synthetic-1b \
     --batch 32 --max-tokens 128 --repeats 3 --grammars none json
 TAIL=6 step structured_b32_narrow_off python3 benchmarks/bench_structured.py --device cuda \
