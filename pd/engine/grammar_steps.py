@@ -184,7 +184,7 @@ class GrammarSteps:
             items.append((j, src, m, *banned) + (-1,) * (BANS - len(banned)))
         if items:
             # NOTE: packed in one call: numpy's assignment of the tuples cost 27 us for 32 rows
-            # on a CI-class core against 7
+            # on the 2-core development machine against 7
             flat = []
             for item in items:
                 flat += item
