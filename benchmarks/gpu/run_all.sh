@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Every GPU check and figure of the project in one call of the device machine:
 #   the checkpoint parity matrix through pd generate --device cuda, kernels vs their torch
-#   twins, MTP engine parity, GPU tests (graphs, fused kernels, KV fast path, P+D on CUDA), KV
+#   twins, MTP engine parity, the same tokens under MPS at shares of the multiprocessors, GPU tests (graphs, fused kernels, KV fast path, P+D on CUDA), KV
 #   transfer (the ring by hand, then each tier through the transport's API), decode
 #   attention, the skinny product vs cuBLAS, decode/prefill vs floors and HF (and without the
 #   skinny kernel), where a prefill's time goes, CUDA graphs vs eager, the decode step's kernels
@@ -43,6 +43,8 @@ if [[ $PART == all || $PART == 1 ]]; then
 TAIL=14 step checkpoints python3 benchmarks/gpu/check_checkpoints.py
 TAIL=8 step kernels python3 benchmarks/gpu/check_kernels.py
 TAIL=12 step mtp_engine python3 benchmarks/gpu/check_mtp_engine.py
+# the same tokens with the GPU shared under MPS at 75 / 50 / 25% of its multiprocessors
+TAIL=30 step sm_share timeout 900 python3 benchmarks/gpu/check_sm_share.py --switches
 TAIL=8 step mtp_engine_torch_attention env PD_ATTENTION=torch python3 benchmarks/gpu/check_mtp_engine.py
 TAIL=4 step pytest python3 -m pytest -q -p no:cacheprovider tests/engine/test_cuda_graph.py tests/kernels \
     tests/shm_ipc/test_kv.py

@@ -1,0 +1,123 @@
+"""On a CUDA machine: the engine's greedy tokens must not depend on how many of the GPU's
+multiprocessors it gets. The same requests (mixed prompt and output lengths, run together by
+`Engine.generate`, twice) in a child process without MPS, then under an MPS daemon of this
+check alone at each share of the multiprocessors given (CUDA_MPS_ACTIVE_THREAD_PERCENTAGE, as
+`nvidia-cuda-mps-control` lets a client be limited): each run's tokens against the first run
+without MPS, and each run's two passes against each other (a race shows as passes that
+differ). With --switches, a share whose tokens differ runs again with each kernel family off
+in turn (PD_PDL=0, PD_ATTENTION=torch, PD_SKINNY=0, PD_PROLOGUE=0, PD_TRITON=0), each against
+the same switch without MPS, to name the kernel. Exits 1 where any run differs.
+
+    python benchmarks/gpu/check_sm_share.py [--percents 75 50 25] [--switches] [--synthetic-1b]
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import random
+import subprocess
+import sys
+import tempfile
+
+SWITCHES = ({"PD_PDL": "0"}, {"PD_ATTENTION": "torch"}, {"PD_SKINNY": "0"},
+            {"PD_PROLOGUE": "0"}, {"PD_TRITON": "0"})
+
+
+def child(args) -> None:
+    """Print one JSON line: the SM count torch sees and each pass's tokens (their digest)."""
+    import torch
+
+    from pd.config import EngineConfig, default_model_dir
+    from pd.engine.engine import Engine
+    from pd.wire.sampling_params import SamplingParams
+
+    model = str(default_model_dir())
+    if args.synthetic_1b:
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        from bench_decode import LLAMA_1B  # noqa: PLC0415
+
+        from pd.testing.tiny import write_tiny_checkpoint  # noqa: PLC0415
+
+        model = str(write_tiny_checkpoint(tempfile.mkdtemp(prefix="pd-sm-share-"), "llama",
+                                          mtp=False, dtype="bfloat16", **LLAMA_1B))
+    engine = Engine(EngineConfig(model=model, device="cuda", dtype="bfloat16", num_blocks=2048,
+                                 max_num_seqs=64, max_model_len=1024))
+    rng = random.Random(0)
+    prompts = [[rng.randrange(3, 500) for _ in range(rng.choice([1, 5, 16, 17, 60, 150]))]
+               for _ in range(args.requests)]
+    params = [SamplingParams(max_tokens=rng.randrange(1, 40), temperature=0.0, ignore_eos=True)
+              for _ in range(args.requests)]
+    passes = [[r.output_token_ids for r in engine.generate(prompts, params)] for _ in range(2)]
+    print(json.dumps({"sms": torch.cuda.get_device_properties(0).multi_processor_count,
+                      "passes": passes}))
+
+
+def run(env: dict, args) -> dict:
+    cmd = [sys.executable, os.path.abspath(__file__), "--child", "--requests", str(args.requests)]
+    if args.synthetic_1b:
+        cmd.append("--synthetic-1b")
+    done = subprocess.run(cmd, env={**os.environ, **env}, capture_output=True, text=True,
+                          timeout=600)
+    lines = [ln for ln in done.stdout.splitlines() if ln.startswith("{")]
+    if done.returncode != 0 or not lines:
+        return {"error": (done.stderr.strip().splitlines() or ["no output"])[-1][:200]}
+    return json.loads(lines[-1])
+
+
+def report(label: str, got: dict, ref: list | None) -> bool:
+    """One line for a run; True where its passes agree and equal `ref` (the first pass without
+    MPS)."""
+    if "error" in got:
+        print(f"{label:<44} failed: {got['error']}")
+        return False
+    first, second = got["passes"]
+    digest = hashlib.sha256(json.dumps(first).encode()).hexdigest()[:12]
+    same = sum(a == b for a, b in zip(first, ref)) if ref is not None else len(first)
+    stable = first == second
+    print(f"{label:<44} SMs {got['sms']:>4} | tokens {digest} | equal to no MPS {same}/"
+          f"{len(first)} | two passes equal {stable}")
+    return stable and same == len(first)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--percents", type=int, nargs="+", default=[75, 50, 25])
+    p.add_argument("--switches", action="store_true",
+                   help="a share whose tokens differ runs again with each kernel family off")
+    p.add_argument("--synthetic-1b", action="store_true",
+                   help="the Llama-3.2-1B shape, random bf16 (default: the embedded model)")
+    p.add_argument("--requests", type=int, default=64)
+    p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.child:
+        child(args)
+        return
+    from pd.service.mps import MPSDaemon
+
+    base = run({}, args)
+    ok = report("no MPS", base, None)
+    ref = base.get("passes", [None])[0]
+    mps = MPSDaemon()
+    env = mps.start()
+    try:
+        for pct in [100, *args.percents]:
+            share = {**env, "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": str(pct)}
+            good = report(f"MPS, {pct}% of the multiprocessors", run(share, args), ref)
+            ok &= good
+            if not good and args.switches:
+                for switch in SWITCHES:  # against the same switch without MPS (its roundings)
+                    name = " ".join(f"{k}={v}" for k, v in switch.items())
+                    alone = run(switch, args)
+                    report(f"  no MPS with {name}", alone, None)
+                    report(f"  {pct}% with {name}", run({**share, **switch}, args),
+                           alone.get("passes", [None])[0])
+    finally:
+        mps.stop()
+    sys.exit(0 if ok else 1)
+
+
+if __name__ == "__main__":
+    main()
