@@ -3,8 +3,8 @@
 #   the checkpoint parity matrix through pd generate --device cuda, kernels vs their torch
 #   twins, MTP engine parity, the same tokens under MPS at shares of the multiprocessors,
 #   GPU tests (graphs, fused kernels, KV fast path, P+D on CUDA), KV transfer (the ring by
-#   hand, then each tier through the transport's API), decode attention, the skinny product vs cuBLAS, decode/prefill vs floors and HF (and without the
-#   skinny kernel), where a prefill's time goes, CUDA graphs vs eager, the decode step's kernels
+#   hand, then each tier through the transport's API), decode attention, the skinny product
+#   vs cuBLAS, decode/prefill vs floors and HF (and without the skinny kernel), where a prefill's time goes, CUDA graphs vs eager, the decode step's kernels
 #   and host time (profiler), overlap on/off (parity of 64 requests, sync check, throughput and
 #   step gap), MTP on/off (graphed, overlap on/off, logprobs; the norms apart from the products:
 #   PD_PROLOGUE=0, and the fused products timed alone) and the MTP machinery on the 1B
