@@ -1,17 +1,17 @@
 #!/usr/bin/env bash
 # Every GPU check and figure of the project in one call of the device machine:
 #   the checkpoint parity matrix through pd generate --device cuda, kernels vs their torch
-#   twins, MTP engine parity, the same tokens under MPS at shares of the multiprocessors,
-#   GPU tests (graphs, fused kernels, KV fast path, P+D on CUDA), KV transfer (the ring by
-#   hand, then each tier through the transport's API), decode attention, the skinny product
-#   vs cuBLAS, decode/prefill vs floors and HF (and without the skinny kernel), where a prefill's time goes, CUDA graphs vs eager, the decode step's kernels
-#   and host time (profiler), overlap on/off (parity of 64 requests, sync check, throughput and
-#   step gap), MTP on/off (graphed, overlap on/off, logprobs; the norms apart from the products:
-#   PD_PROLOGUE=0, and the fused products timed alone) and the MTP machinery on the 1B
-#   shape, the token-logprob kernels, structured output's cost and where a JSON step's time
-#   goes (host and device on one clock; grammars on the GPU: the same
-#   tokens as transformers' masked logits). Logs go to $OUT (or ./out) and one table each to
-#   stdout.
+#   twins, MTP engine parity, the same tokens under MPS at shares of the multiprocessors, GPU
+#   tests (graphs, fused kernels, KV fast path, P+D on CUDA), KV transfer (the ring by hand,
+#   then each tier through the transport's API), decode attention, the skinny product vs cuBLAS,
+#   decode/prefill vs floors and HF (and without the skinny kernel), where a prefill's time
+#   goes, CUDA graphs vs eager, the decode step's kernels and host time (profiler), overlap
+#   on/off (parity of 64 requests, sync check, throughput and step gap), MTP on/off (graphed,
+#   overlap on/off, logprobs; the norms apart from the products: PD_PROLOGUE=0, and the fused
+#   products timed alone) and the MTP machinery on the 1B shape, the token-logprob kernels,
+#   structured output's cost and where a JSON step's time goes (host and device on one clock;
+#   grammars on the GPU: the same tokens as transformers' masked logits). Logs go to $OUT (or
+#   ./out) and one table each to stdout.
 #     bash benchmarks/gpu/run_all.sh [1|2|3|4|5|6]  (1: checks, KV, attention, decode; 2: graphs,
 #                                                 profile, overlap, MTP; 3: two GPUs: KV between
 #                                                 them, the mixed load over each tier;
