@@ -50,7 +50,7 @@ def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
 def silu_and_mul(x: torch.Tensor, use_kernel: bool | None = None) -> torch.Tensor:
     """SiLU(gate) * up of x [T, 2I] -> [T, I]: the kernel on CUDA, else the twin."""
     if use_kernel is None:
-        use_kernel = triton_usable(x) and x.dim() == 2 and x.stride(-1) == 1
+        use_kernel = triton_usable(x, "activation") and x.dim() == 2 and x.stride(-1) == 1
     if not use_kernel:
         return silu_and_mul_ref(x)
     rows, cols = x.shape

@@ -80,7 +80,7 @@ def argmax(x: torch.Tensor, out: torch.Tensor | None = None,
                              or bans.dtype != torch.int64 or bans.stride(-1) != 1):
         raise ValueError(f"bans {tuple(bans.shape)} {bans.dtype} do not fit {x.shape[0]} rows")
     if use_kernel is None:
-        use_kernel = triton_usable(x) and x.stride(-1) == 1
+        use_kernel = triton_usable(x, "argmax") and x.stride(-1) == 1
     if not use_kernel:
         result = argmax_ref(x, bans)
         return result if out is None else out.copy_(result)

@@ -148,7 +148,7 @@ def masked_argmax(x: torch.Tensor, bits: torch.Tensor, work: torch.Tensor, out: 
         raise ValueError(f"want int32 words, int32 work and int64 out, got {bits.dtype}, "
                          f"{work.dtype}, {out.dtype}")
     if use_kernel is None:
-        use_kernel = triton_usable(x)
+        use_kernel = triton_usable(x, "masked_argmax")
     if not use_kernel:
         masked_argmax_ref(x, bits, work, out, prev)
         return

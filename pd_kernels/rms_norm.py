@@ -72,7 +72,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     may be a table: an embedding lookup and its norm in one kernel); `out`: where the normed
     rows go ([N, H], the rows may be part of wider ones)."""
     if use_kernel is None:
-        use_kernel = triton_usable(x) and x.dim() == 2 and x.stride(-1) == 1
+        use_kernel = triton_usable(x, "rms_norm") and x.dim() == 2 and x.stride(-1) == 1
     if not use_kernel:
         return rms_norm_ref(x, weight, eps, residual, rows=rows, out=out)
     n, cols = x.shape if rows is None else (rows.shape[0], x.shape[1])

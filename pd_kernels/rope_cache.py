@@ -111,7 +111,7 @@ def rope_and_cache(q, k, v, cos, sin, k_cache, v_cache, slot_mapping,
     `cos_index` [T] (int64), cos and sin are tables [P, D] and token t's rows are
     `cos_index[t]` (the gather is the kernel's)."""
     if use_kernel is None:
-        use_kernel = triton_usable(q)
+        use_kernel = triton_usable(q, "rope_cache")
     if not use_kernel:
         return rope_and_cache_ref(q, k, v, cos, sin, k_cache, v_cache, slot_mapping, write_index,
                                   cos_index)

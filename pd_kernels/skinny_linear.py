@@ -201,7 +201,8 @@ def use_skinny(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return (x.dim() == 2 and x.shape[0] <= MAX_ROWS and x.dtype in (torch.bfloat16, torch.float16)
             and weight.dtype == x.dtype and x.stride(-1) == 1 and weight.stride(-1) == 1
             and x.shape[1] == weight.shape[1]
-            and triton_usable(x) and config_for(*weight.shape, row_bucket(x.shape[0])) is not None)
+            and triton_usable(x, "skinny_linear")
+            and config_for(*weight.shape, row_bucket(x.shape[0])) is not None)
 
 
 def skinny_linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -300,7 +301,8 @@ def prologue_config(m: int, weight: torch.Tensor, x: torch.Tensor):
     """The configuration for `norm_linear` to fuse the norm into the kernel for m rows of x
     (`PROLOGUE_SHAPES`), or None: two kernels (`PD_PROLOGUE=0`: always)."""
     # NOTE: the CPU's answer first (every linear layer of an eager step asks), the environment last
-    if (m > MAX_ROWS or not triton_usable(x) or x.dtype not in (torch.bfloat16, torch.float16)
+    if (m > MAX_ROWS or not triton_usable(x, "skinny_linear")
+            or x.dtype not in (torch.bfloat16, torch.float16)
             or weight.dtype != x.dtype or x.stride(-1) != 1 or weight.stride(-1) != 1
             or os.environ.get("PD_PROLOGUE", "1") == "0"):
         return None

@@ -183,7 +183,7 @@ def token_logprob(logits: torch.Tensor, ids: torch.Tensor, use_kernel: bool | No
         raise ValueError(f"token_logprob's out must be {dtype} shaped {(*ids.shape, 2)} with "
                          f"each pair contiguous, got {out.dtype} {tuple(out.shape)}")
     if use_kernel is None:
-        use_kernel = triton_usable(logits) and logits.stride(-1) == 1
+        use_kernel = triton_usable(logits, "token_logprob") and logits.stride(-1) == 1
     if not use_kernel:
         pairs = token_logprob_ref(logits, ids.reshape(-1).clamp(min=0), int_ranks)
         if out is None:

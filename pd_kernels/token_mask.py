@@ -71,7 +71,7 @@ def apply_token_mask(x: torch.Tensor, bits: torch.Tensor, rows: torch.Tensor,
         raise ValueError(f"want float32 logits, int32 words and int64 rows, got {x.dtype}, "
                          f"{bits.dtype}, {rows.dtype}")
     if use_kernel is None:
-        use_kernel = triton_usable(x) and x.stride(-1) == 1
+        use_kernel = triton_usable(x, "token_mask") and x.stride(-1) == 1
     if not use_kernel:
         apply_token_mask_ref(x, bits, rows)
         return

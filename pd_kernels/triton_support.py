@@ -1,8 +1,10 @@
-"""Whether a tensor's work may go to one of the decode layer's Triton kernels (`rms_norm`,
-`rope_cache`, `activation`): on CUDA, with triton importable, unless `PD_TRITON=0` asks for
-their torch twins (to compare, or to rule a kernel out). The decode attention has its own
-switch, `PD_ATTENTION=torch` (`pd_kernels.paged_decode.can_use_kernel`). `pdl_options`: how those
-kernels are launched back to back on a Hopper GPU (`PD_PDL=0` turns it off)."""
+"""Whether a tensor's work may go to one of the Triton kernels (`rms_norm`, `rope_cache`,
+`activation`, `skinny_linear`, `argmax`, `masked_argmax`, `token_logprob`, `token_mask`): on
+CUDA, with triton importable, unless `PD_TRITON=0` asks for every one's torch twin or
+`PD_TRITON_OFF=name,name` for those named (to compare, or to rule a kernel out). The decode
+attention has its own switch, `PD_ATTENTION=torch` (`pd_kernels.paged_decode.can_use_kernel`).
+`pdl_options`: how those kernels are launched back to back on a Hopper GPU (`PD_PDL=0` turns it
+off)."""
 
 from __future__ import annotations
 
@@ -21,8 +23,14 @@ def triton_importable() -> bool:
     return True
 
 
-def triton_usable(t: torch.Tensor) -> bool:
-    return t.is_cuda and os.environ.get("PD_TRITON", "1") != "0" and triton_importable()
+def triton_usable(t: torch.Tensor, kernel: str | None = None) -> bool:
+    """Whether `t`'s work may go to the Triton kernel named `kernel` (its module's name in
+    `pd_kernels`): on CUDA, with triton importable, unless `PD_TRITON=0` (every kernel) or
+    `PD_TRITON_OFF` (a comma-separated list of kernel names) asks for the torch twin."""
+    if not t.is_cuda or os.environ.get("PD_TRITON", "1") == "0" or not triton_importable():
+        return False
+    off = os.environ.get("PD_TRITON_OFF")
+    return not off or kernel is None or kernel not in off.split(",")
 
 
 @functools.cache

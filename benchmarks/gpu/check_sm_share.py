@@ -5,8 +5,8 @@ check alone at each share of the multiprocessors given (CUDA_MPS_ACTIVE_THREAD_P
 `nvidia-cuda-mps-control` lets a client be limited): each run's tokens against the first run
 without MPS, and each run's two passes against each other (a race shows as passes that
 differ). With --switches, a share whose tokens differ runs again with each kernel family off
-in turn (PD_PDL=0, PD_ATTENTION=torch, PD_SKINNY=0, PD_PROLOGUE=0, PD_TRITON=0), each against
-the same switch without MPS, to name the kernel. Exits 1 where any run differs.
+in turn (PD_PDL=0, PD_ATTENTION=torch, PD_TRITON=0, then PD_TRITON_OFF naming each Triton
+kernel alone), each against the same switch without MPS, to name the kernel. Exits 1 where any run differs.
 
     python benchmarks/gpu/check_sm_share.py [--percents 75 50 25] [--switches] [--synthetic-1b]
 """
@@ -22,8 +22,11 @@ import subprocess
 import sys
 import tempfile
 
-SWITCHES = ({"PD_PDL": "0"}, {"PD_ATTENTION": "torch"}, {"PD_SKINNY": "0"},
-            {"PD_PROLOGUE": "0"}, {"PD_TRITON": "0"})
+# each kernel family off in turn: the launch mode, the attention, every other Triton kernel,
+# then each of those alone (`pd_kernels.triton_support`)
+SWITCHES = ({"PD_PDL": "0"}, {"PD_ATTENTION": "torch"}, {"PD_TRITON": "0"}, *(
+    {"PD_TRITON_OFF": name} for name in ("rms_norm", "rope_cache", "activation", "skinny_linear",
+                                         "argmax", "masked_argmax", "token_logprob", "token_mask")))
 
 
 def child(args) -> None:
