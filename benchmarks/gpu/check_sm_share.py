@@ -6,7 +6,8 @@ check alone at each share of the multiprocessors given (CUDA_MPS_ACTIVE_THREAD_P
 without MPS, and each run's two passes against each other (a race shows as passes that
 differ). With --switches, a share whose tokens differ runs again with each kernel family off
 in turn (PD_PDL=0, PD_ATTENTION=torch, PD_TRITON=0, then PD_TRITON_OFF naming each Triton
-kernel alone), each against the same switch without MPS, to name the kernel. Exits 1 where any run differs.
+kernel alone), each against the same switch without MPS, to name the kernel. Exits 1 where
+any run differs.
 
     python benchmarks/gpu/check_sm_share.py [--percents 75 50 25] [--switches] [--synthetic-1b]
 """
@@ -30,7 +31,7 @@ SWITCHES = ({"PD_PDL": "0"}, {"PD_ATTENTION": "torch"}, {"PD_TRITON": "0"}, *(
 
 
 def child(args) -> None:
-    """Print one JSON line: the SM count torch sees and each pass's tokens (their digest)."""
+    """Print one JSON line: the multiprocessors torch sees and each pass's tokens."""
     import torch
 
     from pd.config import EngineConfig, default_model_dir
