@@ -5,8 +5,9 @@ Greedy decoding takes it over a batch's logits [B, V] every step. torch's reduct
 block to a row, so one row of a 128k vocabulary takes ~28 us on an H100; here the first kernel
 splits each row into chunks of `CHUNK` columns (one program each: the chunk's max and its
 column), the second picks each row's best chunk, the leftmost among equals, so ties still go
-to the lowest column; a row of one chunk (a small vocabulary) is the first kernel's alone. NaN
-is not ordered (logits hold none). Each row may name ids to pass over (`bans`, -1 for none:
+to the lowest column; a row of one chunk (a small vocabulary) is the first kernel's alone. A NaN
+is the largest value, as in torch (the first NaN's column; one after a +inf in its row loses to
+it, where torch would take the NaN). Each row may name ids to pass over (`bans`, -1 for none:
 a greedy row under min_tokens may not take EOS yet), read in the first kernel, so a decode
 graph's argmax serves such rows too. On the current stream, capturable in a CUDA graph.
 `triton` is imported on first use; CPU machines run the twin.
@@ -36,6 +37,10 @@ def _kernels():
         cols = c * CHUNK + tl.arange(0, CHUNK)
         x = tl.load(x_ptr + row * stride_x + cols, mask=cols < n_cols, other=float("-inf"))
         x = x.to(tl.float32)
+        # NOTE: a NaN counts as the largest value, as torch's argmax has it (the reduction's
+        # comparisons would pass over it: a row of NaN picked a padding column past the
+        # vocabulary, whose id then indexed the embedding out of range)
+        x = tl.where(x != x, float("inf"), x)
         for j in tl.static_range(NUM_BANS):  # the row's banned ids (-1: none) pass for -inf
             x = tl.where(cols == tl.load(bans_ptr + row * stride_bans + j), float("-inf"), x)
         best, at = tl.max(x, 0, return_indices=True, return_indices_tie_break_left=True)

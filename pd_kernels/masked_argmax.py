@@ -15,7 +15,8 @@ step's dozen rows over a 128k vocabulary keep the GPU busy: one program per row 
 the H100, most of a late step's own device time); a program writes its chunk's best value and
 column, counts itself done on the row's counter, and the row's last program picks the best
 chunk, the leftmost among equals, so ties still go to the lowest id. A row whose mask allows
-nothing gets token 0 (as torch's argmax of a row of -inf). On the current stream; `triton` is
+nothing gets token 0 (as torch's argmax of a row of -inf); an allowed NaN is the largest
+value, as in `pd_kernels.argmax`. On the current stream; `triton` is
 imported on first use; CPU machines run the twin.
 """
 
@@ -56,6 +57,7 @@ def _kernel():
                     mask=(cols < n_cols) & (word < n_words), other=0)
         allowed = (((w >> (cols & 31)) & 1) != 0) & (cols < n_cols)
         x = tl.load(base + cols, mask=allowed, other=float("-inf")).to(tl.float32)
+        x = tl.where(x != x, float("inf"), x)  # a NaN is the largest, as in `pd_kernels.argmax`
         # NOTE: the bans after the logits' load, which does not wait for theirs
         for i in tl.static_range(3, ITEM):
             x = tl.where(cols == tl.load(item + i), float("-inf"), x)

@@ -1,8 +1,8 @@
 """`pd_kernels.argmax`: the wrapper's checks and `out=` on CPU (the twin), the twin's banned ids
 against a brute-force reference, the kernels with banned ids in triton's interpreter (CPU, CI),
 and the Triton kernels against the twin on a CUDA machine: fresh random rows with ties planted
-across chunk borders, rows of -inf, poisoned outputs, banned ids (skipped without CUDA;
-`benchmarks/gpu/run_all.sh` runs them)."""
+across chunk borders, rows of -inf, poisoned outputs, banned ids, rows of NaN (those in the
+interpreter too; skipped without CUDA; `benchmarks/gpu/run_all.sh` runs them)."""
 
 from __future__ import annotations
 
@@ -98,6 +98,44 @@ for rows, vocab in ((3, 70), (4, 9000)):  # one chunk (the direct kernel), then 
     assert torch.equal(argmax(x, use_kernel=True), x.argmax(dim=-1))
 print("ok")
 """)
+
+
+def rows_with_nan(vocab: int, device: str = "cpu", dtype: torch.dtype = torch.float32):
+    """Rows of NaN: all of it, one among numbers (near the end: the last chunk's padding
+    follows), half of it after numbers, one banned before another; and a row of numbers."""
+    g = torch.Generator().manual_seed(vocab)
+    x = torch.randn(5, vocab, generator=g)
+    x[0] = float("nan")
+    x[1, vocab - 3] = float("nan")
+    x[2, vocab // 2:] = float("nan")
+    x[3, [1, vocab - 2]] = float("nan")
+    bans = torch.tensor([[-1], [-1], [-1], [1], [-1]])
+    return x.to(device, dtype), bans.to(device)
+
+
+def test_kernels_take_a_nan_as_torch_does_in_the_interpreter():
+    """A NaN is the largest value (the first NaN's column, as torch's argmax): a row of NaN is
+    column 0, never a padding column past the vocabulary."""
+    run_interpreted("""
+import torch
+from pd_kernels.argmax import argmax
+from tests.kernels.test_argmax import rows_with_nan
+for vocab in (70, 4096, 9000):
+    x, bans = rows_with_nan(vocab)
+    assert torch.equal(argmax(x, use_kernel=True), x.argmax(dim=-1)), vocab
+    want = argmax(x, use_kernel=False, bans=bans)
+    assert torch.equal(argmax(x, use_kernel=True, bans=bans), want) and want[3] == vocab - 2
+print("ok")
+""")
+
+
+@pytest.mark.skipif(not CUDA, reason="the Triton kernels need a CUDA device")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("vocab", [128256, 4096, 100])
+def test_kernels_take_a_nan_as_torch_does(dtype, vocab):
+    x, bans = rows_with_nan(vocab, "cuda", dtype)
+    assert torch.equal(argmax(x, use_kernel=True), x.argmax(dim=-1))
+    assert torch.equal(argmax(x, use_kernel=True, bans=bans), argmax(x, use_kernel=False, bans=bans))
 
 
 @pytest.mark.skipif(not CUDA, reason="the Triton kernels need a CUDA device")

@@ -41,6 +41,16 @@ def expected(x, bits, idx, out, bans=None):
     return out
 
 
+def nan_case(x, bits) -> None:
+    """Poison x with NaN in place: a whole row; in another, some allowed and some refused
+    columns (near the end: the last chunk's padding follows), the mask allowing a NaN column."""
+    x[-1] = float("nan")
+    if x.shape[0] > 1:
+        cols = [2, x.shape[1] // 2, x.shape[1] - 2]
+        x[-2, cols] = float("nan")
+        bits[-2, cols[1] >> 5] |= 1 << (cols[1] & 31)
+
+
 def bans_for(x, idx, seed):
     """Up to BANS ids a row, among them often the row's own argmax."""
     g = torch.Generator().manual_seed(seed)
@@ -100,7 +110,7 @@ def test_kernel_equals_twin_in_the_interpreter():
     run_interpreted("""
 import torch
 from pd_kernels.masked_argmax import items, masked_argmax
-from tests.kernels.test_masked_argmax import bans_for, case
+from tests.kernels.test_masked_argmax import bans_for, case, nan_case
 for rows, vocab, width in ((3, 70, 3), (4, 4100, 120), (2, 9000, 300)):
     x, bits, idx = case(rows, vocab, width, vocab)
     a, b = torch.zeros(rows, dtype=torch.int64), torch.zeros(rows, dtype=torch.int64)
@@ -114,6 +124,11 @@ for rows, vocab, width in ((3, 70, 3), (4, 4100, 120), (2, 9000, 300)):
     masked_argmax(x, bits, work, a, prev, use_kernel=True)
     masked_argmax(x, bits, work, b, prev, use_kernel=False)
     assert torch.equal(a, b), (rows, vocab, width, a, b)
+    nan_case(x, bits)  # a NaN is the largest allowed value, as in the twin
+    work = items(idx.tolist(), mask_rows=idx.tolist())
+    masked_argmax(x, bits, work, a, use_kernel=True)
+    masked_argmax(x, bits, work, b, use_kernel=False)
+    assert torch.equal(a, b), ("nan", rows, vocab, width, a, b)
 print("ok")
 """)
 
@@ -137,4 +152,9 @@ def test_kernel_equals_twin(rows, vocab, width, dtype):
     prev = x.flip(0) + 1
     masked_argmax(x, bits, work, a, prev, use_kernel=True)
     masked_argmax(x, bits, work, b, prev, use_kernel=False)
+    assert torch.equal(a, b)
+    nan_case(x, bits)
+    work = items(idx.tolist(), mask_rows=idx.tolist()).cuda()
+    masked_argmax(x, bits, work, a, use_kernel=True)
+    masked_argmax(x, bits, work, b, use_kernel=False)
     assert torch.equal(a, b)
