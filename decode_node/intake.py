@@ -270,7 +270,14 @@ class Intake:
         self.may_reserve()
 
     def on_first_token(self, inc: Incoming, rec: FirstTokenRecord) -> None:
-        req = inc.req
+        req, vocab = inc.req, self.engine.model_config.vocab_size
+        if not 0 <= rec.token_id < vocab:
+            # NOTE: an id outside the vocabulary would index the embedding out of range on the
+            # device, an assert that takes every request of this node down with it: this one
+            # fails alone
+            self.fail(inc, f"the prefill node sent first token {rec.token_id}, outside the "
+                           f"vocabulary (0..{vocab - 1})")
+            return
         req.append_token(rec.token_id, rec.logprob, rec.rank, [tuple(p) for p in rec.top])
         inc.first_token_at = time.perf_counter()
         self.metrics.first_token_receive_seconds.observe(inc.first_token_at - inc.meta_at)

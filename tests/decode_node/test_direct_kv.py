@@ -206,3 +206,23 @@ def test_a_failure_goes_after_the_first_token_read_before_it(node):
     assert [(s.req_id, s.token_ids, s.error is None) for s in got] == [
         ("r", [7], True), ("r", [], False)]
     assert "incomplete" in got[1].error
+
+
+@pytest.mark.parametrize("token", [-1, 10**6])
+def test_a_first_token_outside_the_vocabulary_fails_its_request_alone(node, token):
+    """A FIRST_TOKEN whose id the model has no row for (a prefill node's logits gone wrong)
+    fails its request, refused to the peer and reported to the router with its blocks freed,
+    and never reaches a step, where it would index the embedding out of range on the device."""
+    sink = zmq.Context.instance().socket(zmq.PULL)
+    node.reply = f"tcp://127.0.0.1:{sink.bind_to_random_port('tcp://127.0.0.1')}"
+    free = node.allocator.num_free
+    announce(node, RING_PEER, "bad", direct=False)
+    hand_over(node, RING_PEER, "good", direct=False)
+    node.intake.dispatch(RING_PEER, FirstTokenRecord("bad", token, 0.0, 0, []))
+    assert "outside the vocabulary" in replies(node, RING_PEER, m.KVRefuse)[0].reason
+    assert "bad" not in node.intake.incoming and "good" in node.intake.incoming
+    node.intake.flush_first_tokens()
+    got = [s for _ in range(2) for s in m.unpack_streams(m.decode(sink.recv()))]
+    sink.close(linger=0)
+    assert {(s.req_id, s.error is None) for s in got} == {("bad", False), ("good", True)}
+    assert node.allocator.num_free == free - len(node.intake.incoming["good"].req.block_ids)
