@@ -1,13 +1,15 @@
-"""On a CUDA machine: the engine's greedy tokens must not depend on how many of the GPU's
-multiprocessors it gets. The same requests (mixed prompt and output lengths, run together by
-`Engine.generate`, twice) in a child process without MPS, then under an MPS daemon of this
-check alone at each share of the multiprocessors given (CUDA_MPS_ACTIVE_THREAD_PERCENTAGE, as
-`nvidia-cuda-mps-control` lets a client be limited): each run's tokens against the first run
-without MPS, and each run's two passes against each other (a race shows as passes that
-differ). With --switches, a share whose tokens differ runs again with each kernel family off
-in turn (PD_PDL=0, PD_ATTENTION=torch, PD_TRITON=0, then PD_TRITON_OFF naming each Triton
-kernel alone), each against the same switch without MPS, to name the kernel. Exits 1 where
-any run differs.
+"""On a CUDA machine: the engine's greedy tokens must be reproducible, and sound, however many of
+the GPU's multiprocessors it gets. The same requests (mixed prompt and output lengths, run
+together by `Engine.generate`, twice) in a child process without MPS, then under an MPS daemon
+of this check alone at each share of the multiprocessors given
+(CUDA_MPS_ACTIVE_THREAD_PERCENTAGE, as `nvidia-cuda-mps-control` lets a client be limited). A
+run fails where its two passes differ (a race) or where fewer than `FIRST_EQUAL` of its
+requests' first tokens equal those of the run without MPS (logits gone wrong: with fewer
+multiprocessors cuBLAS may choose other kernels, whose roundings can move a greedy token near a
+tie, so later tokens are compared for information only). With --switches, a failing share runs
+again with each kernel family off in turn (PD_PDL=0, PD_ATTENTION=torch, PD_TRITON=0, then
+PD_TRITON_OFF naming each Triton kernel alone), each against the same switch without MPS, to
+name the kernel. Exits 1 where a run fails.
 
     python benchmarks/gpu/check_sm_share.py [--percents 75 50 25] [--switches] [--synthetic-1b]
 """
@@ -22,6 +24,8 @@ import random
 import subprocess
 import sys
 import tempfile
+
+FIRST_EQUAL = 0.9  # share of first tokens a run must have equal to the run without MPS
 
 # each kernel family off in turn: the launch mode, the attention, every other Triton kernel,
 # then each of those alone (`pd_kernels.triton_support`)
@@ -74,18 +78,20 @@ def run(env: dict, args) -> dict:
 
 
 def report(label: str, got: dict, ref: list | None) -> bool:
-    """One line for a run; True where its passes agree and equal `ref` (the first pass without
-    MPS)."""
+    """One line for a run, its tokens against `ref` (the first pass without MPS); True where it
+    ran, its two passes agree and enough of its first tokens equal `ref`'s."""
     if "error" in got:
         print(f"{label:<44} failed: {got['error']}")
         return False
     first, second = got["passes"]
     digest = hashlib.sha256(json.dumps(first).encode()).hexdigest()[:12]
-    same = sum(a == b for a, b in zip(first, ref)) if ref is not None else len(first)
+    ref = first if ref is None else ref
+    same = sum(a == b for a, b in zip(first, ref))
+    heads = sum(a[:1] == b[:1] for a, b in zip(first, ref))
     stable = first == second
-    print(f"{label:<44} SMs {got['sms']:>4} | tokens {digest} | equal to no MPS {same}/"
-          f"{len(first)} | two passes equal {stable}")
-    return stable and same == len(first)
+    print(f"{label:<44} SMs {got['sms']:>4} | tokens {digest} | equal to no MPS: first tokens "
+          f"{heads}/{len(first)}, all {same}/{len(first)} | two passes equal {stable}")
+    return stable and heads >= FIRST_EQUAL * len(first)
 
 
 def main() -> None:
