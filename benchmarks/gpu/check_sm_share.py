@@ -9,9 +9,11 @@ multiprocessors cuBLAS may choose other kernels, whose roundings can move a gree
 tie, so later tokens are compared for information only). With --switches, a failing share runs
 again with each kernel family off in turn (PD_PDL=0, PD_ATTENTION=torch, PD_TRITON=0, then
 PD_TRITON_OFF naming each Triton kernel alone), each against the same switch without MPS, to
-name the kernel. Exits 1 where a run fails.
+name the kernel. With --nan-trace (eager), every module's output is checked for NaN and
+infinities, and a run that had one fails, naming the first modules. Exits 1 where a run fails.
 
     python benchmarks/gpu/check_sm_share.py [--percents 75 50 25] [--switches] [--synthetic-1b]
+                                            [--eager] [--nan-trace]
 """
 
 from __future__ import annotations
@@ -53,22 +55,36 @@ def child(args) -> None:
                                           mtp=False, dtype="bfloat16", **LLAMA_1B))
     # NOTE: no prefix cache: the second pass computes what the first did (cached prompts would
     # change its prefill steps, and bf16 rounding with them)
-    engine = Engine(EngineConfig(model=model, device="cuda", dtype="bfloat16", num_blocks=2048,
-                                 max_num_seqs=64, max_model_len=1024, enable_prefix_caching=False))
+    engine = Engine(EngineConfig(model=model, device=args.device, dtype="bfloat16", num_blocks=2048,
+                                 max_num_seqs=64, max_model_len=1024, enable_prefix_caching=False,
+                                 enforce_eager=args.eager or args.nan_trace))
+    found = []  # with --nan-trace: the first modules whose outputs held a NaN or an infinity
+    if args.nan_trace:
+        def check(name):
+            def hook(module, inputs, out):
+                outs = out if isinstance(out, tuple) else (out,)
+                if len(found) < 5 and any(isinstance(t, torch.Tensor) and t.is_floating_point()
+                                          and not bool(torch.isfinite(t).all()) for t in outs):
+                    found.append(name or "model")
+            return hook
+
+        for name, module in engine.runner.model.named_modules():
+            module.register_forward_hook(check(name))
     rng = random.Random(0)
     prompts = [[rng.randrange(3, 500) for _ in range(rng.choice([1, 5, 16, 17, 60, 150]))]
                for _ in range(args.requests)]
     params = [SamplingParams(max_tokens=rng.randrange(1, 40), temperature=0.0, ignore_eos=True)
               for _ in range(args.requests)]
     passes = [[r.output_token_ids for r in engine.generate(prompts, params)] for _ in range(2)]
-    print(json.dumps({"sms": torch.cuda.get_device_properties(0).multi_processor_count,
-                      "passes": passes}))
+    sms = torch.cuda.get_device_properties(0).multi_processor_count if args.device != "cpu" else 0
+    print(json.dumps({"sms": sms,
+                      "passes": passes, "nan": found}))
 
 
 def run(env: dict, args) -> dict:
     cmd = [sys.executable, os.path.abspath(__file__), "--child", "--requests", str(args.requests)]
-    if args.synthetic_1b:
-        cmd.append("--synthetic-1b")
+    cmd += [f"--{flag.replace('_', '-')}" for flag in ("synthetic_1b", "eager", "nan_trace")
+            if getattr(args, flag)]
     done = subprocess.run(cmd, env={**os.environ, **env}, capture_output=True, text=True,
                           timeout=600)
     lines = [ln for ln in done.stdout.splitlines() if ln.startswith("{")]
@@ -79,7 +95,8 @@ def run(env: dict, args) -> dict:
 
 def report(label: str, got: dict, ref: list | None) -> bool:
     """One line for a run, its tokens against `ref` (the first pass without MPS); True where it
-    ran, its two passes agree and enough of its first tokens equal `ref`'s."""
+    ran, its two passes agree, enough of its first tokens equal `ref`'s and (with --nan-trace)
+    no module gave a NaN or an infinity."""
     if "error" in got:
         print(f"{label:<44} failed: {got['error']}")
         return False
@@ -90,18 +107,26 @@ def report(label: str, got: dict, ref: list | None) -> bool:
     heads = sum(a[:1] == b[:1] for a, b in zip(first, ref))
     stable = first == second
     print(f"{label:<44} SMs {got['sms']:>4} | tokens {digest} | equal to no MPS: first tokens "
-          f"{heads}/{len(first)}, all {same}/{len(first)} | two passes equal {stable}")
-    return stable and heads >= FIRST_EQUAL * len(first)
+          f"{heads}/{len(first)}, all {same}/{len(first)} | two passes equal {stable}"
+          + (f" | not finite first in {', '.join(got['nan'])}" if got.get("nan") else ""))
+    return stable and heads >= FIRST_EQUAL * len(first) and not got.get("nan")
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--percents", type=int, nargs="+", default=[75, 50, 25])
+    p = argparse.ArgumentParser(description=__doc__.split(". ")[0] + ".")
+    p.add_argument("--percents", type=int, nargs="+", default=[75, 50, 25],
+                   help="shares of the multiprocessors to run at, after 100 (default: 75 50 25)")
     p.add_argument("--switches", action="store_true",
-                   help="a share whose tokens differ runs again with each kernel family off")
+                   help="a failing share runs again with each kernel family off")
     p.add_argument("--synthetic-1b", action="store_true",
                    help="the Llama-3.2-1B shape, random bf16 (default: the embedded model)")
-    p.add_argument("--requests", type=int, default=64)
+    p.add_argument("--requests", type=int, default=64, help="requests per pass (default: 64)")
+    # the child's device (cpu: a dry run of the child on a machine without a GPU)
+    p.add_argument("--device", default="cuda", help=argparse.SUPPRESS)
+    p.add_argument("--eager", action="store_true", help="no CUDA graphs (enforce_eager)")
+    p.add_argument("--nan-trace", action="store_true",
+                   help="eager, every module's output checked for NaN and infinities: the first "
+                        "modules that gave one are printed")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child:
