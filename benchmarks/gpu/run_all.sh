@@ -45,6 +45,8 @@ TAIL=8 step kernels python3 benchmarks/gpu/check_kernels.py
 TAIL=12 step mtp_engine python3 benchmarks/gpu/check_mtp_engine.py
 # the same tokens with the GPU shared under MPS at 75 / 50 / 25% of its multiprocessors
 TAIL=30 step sm_share timeout 900 python3 benchmarks/gpu/check_sm_share.py --switches
+TAIL=6 step sm_share_nan timeout 600 python3 benchmarks/gpu/check_sm_share.py --percents 75 \
+    --nan-trace --requests 16
 TAIL=8 step mtp_engine_torch_attention env PD_ATTENTION=torch python3 benchmarks/gpu/check_mtp_engine.py
 TAIL=4 step pytest python3 -m pytest -q -p no:cacheprovider tests/engine/test_cuda_graph.py tests/kernels \
     tests/shm_ipc/test_kv.py
