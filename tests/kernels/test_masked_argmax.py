@@ -48,7 +48,8 @@ def nan_case(x, bits) -> None:
     if x.shape[0] > 1:
         cols = [2, x.shape[1] // 2, x.shape[1] - 2]
         x[-2, cols] = float("nan")
-        bits[-2, cols[1] >> 5] |= 1 << (cols[1] & 31)
+        bit = 1 << (cols[1] & 31)  # as an int32 word holds it
+        bits[-2, cols[1] >> 5] |= bit - (1 << 32) if bit >= 1 << 31 else bit
 
 
 def bans_for(x, idx, seed):
