@@ -77,8 +77,7 @@ def child(args) -> None:
               for _ in range(args.requests)]
     passes = [[r.output_token_ids for r in engine.generate(prompts, params)] for _ in range(2)]
     sms = torch.cuda.get_device_properties(0).multi_processor_count if args.device != "cpu" else 0
-    print(json.dumps({"sms": sms,
-                      "passes": passes, "nan": found}))
+    print(json.dumps({"sms": sms, "passes": passes, "nan": found}))
 
 
 def run(env: dict, args) -> dict:
