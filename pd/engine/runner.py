@@ -27,6 +27,7 @@ from pd_kernels.masked_argmax import ITEM, masked_argmax
 from pd.config import EngineConfig, ModelConfig, dtype_name
 from pd.model import parallel
 from pd.model.context import ForwardContext, forward_context
+from pd.engine.device_check import may_check_products
 from pd.engine.host_ring import HostRing, copy_async
 from pd.engine.kv_cache import KVCache, num_blocks_for
 from pd.engine.logprobs import MAX_PACKED_VOCAB, record_prompt_logprobs
@@ -77,6 +78,7 @@ class ModelRunner(StepInputs):
             # failed its first Triton kernel while the current device was cuda:0
             torch.cuda.set_device(self.device)
         self.dtype = cfg.torch_dtype
+        may_check_products(self.device, self.dtype)  # before any worker or weight
         # tensor parallelism: the worker ranks load their slices while this one loads its own
         self.tp = None
         if cfg.tensor_parallel_size > 1:

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from pd.config import EngineConfig
+from pd.engine.device_check import may_check_products
 from pd.engine.kv_cache import KVCache
 from pd.engine.tp.channel import INIT_TIMEOUT, context_of, join, rank_device
 from pd.engine.tp.mirror import gather_kv, install_kv
@@ -48,6 +49,7 @@ def worker_main(rank: int, port: int, cfg: EngineConfig) -> None:
     store = dist.TCPStore("127.0.0.1", port, cfg.tensor_parallel_size, is_master=False,
                           timeout=INIT_TIMEOUT)
     channel = join(rank, cfg.tensor_parallel_size, store, device)
+    may_check_products(device, cfg.torch_dtype)
     model = load_model(cfg.model, cfg.torch_dtype, device)
     header, _ = channel.recv()
     if header["op"] == "stop":
