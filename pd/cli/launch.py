@@ -58,6 +58,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "a prefill no longer stretches the decode steps behind it (the "
                         "inter-token tail). Leave it off where the host already runs MPS: the "
                         "nodes join that one")
+    g.add_argument("--prefill-sm-percent", type=int, default=None, metavar="PCT",
+                   help="with --mps: the share of the GPU's multiprocessors each prefill node "
+                        "may run its kernels on (1-100; CUDA_MPS_ACTIVE_THREAD_PERCENTAGE in its "
+                        "environment alone), so that a long prefill leaves the rest to the decode "
+                        "steps beside it (default: all of them)")
     g.add_argument("--prefill-num-blocks", type=int, default=None,
                    help="KV blocks of each prefill node, when they should differ from the decode "
                         "nodes' --num-blocks (a prefill node holds only prompts in flight and its "
@@ -98,6 +103,14 @@ def node_args(args: argparse.Namespace, names: tuple[str, ...]) -> list[str]:
     return out
 
 
+def sm_share(mps_env: dict | None, percent: int | None) -> dict | None:
+    """A node's environment under the launch's MPS daemon, limited to `percent` of the GPU's
+    multiprocessors where given (the MPS client's own limit, read when its CUDA context starts)."""
+    if mps_env is None or percent is None:
+        return mps_env
+    return {**mps_env, "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": str(percent)}
+
+
 def main(args: argparse.Namespace) -> int:
     from pd.config import ModelConfig
     from pd.wire.sampling_params import generation_defaults
@@ -110,6 +123,11 @@ def main(args: argparse.Namespace) -> int:
     if args.mps and not args.device.startswith("cuda"):
         print("pd launch: error: --mps needs --device cuda (MPS shares a GPU between processes)",
               file=sys.stderr)
+        return 1
+    if args.prefill_sm_percent is not None and (not args.mps
+                                                or not 1 <= args.prefill_sm_percent <= 100):
+        print(f"pd launch: error: --prefill-sm-percent {args.prefill_sm_percent}: a share from 1 "
+              "to 100, with --mps", file=sys.stderr)
         return 1
     try:  # the router's port, before any key or node is made, held until the router binds it
         # NOTE: held, not only checked: the nodes' own ports (port 0) and connections could
@@ -161,6 +179,8 @@ def _main(args: argparse.Namespace) -> int:
     if args.prefill_tensor_parallel_size:
         prefill_blocks += ["--tensor-parallel-size", str(args.prefill_tensor_parallel_size)]
 
+    prefill_env = sm_share(mps_env, args.prefill_sm_percent)
+
     def stop_all() -> None:
         for node in nodes:  # NOTE: every node drains at once, then each is waited for
             node.proc.send_signal(signal.SIGTERM)
@@ -181,7 +201,7 @@ def _main(args: argparse.Namespace) -> int:
             nodes.append(spawn_node("prefill", [*common, "--port", "0", "--node-id", f"prefill-{i}",
                                                 *node_args(args, launch_flags("prefill")),
                                                 *prefill_blocks],
-                                    env=mps_env, die_with_parent=True))
+                                    env=prefill_env, die_with_parent=True))
         deadline = time.monotonic() + args.ready_timeout
         for n in nodes:
             n.wait_ready(max(0.0, deadline - time.monotonic()))

@@ -66,3 +66,22 @@ def test_launch_refuses_mps_on_cpu_before_starting_anything(tiny_model_dir, caps
     assert main(["launch", "--model", str(tiny_model_dir), "--device", "cpu", "--mps"]) == 1
     err = capsys.readouterr().err
     assert "--mps needs --device cuda" in err and "node" not in err
+
+
+@pytest.mark.parametrize("extra", [["--prefill-sm-percent", "50"],
+                                   ["--mps", "--prefill-sm-percent", "0"],
+                                   ["--mps", "--prefill-sm-percent", "101"]])
+def test_launch_refuses_a_prefill_share_without_mps_or_out_of_range(tiny_model_dir, capsys, extra):
+    # NOTE: --device cuda passes the CPU check of --mps; the share is refused before any node
+    assert main(["launch", "--model", str(tiny_model_dir), "--device", "cuda", *extra]) == 1
+    err = capsys.readouterr().err
+    assert "--prefill-sm-percent" in err and "node" not in err
+
+
+def test_the_prefill_share_limits_only_the_environment_it_is_given_to():
+    from pd.cli.launch import sm_share
+
+    mps_env = {"CUDA_MPS_PIPE_DIRECTORY": "/p", "CUDA_MPS_LOG_DIRECTORY": "/l"}
+    assert sm_share(mps_env, None) is mps_env and sm_share(None, 50) is None
+    assert sm_share(mps_env, 40) == {**mps_env, "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "40"}
+    assert "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE" not in mps_env
