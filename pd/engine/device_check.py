@@ -37,10 +37,18 @@ class DeviceCheckError(RuntimeError):
     pass
 
 
+# (device, dtype) pairs this process has checked: a process's MPS share is fixed when its CUDA
+# context starts, so a second engine of the same process (tests, benchmarks) need not pay again
+_CHECKED: set[tuple[torch.device, torch.dtype]] = set()
+
+
 def may_check_products(device: torch.device, dtype: torch.dtype) -> None:
-    """`check_products` where there is something to check: 16-bit products on a CUDA device."""
-    if device.type == "cuda" and dtype in (torch.bfloat16, torch.float16):
+    """`check_products` where there is something to check: 16-bit products on a CUDA device,
+    once per process."""
+    if (device.type == "cuda" and dtype in (torch.bfloat16, torch.float16)
+            and (device, dtype) not in _CHECKED):
         check_products(device, dtype)
+        _CHECKED.add((device, dtype))
 
 
 def check_products(device: torch.device, dtype: torch.dtype, shapes=SHAPES,

@@ -43,14 +43,29 @@ def test_rounding_to_16_bits_is_not_an_error():
     check_products(CPU, torch.bfloat16, SMALL, linear=rounded_twice)
 
 
-def test_only_16_bit_products_on_cuda_are_checked(monkeypatch):
+def test_only_16_bit_products_on_cuda_are_checked_once_each(monkeypatch):
     calls = []
     monkeypatch.setattr(device_check, "check_products", lambda *a: calls.append(a))
+    monkeypatch.setattr(device_check, "_CHECKED", set())
     may_check_products(CPU, torch.bfloat16)
     may_check_products(torch.device("cuda", 0), torch.float32)
     assert calls == []
     may_check_products(torch.device("cuda", 0), torch.float16)
-    assert calls == [(torch.device("cuda", 0), torch.float16)]
+    may_check_products(torch.device("cuda", 0), torch.float16)
+    may_check_products(torch.device("cuda", 0), torch.bfloat16)
+    gpu = torch.device("cuda", 0)
+    assert calls == [(gpu, torch.float16), (gpu, torch.bfloat16)]
+
+
+def test_a_failed_check_is_not_remembered_as_passed(monkeypatch):
+    def wrong(*a):
+        raise DeviceCheckError("wrong")
+
+    monkeypatch.setattr(device_check, "check_products", wrong)
+    monkeypatch.setattr(device_check, "_CHECKED", set())
+    for _ in range(2):
+        with pytest.raises(DeviceCheckError):
+            may_check_products(torch.device("cuda", 0), torch.bfloat16)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
