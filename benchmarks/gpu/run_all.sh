@@ -4,8 +4,8 @@
 #   twins, MTP engine parity, the same tokens under MPS at shares of the multiprocessors, GPU
 #   tests (graphs, fused kernels, KV fast path, P+D on CUDA), KV transfer (the ring by hand,
 #   then each tier through the transport's API), decode attention, the skinny product vs cuBLAS,
-#   decode/prefill vs floors and HF (and without the skinny kernel), where a prefill's time
-#   goes, CUDA graphs vs eager, the decode step's kernels and host time (profiler), overlap
+#   decode/prefill vs floors and HF (and without the skinny kernel, and with SiLU as its own
+#   kernel), where a prefill's time goes, CUDA graphs vs eager, the decode step's kernels and host time (profiler), overlap
 #   on/off (parity of 64 requests, sync check, throughput and step gap), MTP on/off (graphed,
 #   overlap on/off, logprobs; the norms apart from the products: PD_PROLOGUE=0, and the fused
 #   products timed alone) and the MTP machinery on the 1B shape, the token-logprob kernels,
@@ -60,6 +60,8 @@ TAIL=8 step attention python3 benchmarks/gpu/bench_attention.py
 TAIL=12 step skinny python3 benchmarks/gpu/bench_skinny.py --quick --rows 1 64
 TAIL=14 step decode python3 benchmarks/gpu/bench_decode.py
 TAIL=6 step decode_no_skinny env PD_SKINNY=0 python3 benchmarks/gpu/bench_decode.py --no-hf --prefill
+TAIL=6 step decode_no_silu_epilogue env PD_SILU_EPILOGUE=0 python3 benchmarks/gpu/bench_decode.py \
+    --no-hf --prefill
 TAIL=22 step profile_prefill python3 benchmarks/gpu/profile_prefill.py --top 8
 fi
 if [[ $PART == all || $PART == 2 ]]; then

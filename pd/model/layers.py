@@ -60,9 +60,11 @@ class RMSNorm(nn.Module):
 
     def into(self, weight: torch.Tensor, bias: torch.Tensor | None, x: torch.Tensor,
              residual: torch.Tensor | None = None, rows: torch.Tensor | None = None,
-             out: torch.Tensor | None = None):
-        """(linear(norm(h)), h) with h = x (+ residual), of x's rows or of `rows` (x a table)."""
-        return norm_linear(x, self.weight, self.eps, weight, bias, residual, rows, out=out)
+             out: torch.Tensor | None = None, gated: bool = False):
+        """(linear(norm(h)), h) with h = x (+ residual), of x's rows or of `rows` (x a table);
+        `gated`: silu_and_mul of the product in its place (a gated MLP's gate/up weight)."""
+        return norm_linear(x, self.weight, self.eps, weight, bias, residual, rows, out=out,
+                           gated=gated)
 
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
@@ -227,7 +229,8 @@ ACTIVATIONS = {
 
 class MLP(nn.Module):
     """The gated MLP with one fused gate/up projection (`gate_up_proj`: the checkpoint's
-    gate_proj and up_proj stacked by rows at load) and SiLU-and-multiply in one kernel. Under
+    gate_proj and up_proj stacked by rows at load) and SiLU-and-multiply in one kernel, or in
+    the product's own epilogue where the decoder layer asks for it (`gated_silu`). Under
     tensor parallelism each rank holds 1/N of the intermediate columns (`pd.model.parallel`)."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, bias: bool,
@@ -242,9 +245,15 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down(self.gate_up_proj(x))
 
+    @property
+    def gated_silu(self) -> bool:
+        """Whether the activation is SiLU-and-multiply: then the gate/up product may hand the
+        down projection silu(gate) * up itself (`RMSNorm.into(gated=True)`, `down_proj`)."""
+        return self.act is F.silu
+
     def down(self, gate_up: torch.Tensor) -> torch.Tensor:
         """The MLP's output from its gate/up projection: the activation, the down projection."""
-        if self.act is F.silu:
+        if self.gated_silu:
             return self.down_proj(silu_and_mul(gate_up))
         gate, up = gate_up.split(self.intermediate_size, dim=-1)
         return self.down_proj(self.act(gate) * up)

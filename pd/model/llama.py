@@ -101,9 +101,10 @@ class DecoderLayer(nn.Module):
         qkv, residual = self.input_layernorm.into(attn.qkv_proj.weight, attn.qkv_proj.bias, x,
                                                   residual, rows)
         h = attn.attend(positions, qkv)
-        gate_up, residual = self.post_attention_layernorm.into(
-            mlp.gate_up_proj.weight, mlp.gate_up_proj.bias, h, residual)
-        return mlp.down(gate_up), residual
+        gated = mlp.gated_silu  # silu(gate) * up from the product (in its kernel's epilogue)
+        out, residual = self.post_attention_layernorm.into(
+            mlp.gate_up_proj.weight, mlp.gate_up_proj.bias, h, residual, gated=gated)
+        return (mlp.down_proj(out) if gated else mlp.down(out)), residual
 
 
 class DecoderModel(nn.Module):

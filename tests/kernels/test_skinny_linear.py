@@ -5,15 +5,18 @@ Triton kernel against float64 on fresh random inputs on a CUDA machine, row coun
 bucket up to `MAX_ROWS`, ragged shapes, a bias, one slice and several, and batch invariance (a
 row's result is the same in any batch of its row bucket). The norm prologue (`norm_linear`, with
 or without a residual add, of x's rows or of gathered rows) against its two kernels, in the
-interpreter and on the GPU."""
+interpreter and on the GPU. The gated product (`gated=True`: silu(gate) * up in the epilogue)
+against the product then `silu_and_mul`, alone and after the norm prologue."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from pd_kernels.activation import silu_and_mul
 from pd_kernels.rms_norm import rms_norm
-from pd_kernels.skinny_linear import MAX_ROWS, norm_linear, row_bucket, skinny_linear, use_skinny
+from pd_kernels.skinny_linear import (MAX_ROWS, gated_config, norm_linear, row_bucket,
+                                      skinny_linear, use_skinny)
 from tests.kernels.interpreter import run_interpreted
 
 CUDA = torch.cuda.is_available()
@@ -154,3 +157,83 @@ def test_prologue_against_two_kernels(m, n, k):
         ys, hs = norm_linear(src, g, 1e-6, w, None, res, index, use_kernel=False)
         assert torch.equal(h, hs)
         assert (y.float() - ys.float()).abs().max() <= 0.02 * ys.float().abs().max()
+
+
+GATED = """
+import torch
+from pd_kernels import skinny_linear as sk
+from pd_kernels.rms_norm import rms_norm_ref
+torch.manual_seed(0)
+for m, n, k, config, bias in [(1, 48, 200, (16, 64, 1, 2, 4), True), (5, 50, 300, (32, 64, 1, 2, 4), False),
+                              (20, 64, 130, (16, 32, 1, 1, 4), True)]:
+    x, w = torch.randn(m, k), torch.randn(2 * n, k) / k ** 0.5
+    b = torch.randn(2 * n) if bias else None
+    prod = torch.nn.functional.linear(x.double(), w.double(), None if b is None else b.double())
+    ref = torch.nn.functional.silu(prod[:, :n]) * prod[:, n:]
+    y = sk.skinny_linear(x, w, b, use_kernel=True, config=config, gated=True)
+    assert y.shape == (m, n) and (y.double() - ref).norm() / ref.norm() < 1e-5, (m, n, k)
+    if sk.row_bucket(m) == 16:
+        alone = sk.skinny_linear(x[m - 1:], w, b, use_kernel=True, config=config, gated=True)
+        assert torch.equal(alone[0], y[m - 1]), (m, config)
+    g, residual = torch.rand(k) + 0.5, torch.randn(m, k)
+    y, h = sk.norm_linear(x, g, 1e-6, w, b, residual, use_kernel=True, config=(2 * config[0], *config[1:]),
+                          gated=True)
+    assert torch.equal(h, x + residual)
+    prod = torch.nn.functional.linear(rms_norm_ref(h, g, 1e-6).double(), w.double(),
+                                      None if b is None else b.double())
+    ref = torch.nn.functional.silu(prod[:, :n]) * prod[:, n:]
+    assert y.shape == (m, n) and (y.double() - ref).norm() / ref.norm() < 1e-5, (m, n, k)
+print("ok")
+"""
+
+
+@pytest.mark.skipif(CUDA, reason="on a CUDA machine the compiled kernel's tests below run instead")
+def test_gated_epilogue_in_the_triton_interpreter():
+    """silu(gate) * up in the epilogue, alone and after the norm prologue, against float64; a
+    row alone equal to it in a batch."""
+    run_interpreted(GATED)
+
+
+def test_gated_twin_on_cpu():
+    x, w, b = inputs(3, 64, 40, torch.float32, "cpu", 5, bias=True)
+    y = skinny_linear(x, w, b, gated=True)
+    assert torch.equal(y, silu_and_mul(x @ w.t() + b))
+    out = torch.full((3, 32), float("nan"))
+    assert skinny_linear(x, w, b, out=out, gated=True) is out and torch.equal(out, y)
+    g = torch.rand(40) + 0.5
+    y, h = norm_linear(x, g, 1e-6, w, b, gated=True)
+    assert torch.equal(y, silu_and_mul(norm_linear(x, g, 1e-6, w, b)[0])) and h is x
+
+
+def test_gated_config():
+    assert gated_config((64, 256, 1, 4, 4)) == (32, 256, 1, 4, 4)
+    assert gated_config((128, 128, 2, 4, 4)) is None  # K in slices: two kernels
+    assert gated_config((16, 512, 1, 4, 4)) is None  # 8 columns of each half: two kernels
+    assert gated_config(None) is None
+
+
+@pytest.mark.skipif(not CUDA, reason="the Triton kernel needs a CUDA device")
+@pytest.mark.parametrize("m", [1, 7, 16, 40, MAX_ROWS])
+@pytest.mark.parametrize("n,k,bias", [(16384, 2048, False), (1000, 1500, True)])
+def test_gated_against_two_kernels(m, n, k, bias):
+    """bf16 on the GPU: the epilogue's result against the product then `silu_and_mul` (within
+    a bf16 unit of the product's rounding) and against float64; batch-invariant in its bucket."""
+    x, w, b = inputs(m, n, k, torch.bfloat16, "cuda", m + n, bias)
+    config = (64, 256, 1, 4, 4) if row_bucket(m) == 16 else (128, 128, 1, 4, 4)
+    y = skinny_linear(x, w, b, use_kernel=True, config=gated_config(config), gated=True)
+    two = silu_and_mul(skinny_linear(x, w, b, use_kernel=True, config=config))
+    assert y.shape == (m, n // 2) and torch.isfinite(y).all()
+    assert (y.float() - two.float()).abs().max() <= 0.02 * two.float().abs().max()
+    prod = x.double() @ w.double().t() + (0 if b is None else b.double())
+    ref = torch.nn.functional.silu(prod[:, :n // 2]) * prod[:, n // 2:]
+    assert ((y.double() - ref).norm() / ref.norm()).item() < 1e-2
+    fewer = 1 if row_bucket(m) == 16 else row_bucket(m) // 2 + 1
+    part = skinny_linear(x[:fewer], w, b, use_kernel=True, config=gated_config(config), gated=True)
+    assert torch.equal(part, y[:fewer])
+    g = (torch.rand(k, device="cuda") + 0.5).to(torch.bfloat16)
+    residual = torch.randn(m, k, device="cuda").to(torch.bfloat16)
+    y, h = norm_linear(x, g, 1e-6, w, b, residual, gated=True)
+    ys, hs = norm_linear(x, g, 1e-6, w, b, residual, use_kernel=False)
+    assert torch.equal(h, hs)
+    two = silu_and_mul(ys)
+    assert (y.float() - two.float()).abs().max() <= 0.02 * two.float().abs().max()
