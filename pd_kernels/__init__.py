@@ -12,7 +12,9 @@ The Triton kernels (not re-exported here, so importing this package never needs 
 with its torch twin: `pd_kernels.paged_decode` (the decode attention over the paged cache, with
 the step's rotary and cache write in a plain decode step, used by `pd.model.attention` on
 CUDA), `pd_kernels.rms_norm`, `pd_kernels.rope_cache`, `pd_kernels.activation` (the decode layer's fused
-elementwise steps), `pd_kernels.skinny_linear` (the linear layers' product at up to 64 rows) and
+elementwise steps), `pd_kernels.skinny_linear` (the linear layers' product at up to 64 rows,
+with the gated MLP's SiLU-and-multiply as its epilogue), `pd_kernels.norm_linear` (RMSNorm as
+that product's prologue) and
 `pd_kernels.argmax` (greedy sampling inside the decode graphs); `pd_kernels.triton_support` says when
 they run and how they are launched back to back (programmatic dependent launch).
 """

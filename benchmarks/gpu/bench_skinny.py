@@ -7,7 +7,7 @@ programmatic dependent launch, with each call's weight prefetch overlapping the 
 The closing table is what `SHAPES` takes.
 
 With --prologues instead: the embedded model's products that follow a norm, with the norm as
-the kernel's prologue (`pd_kernels.skinny_linear.norm_linear`) against the two kernels it replaces
+the kernel's prologue (`pd_kernels.norm_linear`) against the two kernels it replaces
 (the norm, then the product), each in a CUDA graph of its launches back to back (the model's
 weights fit in L2, as in its decode step): what `PROLOGUE_SHAPES` takes.
 
@@ -30,7 +30,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_decode import graph_time  # noqa: E402
 
 from pd_kernels.rms_norm import rms_norm  # noqa: E402
-from pd_kernels.skinny_linear import norm_linear, row_bucket, skinny_linear  # noqa: E402
+from pd_kernels.norm_linear import norm_linear  # noqa: E402
+from pd_kernels.skinny_linear import row_bucket, skinny_linear  # noqa: E402
 
 SHAPES = {"qkv": (3072, 2048), "o_proj": (2048, 2048), "gate_up": (16384, 2048),
           "down": (2048, 8192), "lm_head": (128256, 2048)}

@@ -14,8 +14,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from pd_kernels.activation import silu_and_mul
+from pd_kernels.norm_linear import norm_linear
 from pd_kernels.rms_norm import rms_norm
-from pd_kernels.skinny_linear import norm_linear, skinny_linear
+from pd_kernels.skinny_linear import skinny_linear
 from pd.model import parallel
 from pd.model.context import get_context
 
@@ -45,7 +46,7 @@ class RMSNorm(nn.Module):
     """`forward(x)` -> normed x; `forward(x, residual)` -> (normed x + residual, x + residual),
     the residual add fused into the norm (`pd_kernels.rms_norm`, a Triton kernel on CUDA);
     `into(linear weight, bias, x, residual, rows)`: the norm and the product after it,
-    (product, residual stream), one kernel where `pd_kernels.skinny_linear.norm_linear` fuses
+    (product, residual stream), one kernel where `pd_kernels.norm_linear.norm_linear` fuses
     them."""
 
     def __init__(self, dim: int, eps: float) -> None:

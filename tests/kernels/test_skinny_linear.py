@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from pd_kernels.activation import silu_and_mul
+from pd_kernels.norm_linear import norm_linear
 from pd_kernels.rms_norm import rms_norm
-from pd_kernels.skinny_linear import (MAX_ROWS, gated_config, norm_linear, row_bucket,
-                                      skinny_linear, use_skinny)
+from pd_kernels.skinny_linear import MAX_ROWS, gated_config, row_bucket, skinny_linear, use_skinny
 from tests.kernels.interpreter import run_interpreted
 
 CUDA = torch.cuda.is_available()
@@ -104,7 +104,7 @@ def test_kernel_refuses_too_many_rows():
 
 PROLOGUES = """
 import torch
-from pd_kernels import skinny_linear as sk
+from pd_kernels import norm_linear as nl
 from pd_kernels.rms_norm import rms_norm_ref
 torch.manual_seed(0)
 for m, n, k in [(1, 96, 200), (5, 100, 300), (20, 64, 130)]:
@@ -112,7 +112,7 @@ for m, n, k in [(1, 96, 200), (5, 100, 300), (20, 64, 130)]:
     table, rows = torch.randn(50, k), torch.randint(0, 50, (m,))
     for x, residual, index in [(torch.randn(m, k), None, None), (torch.randn(m, k), torch.randn(m, k), None),
                                (table, None, rows), (table, torch.randn(50, k), rows)]:
-        y, h = sk.norm_linear(x, g, 1e-6, w, None, residual, index, use_kernel=True)
+        y, h = nl.norm_linear(x, g, 1e-6, w, None, residual, index, use_kernel=True)
         stream = x if index is None else x[index]
         if residual is not None:
             stream = stream + (residual if index is None else residual[index])
@@ -162,6 +162,7 @@ def test_prologue_against_two_kernels(m, n, k):
 GATED = """
 import torch
 from pd_kernels import skinny_linear as sk
+from pd_kernels.norm_linear import norm_linear
 from pd_kernels.rms_norm import rms_norm_ref
 torch.manual_seed(0)
 for m, n, k, config, bias in [(1, 48, 200, (16, 64, 1, 2, 4), True), (5, 50, 300, (32, 64, 1, 2, 4), False),
@@ -176,8 +177,8 @@ for m, n, k, config, bias in [(1, 48, 200, (16, 64, 1, 2, 4), True), (5, 50, 300
         alone = sk.skinny_linear(x[m - 1:], w, b, use_kernel=True, config=config, gated=True)
         assert torch.equal(alone[0], y[m - 1]), (m, config)
     g, residual = torch.rand(k) + 0.5, torch.randn(m, k)
-    y, h = sk.norm_linear(x, g, 1e-6, w, b, residual, use_kernel=True, config=(2 * config[0], *config[1:]),
-                          gated=True)
+    y, h = norm_linear(x, g, 1e-6, w, b, residual, use_kernel=True, config=(2 * config[0], *config[1:]),
+                       gated=True)
     assert torch.equal(h, x + residual)
     prod = torch.nn.functional.linear(rms_norm_ref(h, g, 1e-6).double(), w.double(),
                                       None if b is None else b.double())
