@@ -63,6 +63,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "may run its kernels on (1-100; CUDA_MPS_ACTIVE_THREAD_PERCENTAGE in its "
                         "environment alone), so that a long prefill leaves the rest to the decode "
                         "steps beside it (default: all of them)")
+    g.add_argument("--prefill-low-priority", action="store_true",
+                   help="with --mps: each prefill node an MPS client of below-normal priority "
+                        "(CUDA_MPS_CLIENT_PRIORITY=1 in its environment alone), the decode "
+                        "nodes' of normal priority: a hint to the GPU to schedule a decode step's "
+                        "kernels ahead of a prefill's running beside it (default: every node "
+                        "normal)")
     g.add_argument("--prefill-num-blocks", type=int, default=None,
                    help="KV blocks of each prefill node, when they should differ from the decode "
                         "nodes' --num-blocks (a prefill node holds only prompts in flight and its "
@@ -103,12 +109,19 @@ def node_args(args: argparse.Namespace, names: tuple[str, ...]) -> list[str]:
     return out
 
 
-def sm_share(mps_env: dict | None, percent: int | None) -> dict | None:
-    """A node's environment under the launch's MPS daemon, limited to `percent` of the GPU's
-    multiprocessors where given (the MPS client's own limit, read when its CUDA context starts)."""
-    if mps_env is None or percent is None:
+def prefill_mps_env(mps_env: dict | None, percent: int | None,
+                    low_priority: bool = False) -> dict | None:
+    """A prefill node's environment under the launch's MPS daemon: limited to `percent` of the
+    GPU's multiprocessors where given, a client of below-normal priority with `low_priority`
+    (the MPS client's own settings, read when its CUDA context starts)."""
+    if mps_env is None or (percent is None and not low_priority):
         return mps_env
-    return {**mps_env, "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": str(percent)}
+    env = dict(mps_env)
+    if percent is not None:
+        env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = str(percent)
+    if low_priority:
+        env["CUDA_MPS_CLIENT_PRIORITY"] = "1"
+    return env
 
 
 def main(args: argparse.Namespace) -> int:
@@ -128,6 +141,10 @@ def main(args: argparse.Namespace) -> int:
                                                 or not 1 <= args.prefill_sm_percent <= 100):
         print(f"pd launch: error: --prefill-sm-percent {args.prefill_sm_percent}: a share from 1 "
               "to 100, with --mps", file=sys.stderr)
+        return 1
+    if args.prefill_low_priority and not args.mps:
+        print("pd launch: error: --prefill-low-priority is an MPS client priority: it needs --mps",
+              file=sys.stderr)
         return 1
     try:  # the router's port, before any key or node is made, held until the router binds it
         # NOTE: held, not only checked: the nodes' own ports (port 0) and connections could
@@ -179,7 +196,7 @@ def _main(args: argparse.Namespace) -> int:
     if args.prefill_tensor_parallel_size:
         prefill_blocks += ["--tensor-parallel-size", str(args.prefill_tensor_parallel_size)]
 
-    prefill_env = sm_share(mps_env, args.prefill_sm_percent)
+    prefill_env = prefill_mps_env(mps_env, args.prefill_sm_percent, args.prefill_low_priority)
 
     def stop_all() -> None:
         for node in nodes:  # NOTE: every node drains at once, then each is waited for

@@ -78,10 +78,20 @@ def test_launch_refuses_a_prefill_share_without_mps_or_out_of_range(tiny_model_d
     assert "--prefill-sm-percent" in err and "node" not in err
 
 
-def test_the_prefill_share_limits_only_the_environment_it_is_given_to():
-    from pd.cli.launch import sm_share
+def test_the_prefill_share_and_priority_change_only_the_environment_they_are_given_to():
+    from pd.cli.launch import prefill_mps_env
 
     mps_env = {"CUDA_MPS_PIPE_DIRECTORY": "/p", "CUDA_MPS_LOG_DIRECTORY": "/l"}
-    assert sm_share(mps_env, None) is mps_env and sm_share(None, 50) is None
-    assert sm_share(mps_env, 40) == {**mps_env, "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "40"}
-    assert "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE" not in mps_env
+    assert prefill_mps_env(mps_env, None) is mps_env and prefill_mps_env(None, 50, True) is None
+    assert prefill_mps_env(mps_env, 40) == {**mps_env, "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "40"}
+    assert prefill_mps_env(mps_env, None, True) == {**mps_env, "CUDA_MPS_CLIENT_PRIORITY": "1"}
+    assert prefill_mps_env(mps_env, 50, True) == {**mps_env, "CUDA_MPS_CLIENT_PRIORITY": "1",
+                                                  "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "50"}
+    assert mps_env == {"CUDA_MPS_PIPE_DIRECTORY": "/p", "CUDA_MPS_LOG_DIRECTORY": "/l"}
+
+
+def test_launch_refuses_a_prefill_priority_without_mps(tiny_model_dir, capsys):
+    assert main(["launch", "--model", str(tiny_model_dir), "--device", "cuda",
+                 "--prefill-low-priority"]) == 1
+    err = capsys.readouterr().err
+    assert "--prefill-low-priority" in err and "--mps" in err and "node" not in err
