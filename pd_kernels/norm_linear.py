@@ -59,7 +59,8 @@ def norm_linear(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: 
     residual stream after the add, what the next norm adds; the product into `out` when given.
     One kernel where `prologue_config` has a configuration (or `use_kernel`; `config`
     overrides), else `pd_kernels.rms_norm` and `skinny_linear`; the same rounding. `gated`:
-    `silu_and_mul` of the product in place of it (`skinny_linear`'s `gated`)."""
+    `silu_and_mul` of the product in place of it (`skinny_linear`'s `gated`), in the same
+    launch where `gated_config` halves the plain product's configuration (which `config` is)."""
     m, k = (x.shape[0] if rows is None else rows.shape[0]), x.shape[1]
     if use_kernel is None:
         config = config or prologue_config(m, weight, x)

@@ -289,7 +289,8 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     `config` (BN, BK, SPLITS, STAGES, warps) overrides the table's, for the benchmark.
     `gated`: the weight is a gated MLP's gate rows then up rows and the result [M, N / 2] is
     `silu_and_mul` of the product, its SiLU and product in the kernel's epilogue where
-    `gated_config` has a configuration (else the product, then `silu_and_mul`)."""
+    `gated_config` has a configuration (else the product, then `silu_and_mul`); a `config`
+    given is then the gated launch's own (BN columns of gate and of up each)."""
     if gated:
         if use_kernel is None:
             config = config or _gated_kernel_config(x, weight, x.shape[0])
