@@ -6,9 +6,10 @@
 #   then each tier through the transport's API), decode attention, the skinny product vs cuBLAS,
 #   decode/prefill vs floors and HF (and without the skinny kernel, and with SiLU as its own
 #   kernel), where a prefill's time goes, CUDA graphs vs eager, the decode step's kernels and
-#   host time (profiler), overlap on/off (parity of 64 requests, sync check, throughput and step gap), MTP on/off (graphed,
-#   overlap on/off, logprobs; the norms apart from the products: PD_PROLOGUE=0, and the fused
-#   products timed alone) and the MTP machinery on the 1B shape, the token-logprob kernels,
+#   host time (profiler), overlap on/off (parity of 64 requests, sync check, throughput and
+#   step gap), MTP on/off (graphed, overlap on/off, logprobs; the norms apart from the
+#   products: PD_PROLOGUE=0, and the fused products timed alone) and the MTP machinery on the
+#   1B shape, the token-logprob kernels,
 #   structured output's cost and where a JSON step's time goes (host and device on one clock;
 #   grammars on the GPU: the same tokens as transformers' masked logits). Logs go to $OUT (or
 #   ./out) and one table each to stdout.
