@@ -68,10 +68,13 @@ def check_products(device: torch.device, dtype: torch.dtype, shapes=SHAPES,
         bad = ~torch.isclose(got, want, rtol=RTOL, atol=ATOL)
         if bool(bad.any()):
             share = _mps_share()
+            finite = bool(torch.isfinite(got).all())
+            how = (f"by up to {float((got - want).abs().max()):.3g}" if finite
+                   else f"{int((~torch.isfinite(got)).sum())} of them NaN or infinite")
             raise DeviceCheckError(
                 f"{device}: a {str(dtype).removeprefix('torch.')} matrix product [{rows}, {k}] x "
                 f"[{k}, {n}] computed wrong on this GPU ({int(bad.sum())} of {bad.numel()} values "
-                f"off, by up to {float((got - want).abs().max()):.3g}), so this process would "
+                f"off, {how}), so this process would "
                 f"produce wrong tokens; "
                 + (f"it runs under MPS limited to {share}% of the multiprocessors "
                    "(CUDA_MPS_ACTIVE_THREAD_PERCENTAGE), where cuBLAS's 16-bit products have "

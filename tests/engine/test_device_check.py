@@ -35,6 +35,16 @@ def test_one_value_wrong_by_a_unit_is_refused_and_says_what_to_do(monkeypatch):
         check_products(CPU, torch.bfloat16, SMALL, linear=off_by_one_in_a_corner)
 
 
+def test_a_nan_is_refused_and_named_as_such():
+    def one_nan(x, w):
+        y = F.linear(x, w)
+        y[0, 0] = float("nan")
+        return y
+
+    with pytest.raises(DeviceCheckError, match=r"1 of 1536 values off, 1 of them NaN or infinite"):
+        check_products(CPU, torch.bfloat16, SMALL, linear=one_nan)
+
+
 def test_rounding_to_16_bits_is_not_an_error():
     def rounded_twice(x, w):  # the output's rounding, then as much again
         y = F.linear(x.float(), w.float())
