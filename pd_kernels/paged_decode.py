@@ -15,6 +15,9 @@ same arithmetic (so the same bits):
 - one program per (sequence, KV head) (`whole`, from `WHOLE_PROGRAMS` programs per
   multiprocessor), at large batch, where there are programs enough: it walks the splits,
   the next one's loads in flight while it folds the last, and writes nothing but the output.
+A sequence's KV heads run in neighbouring programs (`HEADS_FIRST`): their keys and values share
+each token's row of the cache, read at about the same time (3-4% faster at batch 64 and up on an
+H100 than a KV head's sequences side by side; the launch order changes no bit).
 The split never depends on the batch, so a sequence's output does not depend on the batch it is
 in (batch-invariant). Everything is on the current stream and capturable
 in a CUDA graph (shapes depend only on the batch and the block-table width). Writing the step's
@@ -123,11 +126,16 @@ def _kernel():
                       G: tl.constexpr, GP: tl.constexpr, BLOCK: tl.constexpr, D: tl.constexpr,
                       TILE: tl.constexpr, SUB: tl.constexpr, STAGES: tl.constexpr,
                       IEEE: tl.constexpr, WHOLE: tl.constexpr, ROPE: tl.constexpr,
-                      HAS_INDEX: tl.constexpr, PDL: tl.constexpr):
+                      HAS_INDEX: tl.constexpr, HEADS_FIRST: tl.constexpr, PDL: tl.constexpr):
         if PDL:  # see pd_kernels.triton_support.pdl_options
             gdc_wait()
             gdc_launch_dependents()
-        b, h, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        if HEADS_FIRST:  # a sequence's KV heads in neighbouring programs
+            h, b, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+            kv_heads = tl.num_programs(0)
+        else:
+            b, h, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+            kv_heads = tl.num_programs(1)
         n = tl.load(lens_ptr + b)
         rows = tl.arange(0, GP)
         cols = tl.arange(0, D)
@@ -202,7 +210,7 @@ def _kernel():
         # same arithmetic over the same partials in split order, the arithmetic of WHOLE:
         # batch-invariant
         tl.debug_barrier()
-        counter = count_ptr + b * tl.num_programs(1) + h
+        counter = count_ptr + b * kv_heads + h
         if tl.atomic_add(counter, 1, sem="acq_rel") == splits - 1:
             tl.atomic_xchg(counter, 0)
             for s2 in tl.range(0, splits, num_stages=3):
@@ -218,6 +226,7 @@ def _kernel():
 
 WHOLE_PROGRAMS = 1  # programs per multiprocessor from which `whole` is the default
 WHOLE_STAGES = 2  # splits in flight in a `whole` program
+HEADS_FIRST = True  # launch order: a sequence's KV heads in neighbouring programs (3-4% faster)
 
 _COUNTS: dict[torch.device, torch.Tensor] = {}
 
@@ -273,7 +282,8 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  use_kernel: bool | None = None, num_warps: int | None = None,
                  sub_tokens: int | None = None, stages: int | None = None,
                  split_tokens: int = SPLIT_TOKENS, whole: bool | None = None,
-                 rope: tuple | None = None, table_rows: int = 1) -> torch.Tensor:
+                 rope: tuple | None = None, table_rows: int = 1,
+                 heads_first: bool | None = None) -> torch.Tensor:
     """Decode attention (see the module docstring); the kernel on CUDA, else the twin.
     Every sequence must have context_lens >= 1 and block_tables wide enough for it.
     `rope` = (k, v, cos, sin, slot_mapping), one row per sequence (a plain decode step, where no
@@ -289,9 +299,10 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     pipelining of those loads (of the splits, with `whole` and a split loaded at once; 1, or
     WHOLE_STAGES with `whole`),
     `split_tokens` the keys per split, `whole` one program per sequence and KV head (the
-    default from `WHOLE_PROGRAMS`). Each choice of the others is one fixed order of work, so
-    each is batch-invariant; they differ from each other in rounding. `whole` does not change
-    the result: a sequence's splits are folded in the same order either way."""
+    default from `WHOLE_PROGRAMS`), `heads_first` the launch order (default `HEADS_FIRST`).
+    Each choice of the others is one fixed order of work, so each is batch-invariant; they
+    differ from each other in rounding. `whole` and `heads_first` do not change the result: a
+    sequence's splits are folded in the same order either way."""
     if use_kernel is None:
         use_kernel = can_use_kernel(q, k_cache)
     if not use_kernel:
@@ -352,7 +363,10 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                              f"{tuple(q.shape)}")
     else:
         k = v = cos = sin = slots = q  # unread
-    _kernel()[(num_seqs, kv_heads, 1 if whole else splits)](
+    if heads_first is None:
+        heads_first = HEADS_FIRST
+    grid = (kv_heads, num_seqs) if heads_first else (num_seqs, kv_heads)
+    _kernel()[(*grid, 1 if whole else splits)](
         q, k_cache, v_cache, block_tables, context_lens, acc, m, s,
         _counts(q.device, num_seqs * kv_heads), out, k, v, cos, sin,
         index if index is not None else slots, slots, scale, table_rows,
@@ -363,7 +377,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         G=group, GP=max(16, 1 << (group - 1).bit_length()), BLOCK=block, D=head_dim,
         TILE=per_split * block, SUB=sub_tokens or per_split * block, STAGES=stages,
         IEEE=q.dtype == torch.float32, WHOLE=whole, ROPE=rope is not None,
-        HAS_INDEX=index is not None,
+        HAS_INDEX=index is not None, HEADS_FIRST=heads_first,
         num_warps=num_warps or (4 if per_split * block * head_dim <= 8192 else 8),
         enable_fp_fusion=False,  # NOTE: no fma, so the fold rounds alike in memory and registers
         **pdl_options(q))

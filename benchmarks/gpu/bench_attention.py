@@ -25,11 +25,13 @@ from pd.model.context import build_context, forward_context  # noqa: E402
 
 KV_HEADS, GROUP, HEAD_DIM, BLOCK = 8, 4, 64, 16
 # (keys per split, keys loaded at once, pipelining stages, warps, one program per sequence and
-# KV head) of the kernel, timed alone after the table (the first two are the defaults below and
-# above `WHOLE_PROGRAMS`: 128-key splits, each as one tile, 4 warps)
-VARIANTS = ((128, 128, 1, 4, False), (128, 128, 2, 4, True), (128, 128, 3, 4, True),
-            (128, 64, 2, 4, True), (128, 128, 1, 4, True), (128, 64, 2, 4, False),
-            (256, 128, 2, 4, False))
+# KV head, a sequence's KV heads in neighbouring programs) of the kernel, timed alone after the
+# table (the first two are the defaults below and above `WHOLE_PROGRAMS`: 128-key splits, each
+# as one tile, 4 warps)
+VARIANTS = ((128, 128, 1, 4, False, False), (128, 128, 2, 4, True, False),
+            (128, 128, 1, 4, False, True), (128, 128, 2, 4, True, True),
+            (128, 128, 3, 4, True, True), (128, 64, 3, 4, True, True),
+            (128, 64, 2, 4, True, False), (128, 128, 2, 8, True, True), (256, 128, 2, 4, False, False))
 
 
 def main() -> None:
@@ -37,7 +39,8 @@ def main() -> None:
     torch.cuda.empty_cache()
     print(f"{torch.cuda.get_device_name()}: copy {copy_bw / 1e9:.0f} GB/s (read + write)")
     print(f"{'batch':>5} {'context':>7} | {'triton us':>9} {'GB/s':>6} | {'torch us':>9} {'GB/s':>6} | "
-          f"speedup | kernel alone, us, (keys per split, keys at once, stages, warps, whole) = "
+          f"speedup | kernel alone, us, (keys per split, keys at once, stages, warps, whole, "
+          f"heads first) = "
           + " ".join(str(v) for v in VARIANTS))
     for batch, ctx_len in ((1, 544), (1, 8192), (8, 1024), (64, 544), (64, 2048), (256, 1024)):
         per_seq = -(-ctx_len // BLOCK)
@@ -60,12 +63,12 @@ def main() -> None:
 
         times = {}
         for variant in VARIANTS:  # the kernel alone in each variant, beside the chosen one
-            split, sub, stages, warps, whole = variant
+            split, sub, stages, warps, whole, first = variant
             times[variant] = graph_time(
-                lambda split=split, sub=sub, stages=stages, warps=warps, whole=whole: paged_decode(
-                    q, k, v, ctx.block_tables, ctx.context_lens, HEAD_DIM ** -0.5,
-                    use_kernel=True, num_warps=warps, sub_tokens=sub, stages=stages,
-                    split_tokens=split, whole=whole), 50)
+                lambda split=split, sub=sub, stages=stages, warps=warps, whole=whole, first=first:
+                paged_decode(q, k, v, ctx.block_tables, ctx.context_lens, HEAD_DIM ** -0.5,
+                             use_kernel=True, num_warps=warps, sub_tokens=sub, stages=stages,
+                             split_tokens=split, whole=whole, heads_first=first), 50)
         for mode in ("triton", "torch"):
             os.environ["PD_ATTENTION"] = mode
             times[mode] = graph_time(run, 50)

@@ -78,7 +78,8 @@ def test_kernel_equals_twin(dtype, tol, num_seqs, kv_heads, group, head_dim, max
 @pytest.mark.parametrize("sub_tokens,stages", [(None, 1), (None, 2), (64, 2), (32, 3)])
 def test_whole_programs_equal_split_programs_bit_for_bit(dtype, sub_tokens, stages):
     """One program per sequence and KV head folds the splits as the split programs' last one
-    does: the same bits, for one split, a few and many, whichever the batch picks."""
+    does: the same bits, for one split, a few and many, whichever the batch picks, and in
+    either launch order."""
     q, k_cache, v_cache, tables, lens = case(11, 40, 8, 4, 64, 16, 2500, dtype, "cuda")
     lens[:3] = [1, 128, 129]  # one key, exactly one split, one key into the second
     lens_t = torch.tensor(lens, device="cuda")
@@ -87,6 +88,10 @@ def test_whole_programs_equal_split_programs_bit_for_bit(dtype, sub_tokens, stag
     split = paged_decode(q, k_cache, v_cache, bt, lens_t, 64 ** -0.5, whole=False, **kw)
     whole = paged_decode(q, k_cache, v_cache, bt, lens_t, 64 ** -0.5, whole=True, **kw)
     assert torch.equal(split, whole)
+    for first in (False, True):  # either launch order, the same bits
+        for way in (False, True):
+            assert torch.equal(split, paged_decode(q, k_cache, v_cache, bt, lens_t, 64 ** -0.5,
+                                                   whole=way, heads_first=first, **kw))
 
 
 def rope_inputs(seed: int, num_seqs: int, kv_heads: int, head_dim: int, dtype, device: str):
@@ -207,8 +212,11 @@ for seed, (ns, kvh, g, d, ml) in enumerate([(5, 2, 4, 32, 400), (3, 2, 3, 32, 26
     for kw in ({"whole": True}, {"whole": True, "sub_tokens": 32, "stages": 2}):
         other = pd_.paged_decode(q, kc, vc, bt, lt, d ** -0.5, use_kernel=True, **kw)
         assert (other - want).norm() / want.norm() < 1e-5, (seed, lens, kw)
+    for first in (False, True):  # the launch order does not change a bit
+        assert torch.equal(got, pd_.paged_decode(q, kc, vc, bt, lt, d ** -0.5, use_kernel=True,
+                                                 whole=True, heads_first=first)), (seed, first)
     assert torch.equal(got, pd_.paged_decode(q, kc, vc, bt, lt, d ** -0.5, use_kernel=True,
-                                             whole=True)), seed
+                                             whole=False, heads_first=True)), seed
     for b in range(ns):
         alone = pd_.paged_decode(q[b:b + 1], kc, vc, padded([tables[b]], "cpu", 200), lt[b:b + 1],
                                  d ** -0.5, use_kernel=True, whole=False)
