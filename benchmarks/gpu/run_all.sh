@@ -109,12 +109,15 @@ TAIL=6 step serving_one_router python3 benchmarks/bench_serving.py --device cuda
 TAIL=7 step serving_8_workers python3 benchmarks/bench_serving.py --device cuda --synthetic-1b \
     --num-prompts 1024 --router-workers 8 --client-processes 4 --launch-args=--mps --no-engine
 # the serving goal's rows in turn, with the engine alone in each: MPS, the prefill at 50% of the
-# multiprocessors, the prefill as a client of below-normal priority
+# multiprocessors, the prefill as a client of below-normal priority, both; the client in eight
+# processes (each under a third of a core, so that its reading stays out of the gaps it measures)
 serve_64() { python3 benchmarks/bench_serving.py --device cuda --synthetic-1b --num-prompts 1024 \
-    --router-workers 8 --client-processes 4 "$@"; }
-TAIL=7 step serving_mps serve_64 --launch-args=--mps
-TAIL=7 step serving_mps_sm50 serve_64 "--launch-args=--mps --prefill-sm-percent 50"
-TAIL=7 step serving_mps_low_priority serve_64 "--launch-args=--mps --prefill-low-priority"
+    --router-workers 8 --client-processes 8 "$@"; }
+TAIL=9 step serving_mps serve_64 --launch-args=--mps
+TAIL=9 step serving_mps_sm50 serve_64 "--launch-args=--mps --prefill-sm-percent 50"
+TAIL=9 step serving_mps_low_priority serve_64 "--launch-args=--mps --prefill-low-priority"
+TAIL=9 step serving_mps_sm50_low_priority serve_64 \
+    "--launch-args=--mps --prefill-sm-percent 50 --prefill-low-priority"
 TAIL=7 step serving_256 python3 benchmarks/bench_serving.py --device cuda --synthetic-1b \
     --concurrency 256 --num-prompts 1536 --router-workers 4 --client-processes 4
 fi
