@@ -349,8 +349,10 @@ class Intake:
         INCOMING_STATES.move(inc, IncomingState.JOINED)
         req = inc.req
         req.num_computed_tokens = req.num_prompt_tokens
+        # NOTE: the received blocks join the prefix cache from the decode loop's steps, a
+        # bounded number of block hashes a step (`pd.engine.prefix.HASHES_PER_STEP`): a burst
+        # of requests joining at once does not stall every stream while their prompts hash
         req.num_registered_blocks = inc.num_cached
-        self.scheduler.register(req)  # the received blocks join the prefix cache
         self.owner.join(req, inc.reply_to)
         self.metrics.join_seconds.observe(now - inc.first_token_at)
 

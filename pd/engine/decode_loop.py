@@ -278,7 +278,8 @@ class DecodeLoop(SpecSteps, GrammarSteps):
         self.prev_done = f.out
         emitted = []
         prefix = self.scheduler.prefix
-        if prefix is not None:  # prompt chunks that sample nothing yet
+        if prefix is not None:  # prompt chunks that sample nothing yet (hashed at launch)
+            prefix.new_step()
             for req, row in f.members.items():
                 if row < 0 and req.status is ReqStatus.RUNNING:
                     prefix.register(req)
@@ -307,7 +308,7 @@ class DecodeLoop(SpecSteps, GrammarSteps):
                     done = req.num_registered_blocks * prefix.block_size
                     if (req.num_computed_tokens >= done + prefix.block_size
                             and done < len(req.prompt_token_ids)):
-                        prefix.register(req)
+                        prefix.register(req, True)
                 reason = req.check_stop(self.max_model_len)
                 if reason is not None:
                     self.finish(req, reason, nxt)

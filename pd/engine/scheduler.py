@@ -218,6 +218,8 @@ class Scheduler:
         finish = finish or self.finish
         finished = []
         prefix, running, max_len = self.prefix, ReqStatus.RUNNING, self.max_model_len
+        if prefix is not None:
+            prefix.new_step()
         # NOTE: per request every step: locals, no property calls; the prefix cache is called
         # once a prompt block fills (`prompt_block_due`, inlined)
         for i, (req, n) in enumerate(zip(batch.reqs, batch.num_new_tokens)):
@@ -235,7 +237,7 @@ class Scheduler:
             if prefix is not None:
                 done = req.num_registered_blocks * prefix.block_size
                 if computed >= done + prefix.block_size and done < len(req.prompt_token_ids):
-                    prefix.register(req)
+                    prefix.register(req, True)
             reason = res.finish_reason
             if reason is None and req.grammar is not None and req.grammar.terminated:
                 reason = FinishReason.STOP  # its stop token taken with ignore_eos, or refused

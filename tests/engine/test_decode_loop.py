@@ -7,6 +7,7 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
 
 from pd.config import EngineConfig
 from pd.engine.engine import Engine
@@ -204,3 +205,52 @@ def test_env_var(value, disabled):
 def test_env_var_refuses_garbage():
     with pytest.raises(ValueError, match="PD_DISABLE_OVERLAP"):
         overlap_disabled_by_env({"PD_DISABLE_OVERLAP": "maybe"})
+
+
+def join(engine, prompts, max_tokens, seed):
+    """Requests joining the running batch with their KV computed elsewhere (as a decode node's
+    do: prompt KV in their blocks, the first token known, no block registered yet)."""
+    gen = torch.Generator().manual_seed(seed)
+    kv = engine.runner.kv_cache.kv
+    reqs = []
+    for i, prompt in enumerate(prompts):
+        r = Req(f"j{i}", prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0,
+                                                ignore_eos=True))
+        r.append_token(7 + i)
+        r.block_ids = engine.allocator.allocate(engine.scheduler.blocks_needed(r, r.num_tokens))
+        shape = (kv.shape[0], 2, len(r.block_ids)) + tuple(kv.shape[3:])
+        kv[:, :, r.block_ids] = torch.randn(shape, generator=gen).to(kv.dtype)
+        r.num_computed_tokens = len(prompt)
+        engine.scheduler.add_running(r)
+        reqs.append(r)
+    return reqs
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_joined_prompts_register_a_bounded_number_of_blocks_a_step(model, eos, overlap,
+                                                                    monkeypatch):
+    """Six requests joining at once with 6 full prompt blocks each: their blocks join the prefix
+    cache at most 8 a step (`HASHES_PER_STEP`, made small), all of them within 5 steps, and
+    the tokens are those of a loop that registers them in one step."""
+    rng = random.Random(3)
+    prompts = [[rng.randrange(3, 500) for _ in range(100)] for _ in range(6)]
+    outputs = []
+    for per_step in (8, 1000):
+        monkeypatch.setattr("pd.engine.prefix.HASHES_PER_STEP", per_step)
+        engine, loop = make_loop(model, eos, overlap)
+        reqs = join(engine, prompts, 12, seed=5)
+        blocks = [r.block_ids[:6] for r in reqs]
+        registered = []
+        while loop.has_work:
+            loop.step()
+            registered.append(sum(r.num_registered_blocks for r in reqs))
+        loop.close()
+        engine.allocator.check_integrity()
+        if overlap:  # its first call launches the first step and processes none
+            assert registered[0] == 0
+            registered = registered[1:]
+        assert registered[:5] == ([8, 16, 24, 32, 36] if per_step == 8 else [36] * 5), registered
+        for r, held in zip(reqs, blocks):  # the prompt blocks stay cached after the requests left
+            assert engine.allocator.match(engine.scheduler.prefix.hashes(r)[:6]) == held
+        outputs.append([r.output_token_ids for r in reqs])
+    assert outputs[0] == outputs[1]

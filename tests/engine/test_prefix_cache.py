@@ -251,3 +251,31 @@ def test_abort_mid_prefill_leaves_the_cache_whole(tiny_model_dir, workload):
     ref = LLM(tiny_model_dir, num_blocks=64, enable_prefix_caching=False)
     assert llm.generate([long], GREEDY)[0].token_ids == ref.generate([long], GREEDY)[0].token_ids
     assert engine.prefix.stats.hits >= 16
+
+
+def test_bounded_registration_spreads_hashing_over_steps(monkeypatch):
+    """A decode step hashes at most HASHES_PER_STEP prompt blocks for its requests (`bounded`);
+    the rest follow in the steps after; unbounded registration takes every computed block."""
+    monkeypatch.setattr("pd.engine.prefix.HASHES_PER_STEP", 6)
+    a = BlockAllocator(64, caching=True)
+    cache = PrefixCache(a, 4, "test")
+    reqs = []
+    for i in range(2):
+        r = req(str(i), [100 * i + t for t in range(41)])  # 10 full blocks
+        r.block_ids = a.allocate(11)
+        r.num_computed_tokens = 41
+        reqs.append(r)
+    cache.new_step()
+    for r in reqs:
+        cache.register(r, True)
+    assert [r.num_registered_blocks for r in reqs] == [6, 0]
+    assert [len(r.block_hashes) for r in reqs] == [6, 0]  # hashed no further than registered
+    cache.new_step()
+    for r in reqs:
+        cache.register(r, True)
+    assert [r.num_registered_blocks for r in reqs] == [10, 2]
+    cache.register(reqs[1])  # unbounded (a request leaving): the rest at once
+    assert reqs[1].num_registered_blocks == 10
+    for r in reqs:
+        assert a.match(chain_hashes(r.token_ids, 4, cache.root)) == r.block_ids[:10]
+    a.check_integrity()
