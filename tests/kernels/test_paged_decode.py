@@ -86,9 +86,7 @@ def test_whole_programs_equal_split_programs_bit_for_bit(dtype, sub_tokens, stag
     bt = padded(tables, "cuda", width=max(map(len, tables)) + 7)
     kw = dict(use_kernel=True, sub_tokens=sub_tokens, stages=stages)
     split = paged_decode(q, k_cache, v_cache, bt, lens_t, 64 ** -0.5, whole=False, **kw)
-    whole = paged_decode(q, k_cache, v_cache, bt, lens_t, 64 ** -0.5, whole=True, **kw)
-    assert torch.equal(split, whole)
-    for first in (False, True):  # either launch order, the same bits
+    for first in (False, True):  # either launch order, the same bits (whole or split)
         for way in (False, True):
             assert torch.equal(split, paged_decode(q, k_cache, v_cache, bt, lens_t, 64 ** -0.5,
                                                    whole=way, heads_first=first, **kw))
