@@ -4,7 +4,7 @@ they join the running batch (or fail), on the KV ingest socket.
 Per request, from one prefill node, in order:
   RequestMeta (blocks reserved, or queued until free; KVAccept sent once reserved) ->
   FIRST_TOKEN (forwarded to the router) -> KV records (installed) -> KVDone -> KVAck sent, the
-  request joins the batch (once its records' copies have completed: see below).
+  request joins the batch (once its records' copies have completed: `decode_node.landing`).
 A prefill node sends RequestMeta as the request's prefill starts, so the blocks are reserved and
 KVAccept is on its way while it runs: KVAccept may precede FIRST_TOKEN, and the KV follows the
 first token at once.
@@ -21,12 +21,8 @@ gets an error and the prefill node a KVRefuse. Every record's request id must na
 the state that expects it, from the peer that announced it; anything else is refused and
 counted. The intake talks to its node only through `IntakeOwner`.
 
-A record's copy into this node's blocks (`shm_ipc.kv.install_kv`) runs on side streams (on the
-CPU, a thread of its own) and nothing waits for it while the node decodes: the record's ring
-space is held until its copy has completed (`KVReceiver.hold`), and a request whose KVDone
-arrives while its last copy still runs waits in LANDING until it has (`land`, before every
-step), so no step reads blocks being written and no step waits for a transfer. While nothing
-is decoding the intake waits for the copies at once.
+From KVAccept on, the records' installs, KVDone and the request's joining the batch are
+`decode_node.landing.Landing`'s, mixed in here.
 """
 
 from __future__ import annotations
@@ -36,9 +32,8 @@ import time
 from collections import deque
 from typing import Protocol
 
-import torch
-
 from decode_node.incoming import INCOMING_STATES, Incoming, IncomingState
+from decode_node.landing import Landing
 from pd.engine.engine import Engine
 from pd.engine.request import Req
 from pd.service import metrics as node_metrics
@@ -48,7 +43,6 @@ from pd.wire.geometry import mismatch
 from pd.wire.sampling_params import SamplingParams
 from shm_ipc.cuda_ipc import export as export_kv
 from shm_ipc.header import Flag
-from shm_ipc.kv import block_bytes, install_kv, installed, payload_tensor, record_block_ids
 from shm_ipc.kv import prepare as prepare_kv_copies
 from shm_ipc.receiver import KVReceiver, PeerGone
 from shm_ipc.records import AbortRecord, FirstTokenRecord, KVRecord, TokensRecord
@@ -79,14 +73,14 @@ class IntakeOwner(Protocol):
     def abort(self, req_id: str, peer: bytes | None = None) -> None: ...
 
 
-class Intake:
+class Intake(Landing):
     def __init__(self, owner: IntakeOwner, engine: Engine, receiver: KVReceiver, metrics, *,
                  max_queue: int, kv_timeout: float) -> None:
         self.owner, self.engine, self.receiver, self.metrics = owner, engine, receiver, metrics
         self.scheduler, self.allocator = engine.scheduler, engine.allocator
         self.max_queue, self.kv_timeout = max_queue, kv_timeout
         prepare_kv_copies(engine.runner.kv_cache.kv)  # the first transfer compiles nothing
-        self.num_kv_records = 0  # KV records installed (`on_socket` waits for new ones)
+        self.num_kv_records = 0  # `Landing`'s
         self.geometry = engine.geometry(mtp_enabled=engine.spec is not None)
         self.peers: dict[bytes, str] = {}  # paired prefill nodes: identity -> node id
         # tensor parallelism: each record is handed out to the ranks by heads (`install_tp`)
@@ -97,7 +91,7 @@ class Intake:
         self.fenced: dict[str, Incoming] = {}  # dropped direct requests a peer may still write
         self.incoming: dict[str, Incoming] = {}
         self.waiting_blocks: deque[Incoming] = deque()
-        self.landing: deque[Incoming] = deque()  # LANDING, in KVDone order
+        self.landing: deque[Incoming] = deque()  # `Landing`'s
         # first tokens read and not yet sent on: reply_to -> requests (`flush_first_tokens`)
         self.first_tokens: dict[str, list[Req]] = {}
 
@@ -129,23 +123,6 @@ class Intake:
         if self.first_tokens:
             batch, self.first_tokens = self.first_tokens, {}
             self.owner.send_first_tokens(batch)
-
-    def land(self, wait: bool = False) -> None:
-        """Join the LANDING requests whose copies have completed (in KVDone order), and give
-        back the ring space of records whose copies have; `wait` (nothing decodes): for every
-        copy first."""
-        if wait and (self.landing or self.receiver.num_held):
-            kv = self.engine.runner.kv_cache.kv
-            installed(kv)
-            if self.tp is not None and kv.is_cuda:  # its installs run on this thread's stream
-                torch.cuda.current_stream(kv.device).synchronize()
-        while self.landing and (self.landing[0].state is not IncomingState.LANDING
-                                or self.landing[0].fence.query()):
-            inc = self.landing.popleft()
-            if inc.state is IncomingState.LANDING:
-                self.join_incoming(inc)
-        if self.receiver.num_held:
-            self.receiver.release()
 
     def dispatch(self, peer: bytes, item) -> None:
         if isinstance(item, dict):
@@ -288,73 +265,6 @@ class Intake:
             ids = req.block_ids[len(hit):inc.num_blocks] if inc.direct else None
             self.receiver.send_control(inc.peer, m.to_dict(m.KVAccept(req.req_id, len(hit), ids)))
             inc.accepted_at = time.perf_counter()
-
-    def on_kv(self, inc: Incoming, rec: KVRecord) -> None:
-        if inc.direct:
-            raise m.MessageError(f"KV record for {inc.req.req_id}, whose KV is written directly")
-        if rec.block_start + rec.num_blocks > inc.num_blocks - inc.num_cached:
-            raise m.MessageError(f"KV record for {inc.req.req_id} beyond its "
-                                 f"{inc.num_blocks - inc.num_cached} uncached blocks")
-        try:
-            if self.tp is not None:
-                fence = self.install_tp(rec, inc.req.block_ids[inc.num_cached:])
-            else:
-                fence = install_kv(rec, self.engine.runner.kv_cache.kv,
-                                   inc.req.block_ids[inc.num_cached:], wait=False)
-        except ValueError as e:
-            raise m.MessageError(str(e)) from None
-        if fence is not None:
-            inc.fence = fence
-            self.receiver.hold(inc.peer, fence, rec.ring_pos)
-        inc.num_records += 1
-        inc.kv_bytes += rec.payload.nbytes
-        self.num_kv_records += 1
-        self.metrics.kv_received_bytes(self.receiver.tier(inc.peer)).inc(rec.payload.nbytes)
-
-    def install_tp(self, rec: KVRecord, dst_block_ids: list[int]):
-        """Install a record, which carries every KV head, across the tensor-parallel ranks:
-        each takes its heads. Its fence (`Mirror.install_kv`): None when done on return."""
-        kv = self.engine.runner.kv_cache.kv
-        heads = kv.shape[4] * self.tp.size
-        whole = torch.empty((*kv.shape[:4], heads, kv.shape[5]), dtype=kv.dtype, device="meta")
-        return self.tp.install_kv(kv, payload_tensor(rec, whole), rec.layer_start, rec.layer_end,
-                                  record_block_ids(rec, dst_block_ids))
-
-    def on_kv_done(self, peer: bytes, msg: m.KVDone) -> None:
-        inc = self.expect(peer, msg.req_id, IncomingState.RECEIVING)
-        if not inc.first_token_at:
-            raise m.MessageError(f"KVDone for request {msg.req_id!r} before its FIRST_TOKEN")
-        if inc.num_records != msg.num_records:
-            self.fail(inc, f"KV incomplete: {inc.num_records} of {msg.num_records} records arrived")
-            return
-        self.receiver.send_control(peer, m.to_dict(m.KVAck(msg.req_id)))
-        if inc.fence is not None and not inc.fence.query():
-            INCOMING_STATES.move(inc, IncomingState.LANDING)
-            self.landing.append(inc)
-            return
-        self.join_incoming(inc)
-
-    def join_incoming(self, inc: Incoming) -> None:
-        """The request's KV is all in its blocks: it joins the running batch."""
-        tier = "ipc" if inc.direct else self.receiver.tier(inc.peer)
-        if inc.direct:
-            kv = self.engine.runner.kv_cache.kv
-            inc.kv_bytes = (inc.num_blocks - inc.num_cached) * block_bytes(kv)
-            self.metrics.kv_received_bytes(tier).inc(inc.kv_bytes)
-        # the transfer starts once the blocks are reserved and the prefill is done
-        now = time.perf_counter()
-        self.metrics.kv_transfer_seconds(tier).observe(now - max(inc.accepted_at, inc.first_token_at))
-        self.metrics.kv_transfer_bytes(tier).observe(inc.kv_bytes)
-        del self.incoming[inc.req.req_id]
-        INCOMING_STATES.move(inc, IncomingState.JOINED)
-        req = inc.req
-        req.num_computed_tokens = req.num_prompt_tokens
-        # NOTE: the received blocks join the prefix cache from the decode loop's steps, a
-        # bounded number of block hashes a step (`pd.engine.prefix.HASHES_PER_STEP`): a burst
-        # of requests joining at once does not stall every stream while their prompts hash
-        req.num_registered_blocks = inc.num_cached
-        self.owner.join(req, inc.reply_to)
-        self.metrics.join_seconds.observe(now - inc.first_token_at)
 
     def on_peer_gone(self, peer: bytes, reason: str) -> None:
         self.peers.pop(peer, None)

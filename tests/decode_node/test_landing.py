@@ -1,7 +1,7 @@
 """The decode node's intake while it decodes (issue: decode never waits for KV): a record's copy
 into the node's blocks is not waited for; a request whose KVDone arrives while its last copy
 still runs waits in LANDING, out of the batch, until that copy has completed, then joins
-(`Intake.land`, before every step); an abort or timeout while LANDING waits for the copy before
+(`Landing.land`, before every step); an abort or timeout while LANDING waits for the copy before
 freeing the blocks it writes; a prefill node gone while one of its requests lands does not fail
 it (all its KV arrived). A stand-in fence (what a CUDA event, or a CPU copy's `CopyDone`, is to
 the intake: `query`, `synchronize`) says when each copy completes. The e2e PD tests run the
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 
-import decode_node.intake as intake_module
+import decode_node.landing as landing_module
 from pd.engine.decode_loop import DecodeLoop
 from pd.wire import messages as m
 from shm_ipc.kv import unit_bytes
@@ -25,14 +25,14 @@ from tests.decode_node.test_direct_kv import RING_PEER, hand_over, node, replies
 def busy(node, monkeypatch):  # noqa: F811
     """The node decoding (its loop has work) and every install giving a fence of its own."""
     fences = []
-    real = intake_module.install_kv
+    real = landing_module.install_kv
 
     def install(*args, **kwargs):
         real(*args, **kwargs)
         fences.append(Fence())
         return fences[-1]
 
-    monkeypatch.setattr(intake_module, "install_kv", install)
+    monkeypatch.setattr(landing_module, "install_kv", install)
     monkeypatch.setattr(DecodeLoop, "has_work", property(lambda self: True))
     node.fences = fences
     return node
@@ -54,7 +54,7 @@ def test_a_request_lands_before_it_joins(busy):
     hand_over(busy, RING_PEER, "r", direct=False)
     send_kv(busy, "r")
     inc = busy.intake.incoming["r"]
-    assert inc.state is intake_module.IncomingState.LANDING and inc.fence is busy.fences[-1]
+    assert inc.state is landing_module.IncomingState.LANDING and inc.fence is busy.fences[-1]
     assert replies(busy, RING_PEER, m.KVAck)  # the prefill node may free its blocks
     assert "r" not in running(busy) and busy.has_work()
     busy.intake.land()
