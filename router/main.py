@@ -20,7 +20,7 @@ from aiohttp import web
 
 from pd.wire import security
 from router.backend import Backend
-from router.policy import POLICIES
+from router.policies import POLICIES
 from router.config import ServerConfig
 from router.server import RouterServer
 from router.tool_calls import PARSERS
@@ -66,7 +66,7 @@ def add_router_arguments(p, with_nodes: bool = True) -> None:
                        help="prefill nodes' control addresses")
         p.add_argument("--decode", nargs="+", type=_address, default=[], metavar="HOST:PORT",
                        help="decode nodes' control addresses")
-    p.add_argument("--policy", choices=POLICIES, default="load",
+    p.add_argument("--policy", choices=tuple(POLICIES), default="load",
                    help="node choice: 'load' (prefill: least outstanding prefill tokens; decode: "
                         "most free KV blocks; power of two choices among equals), "
                         "'round_robin', 'random', or 'cache_aware' (the node most likely to "

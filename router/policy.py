@@ -8,7 +8,8 @@ address order; `random` draws uniformly; `cache_aware` (`cache_aware.py`) sends 
 its prompt's prefix is cached, balanced against load. `exclude` names nodes to avoid (a retry
 after a failed prefill); when it leaves none, every given node is a candidate again. Callers pass
 healthy nodes only and handle an empty list, and tell the policy when a request ends
-(`finished`): the cache-aware policy learns what each decode node holds from it.
+(`finished`): the cache-aware policy learns what each decode node holds from it. Each is built by
+its name (`router.policies.make_policy`).
 """
 
 from __future__ import annotations
@@ -18,8 +19,6 @@ from abc import ABC, abstractmethod
 from typing import Collection, Sequence
 
 from router.registry import Node
-
-POLICIES = ("load", "round_robin", "random", "cache_aware")
 
 
 class Policy(ABC):
@@ -93,16 +92,3 @@ class RandomPolicy(Policy):
 
     def _pick_decode(self, nodes: list[Node], prompt_ids: Sequence[int] = ()) -> Node:
         return self.rng.choice(nodes)
-
-
-def make_policy(name: str, seed: int | None = None, **options) -> Policy:
-    """The policy `name`; `options` are the cache-aware policy's thresholds (ignored by the
-    others)."""
-    from router.cache_aware import CacheAwarePolicy
-
-    classes = {"load": LoadPolicy, "round_robin": RoundRobinPolicy, "random": RandomPolicy}
-    if name == "cache_aware":
-        return CacheAwarePolicy(seed, **options)
-    if name not in classes:
-        raise ValueError(f"unknown policy {name!r}; choose one of {', '.join(POLICIES)}")
-    return classes[name](seed)

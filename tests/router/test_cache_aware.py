@@ -9,7 +9,7 @@ import random
 import pytest
 
 from router.cache_aware import CacheAwarePolicy, PrefixIndex, chunk_hashes
-from router.policy import make_policy
+from router.policies import make_policy
 from router.registry import Node, NodeLoad, Role
 
 

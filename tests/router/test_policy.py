@@ -6,7 +6,7 @@ from collections import Counter
 
 import pytest
 
-from router.policy import make_policy
+from router.policies import make_policy
 from router.registry import NodeLoad, NodeRegistry
 
 
