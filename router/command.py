@@ -23,21 +23,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="a node silent this long is taken out; its requests end (default: 3)")
 
 
-def make_backend(args: argparse.Namespace, prefill: list[str], decode: list[str]):
-    from pd.config import ModelConfig
-    from router.zmq_backend import ZmqBackend
-
-    context = ModelConfig.from_dir(args.model).max_context_len
-    options = {}
-    if args.policy == "cache_aware":
-        options = dict(cache_threshold=args.cache_threshold, balance_abs=args.balance_abs_threshold,
-                       balance_rel=args.balance_rel_threshold)
-    return ZmqBackend(prefill, decode, policy=args.policy, policy_options=options,
-                      max_model_len=min(args.max_model_len or context, context),
-                      heartbeat_interval=args.heartbeat_interval,
-                      heartbeat_timeout=args.heartbeat_timeout)
-
-
 def main(args: argparse.Namespace) -> int:
     from pd.service.flags import model_dir
     from pd.wire.security import configure_from_args
@@ -59,5 +44,7 @@ def main(args: argparse.Namespace) -> int:
         except KeyboardInterrupt:
             pass
         return 0
+    from router.zmq_backend import make_backend
+
     run(args, make_backend(args, args.prefill, args.decode))
     return 0

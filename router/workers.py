@@ -117,7 +117,7 @@ def _worker(args: argparse.Namespace, prefill: list[str], decode: list[str], ind
     from pd.service.procs import _die_with_parent, freeze_heap
     from pd.text.tokenizer import Tokenizer
     from pd.wire.security import configure_from_args
-    from router.command import make_backend
+    from router.zmq_backend import make_backend
     from router.main import run_loop, server_config, start, wait_healthy
     from router.server import RouterServer
 

@@ -13,6 +13,7 @@ The policy picks a (P, D) pair per request.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import logging
 import time
@@ -22,6 +23,7 @@ from typing import AsyncIterator
 import zmq
 import zmq.asyncio
 
+from pd.config import ModelConfig
 from pd.service.trace import trace
 from pd.wire import messages as m
 from pd.wire import security
@@ -29,7 +31,7 @@ from pd.wire.refusals import RefusalLog
 from router.backend import Backend, BackendUnavailable, GenerateRequest, TokenEvent
 from router.metrics import (BACKEND_RETRIES, FIRST_TOKEN_NODES, MESSAGES_REFUSED,
                             ROUTING_DECISIONS)
-from router.policy import make_policy
+from router.policies import make_policy
 from router.registry import Node, NodeRegistry, Role
 
 log = logging.getLogger(__name__)
@@ -320,3 +322,17 @@ class ZmqBackend(Backend):
             # NOTE: an error may come from one node (or from a node going down); the other may
             # still hold the request's blocks, so it is aborted there too.
             self._end(flight, abort=not finished or failed, prompt_len=len(req.prompt_ids))
+
+
+def make_backend(args: argparse.Namespace, prefill: list[str], decode: list[str]) -> ZmqBackend:
+    """The backend of a router started with `args` (`pd router`'s flags, as `pd launch` and
+    each router worker have them) over these nodes."""
+    context = ModelConfig.from_dir(args.model).max_context_len
+    options = {}
+    if args.policy == "cache_aware":
+        options = dict(cache_threshold=args.cache_threshold, balance_abs=args.balance_abs_threshold,
+                       balance_rel=args.balance_rel_threshold)
+    return ZmqBackend(prefill, decode, policy=args.policy, policy_options=options,
+                      max_model_len=min(args.max_model_len or context, context),
+                      heartbeat_interval=args.heartbeat_interval,
+                      heartbeat_timeout=args.heartbeat_timeout)

@@ -242,7 +242,7 @@ def _main(args: argparse.Namespace) -> int:
 
 def run_router(args: argparse.Namespace, prefill: list[str], decode: list[str], nodes) -> None:
     from pd.text.tokenizer import Tokenizer
-    from router.command import make_backend
+    from router.zmq_backend import make_backend
     from router.main import run_loop, server_config, start, wait_healthy
     from router.server import RouterServer
 
