@@ -26,7 +26,7 @@ import torch
 from shm_ipc.kv import install_kv, installed
 from shm_ipc.receiver import KVReceiver
 from shm_ipc.records import KVRecord
-from shm_ipc.transport import make_transport
+from shm_ipc.tiers import make_transport
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "gpu"))
 from bench_kv import BLOCK, HEAD_DIM, HEADS, LAYERS, cache as kv_cache  # noqa: E402

@@ -196,7 +196,7 @@ def bench_memcpy(size: int, count: int) -> float:
 # ---- FIRST_TOKEN latency ------------------------------------------------------------------------
 def latency_producer(endpoint: str, mode: str, n: int, topk: int) -> None:
     from shm_ipc.records import FirstTokenRecord
-    from shm_ipc.transport import make_transport
+    from shm_ipc.tiers import make_transport
     tx = make_transport(endpoint, f"bench-{mode}-{os.getpid()}", mode=mode, ring_bytes=1 << 20)
     top = [(1000 + i, -0.1 * i) for i in range(topk)]
     sent = []

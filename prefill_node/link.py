@@ -42,7 +42,7 @@ from shm_ipc.errors import TransportError
 from shm_ipc.header import Flag
 from shm_ipc.kv import block_bytes
 from shm_ipc.records import AbortRecord, FirstTokenRecord, TokensRecord
-from shm_ipc.transport import make_transport
+from shm_ipc.tiers import make_transport
 
 log = logging.getLogger(__name__)
 

@@ -1,4 +1,4 @@
-"""The sending side of the KV transport (prefill node P -> decode node D), and its choice.
+"""The sending side of the KV transport (prefill node P -> decode node D).
 
 `Transport` is one interface with two implementations: `ShmTransport` (same host: records in a
 shared-memory ring, doorbell on ZMQ) and `ZmqTransport` (across hosts: ZMQ data frames). Both
@@ -11,19 +11,15 @@ and records in the order they were sent. Frames from P, told apart by the first 
 
 D answers on the same connection with control messages only. No send blocks: past `send_hwm`
 messages queued unsent (D gone or not reading, a link down a long while) a send raises
-`TransportError`, and the caller fails what it was sending. `make_transport` picks shm when
-the endpoint's host is this host (mode "auto"), or what `mode`/PD_KV_TRANSPORT says. The
-receiving side is `receiver.py`; what the control messages say is the node services' business.
+`TransportError`, and the caller fails what it was sending. Which one connects to an endpoint
+is `tiers.py`'s choice (`make_transport`). The receiving side is `receiver.py`; what the control
+messages say is the node services' business.
 """
 
 from __future__ import annotations
 
 import abc
-import ipaddress
-import os
-import socket
 import time
-from urllib.parse import urlsplit
 
 import torch
 import zmq
@@ -36,7 +32,6 @@ from .kv import dtype_name, plan_chunks, unit_bytes
 from .records import Record
 
 DEFAULT_MAX_RECORD = 16 << 20
-MODES = ("auto", "shm", "zmq")
 
 
 class Transport(abc.ABC):
@@ -127,46 +122,4 @@ class Transport(abc.ABC):
         self.close()
 
 
-def is_local(endpoint: str) -> bool:
-    """True when `endpoint` (tcp://host:port, ipc://..., inproc://...) is on this host."""
-    parts = urlsplit(endpoint)
-    if parts.scheme in ("ipc", "inproc"):
-        return True
-    host = parts.hostname or ""
-    if host in ("localhost", "*", "") or host == socket.gethostname():
-        return True
-    try:
-        addrs = {ai[4][0] for ai in socket.getaddrinfo(host, None)}
-    except OSError:
-        return False
-    local = {"0.0.0.0", "::"}
-    try:
-        local |= {ai[4][0] for ai in socket.getaddrinfo(socket.gethostname(), None)}
-    except OSError:
-        pass
-    return any(ipaddress.ip_address(a.split("%")[0]).is_loopback or a in local for a in addrs)
-
-
-def choose_mode(endpoint: str, mode: str | None = None) -> str:
-    """'shm' or 'zmq' for `endpoint`: `mode`, else PD_KV_TRANSPORT, else auto."""
-    mode = mode or os.environ.get("PD_KV_TRANSPORT", "auto")
-    if mode not in MODES:
-        raise ValueError(f"KV transport mode {mode!r}: choose one of {', '.join(MODES)}")
-    if mode == "auto":
-        return "shm" if is_local(endpoint) else "zmq"
-    return mode
-
-
-def make_transport(endpoint: str, instance_id: str, mode: str | None = None, **kw) -> Transport:
-    """Connect P's transport to D's kv-ingest `endpoint`; `kw` go to the implementation."""
-    chosen = choose_mode(endpoint, mode)
-    if chosen == "shm":
-        from .shm_transport import ShmTransport
-        return ShmTransport(endpoint, instance_id, **kw)
-    from .zmq_transport import ZmqTransport
-    kw.pop("ring_bytes", None)
-    kw.pop("timeout", None)
-    return ZmqTransport(endpoint, instance_id, **kw)
-
-
-__all__ = ["Transport", "TransportError", "make_transport", "choose_mode", "is_local"]
+__all__ = ["Transport", "TransportError", "DEFAULT_MAX_RECORD"]

@@ -8,7 +8,7 @@ import time
 from shm_ipc.kv import install_kv
 from shm_ipc.receiver import KVReceiver
 from shm_ipc.records import KVRecord
-from shm_ipc.transport import make_transport
+from shm_ipc.tiers import make_transport
 
 
 def collect(rx: KVReceiver, n: int, kv_dst=None, dst_ids=None, timeout: float = 20) -> list:

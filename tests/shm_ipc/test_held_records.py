@@ -10,7 +10,7 @@ import torch
 
 from shm_ipc.kv import install_kv, plan_chunks, unit_bytes
 from shm_ipc.records import KVRecord
-from shm_ipc.transport import make_transport
+from shm_ipc.tiers import make_transport
 
 from fence import Fence
 

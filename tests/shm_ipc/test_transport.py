@@ -22,7 +22,8 @@ from shm_ipc.metrics import refused_count
 from shm_ipc.receiver import PeerGone
 from shm_ipc.records import AbortRecord, FirstTokenRecord, TokensRecord
 from shm_ipc.segment import SHM_DIR
-from shm_ipc.transport import Transport, choose_mode, is_local, make_transport
+from shm_ipc.tiers import choose_mode, is_local, make_transport
+from shm_ipc.transport import Transport
 
 from linked import attached_ring, collect
 from shm_peer import spawn_peer
