@@ -33,7 +33,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import numpy as np  # noqa: E402
 
-from pd.cli import bench as pd_bench  # noqa: E402
+from pd.cli.bench_run import new_message  # noqa: E402
 from pd.config import default_model_dir  # noqa: E402
 from pd.service.client import NodeClient  # noqa: E402
 from pd.service.procs import Launch  # noqa: E402
@@ -136,7 +136,7 @@ def multi_turn(args) -> None:
     for caching in ("off", "on"):
         lau = launch(args, *(() if caching == "on" else ("--no-enable-prefix-caching",)))
         rng = np.random.default_rng(3)
-        texts = [pd_bench.new_message(tok, rng, args.first_turn_len) for _ in range(args.conversations)]
+        texts = [new_message(tok, rng, args.first_turn_len) for _ in range(args.conversations)]
         rows = []
         try:
             with NodeClient() as client, ThreadPoolExecutor(args.conversations) as pool:
@@ -156,7 +156,7 @@ def multi_turn(args) -> None:
                     all_blocks = sum(-(-p // BS) for p in ptoks)
                     rows.append((sum(ptoks), sent, all_blocks, new_blocks))
                     prev_tokens = [p + o["usage"]["completion_tokens"] for p, o in zip(ptoks, outs)]
-                    texts = [t + o["choices"][0]["text"] + pd_bench.new_message(tok, rng, args.input_len)
+                    texts = [t + o["choices"][0]["text"] + new_message(tok, rng, args.input_len)
                              for t, o in zip(texts, outs)]
         finally:
             lau.stop()

@@ -47,7 +47,7 @@ def split(args: argparse.Namespace, prompts: list, n: int) -> list[tuple[argpars
 
 
 def _client(index: int, args: argparse.Namespace, prompts: list, barrier, results) -> None:
-    from pd.cli.bench import load_tokenizer, run
+    from pd.cli.bench_run import load_tokenizer, run
     from router.main import run_loop
 
     start = []
@@ -65,7 +65,7 @@ def _client(index: int, args: argparse.Namespace, prompts: list, barrier, result
 
 
 def run_processes(args: argparse.Namespace, prompts: list, n: int) -> tuple[list, float, str]:
-    """`pd.cli.bench.run` over `n` processes: (outputs in prompt order, duration, model)."""
+    """`pd.cli.bench_run.run` over `n` processes: (outputs in prompt order, duration, model)."""
     ctx = mp.get_context("spawn")  # NOTE: not fork: the tokenizer's threads may be running
     parts = split(args, prompts, n)
     barrier, results = ctx.Barrier(n), ctx.Queue()
