@@ -27,10 +27,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from pd.engine.engine import Engine
     from pd.wire.security import check_bind, configure_from_args
-    from pd.text.tokenizer import Tokenizer
-    from prefill_node.node import PrefillNode
 
     configure_from_args(args)
     check_bind(args.host, args.insecure)
@@ -39,6 +36,11 @@ def main(args: argparse.Namespace) -> int:
         print("pd prefill: error: --transport ipc writes into one cache; a node with "
               "--tensor-parallel-size > 1 sends KV by the ring (shm) or zmq", file=sys.stderr)
         return 2
+    # NOTE: imported after the checks: a refusal answers before torch is loaded (2 s)
+    from pd.engine.engine import Engine
+    from pd.text.tokenizer import Tokenizer
+    from prefill_node.node import PrefillNode
+
     limit_host_threads(cfg)
     engine = Engine(cfg, eos_token_ids=Tokenizer.from_dir(cfg.model).eos_token_ids,
                     num_speculative_tokens=args.num_speculative_tokens)
