@@ -25,17 +25,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
+    from pd.config import ModelConfig
     from pd.wire.security import check_bind, configure_from_args
 
     configure_from_args(args)
     check_bind(args.host, args.insecure)
+    cfg = engine_config(args)
+    ModelConfig.from_dir(cfg.model)  # a checkpoint pd would compute wrongly: refused here
     # NOTE: imported after the checks: a refusal answers before torch is loaded (2 s)
     from decode_node.node import DecodeNode
     from pd.engine.engine import Engine
     from pd.engine.decode_loop import overlap_disabled_by_env
     from pd.text.tokenizer import Tokenizer
 
-    cfg = engine_config(args)
     limit_host_threads(cfg)
     overlap = not (args.no_overlap or overlap_disabled_by_env(os.environ))
     engine = Engine(cfg, eos_token_ids=Tokenizer.from_dir(cfg.model).eos_token_ids,

@@ -27,6 +27,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
+    from pd.config import ModelConfig
     from pd.wire.security import check_bind, configure_from_args
 
     configure_from_args(args)
@@ -36,6 +37,7 @@ def main(args: argparse.Namespace) -> int:
         print("pd prefill: error: --transport ipc writes into one cache; a node with "
               "--tensor-parallel-size > 1 sends KV by the ring (shm) or zmq", file=sys.stderr)
         return 2
+    ModelConfig.from_dir(cfg.model)  # a checkpoint pd would compute wrongly: refused here
     # NOTE: imported after the checks: a refusal answers before torch is loaded (2 s)
     from pd.engine.engine import Engine
     from pd.text.tokenizer import Tokenizer

@@ -46,11 +46,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from pd.engine.llm import LLM
-    from pd.wire.sampling_params import SamplingParams
-
+    from pd.config import ModelConfig
     from pd.service.flags import model_dir
-    from pd.wire.sampling_params import generation_defaults
+    from pd.wire.sampling_params import SamplingParams, generation_defaults
+
+    # a checkpoint pd would compute wrongly: refused before torch is loaded
+    ModelConfig.from_dir(model_dir(args))
+    from pd.engine.llm import LLM
 
     try:
         # NOTE: pd generate is greedy unless the generation config or a flag says otherwise
