@@ -33,6 +33,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import numpy as np  # noqa: E402
 
+from pd.cli import bench as pd_bench  # noqa: E402
 from pd.cli.bench_run import new_message  # noqa: E402
 from pd.config import default_model_dir  # noqa: E402
 from pd.service.client import NodeClient  # noqa: E402
