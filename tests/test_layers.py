@@ -1,8 +1,7 @@
 """The house's structure, checked: imports run one way between layers (wire <- model <- engine <-
 service <- nodes <- cli), no two files of the project import each other in a cycle (imports inside
-functions included), the
-router never imports torch, and no installed distribution other than pd ships a top-level
-package of one of pd's names.
+functions included), the router never imports torch, and no installed distribution other than
+pd ships a top-level package of one of pd's names.
 
 Layers, lowest first (a file may import its own layer and those below):
   0 wire     pd.config, pd.wire, pd.text            torch-free types every process shares
