@@ -27,11 +27,14 @@ KV_HEADS, GROUP, HEAD_DIM, BLOCK = 8, 4, 64, 16
 # (keys per split, keys loaded at once, pipelining stages, warps, one program per sequence and
 # KV head, a sequence's KV heads in neighbouring programs) of the kernel, timed alone after the
 # table (the first two are the defaults below and above `WHOLE_PROGRAMS`: 128-key splits, each
-# as one tile, 4 warps)
+# as one tile, 4 warps); the last three, fewer warps a program: a tile's softmax reduced within
+# one or two warps, where four reduce across warps through shared memory and its barriers (the
+# batch-64 profile's stall)
 VARIANTS = ((128, 128, 1, 4, False, False), (128, 128, 2, 4, True, False),
             (128, 128, 1, 4, False, True), (128, 128, 2, 4, True, True),
             (128, 128, 3, 4, True, True), (128, 64, 3, 4, True, True),
-            (128, 64, 2, 4, True, False), (128, 128, 2, 8, True, True), (256, 128, 2, 4, False, False))
+            (128, 64, 2, 4, True, False), (128, 128, 2, 8, True, True), (256, 128, 2, 4, False, False),
+            (128, 128, 2, 2, True, True), (128, 64, 2, 2, True, True), (128, 32, 3, 1, True, True))
 
 
 def main() -> None:

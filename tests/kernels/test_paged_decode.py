@@ -177,7 +177,8 @@ def test_kernel_is_batch_invariant(dtype):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the Triton kernel needs a CUDA device")
 @pytest.mark.parametrize("sub_tokens,stages,warps", [(16, 2, 4), (32, 2, 4), (64, 2, 4),
-                                                     (64, 1, 8), (128, 1, 4)])
+                                                     (64, 1, 8), (128, 1, 4), (128, 2, 2),
+                                                     (64, 2, 2), (32, 3, 1)])
 def test_sub_tiles_equal_twin_and_stay_batch_invariant(sub_tokens, stages, warps):
     """Each of the benchmark's kernel variants (keys loaded `sub_tokens` at a time) against
     the twin, and a sequence alone against it in the batch, bit for bit."""
