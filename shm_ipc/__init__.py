@@ -3,9 +3,8 @@
 `header` (the uint32 header word), `segment`/`ring`/`doorbell` (shared-memory ring buffer),
 `records` (typed records), `kv` (cache <-> record helpers), `transport` (+ `shm_transport`,
 `zmq_transport`: the sending side; `tiers`: which one an endpoint gets) and `receiver` (the
-decode node's ingest). The transport
-modules import torch; import them by name (`from shm_ipc.tiers import make_transport`).
-What control messages mean is left to the node services.
+decode node's ingest). The transport modules import torch; import them by name (`from
+shm_ipc.tiers import make_transport`). What control messages mean is left to the node services.
 """
 
 from .errors import PeerGoneError, RingFullError, SegmentError, TransportError

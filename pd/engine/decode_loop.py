@@ -308,7 +308,7 @@ class DecodeLoop(SpecSteps, GrammarSteps):
                     done = req.num_registered_blocks * prefix.block_size
                     if (req.num_computed_tokens >= done + prefix.block_size
                             and done < len(req.prompt_token_ids)):
-                        prefix.register(req, True)
+                        prefix.register(req, bounded=True)
                 reason = req.check_stop(self.max_model_len)
                 if reason is not None:
                     self.finish(req, reason, nxt)

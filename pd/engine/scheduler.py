@@ -237,7 +237,7 @@ class Scheduler:
             if prefix is not None:
                 done = req.num_registered_blocks * prefix.block_size
                 if computed >= done + prefix.block_size and done < len(req.prompt_token_ids):
-                    prefix.register(req, True)
+                    prefix.register(req, bounded=True)
             reason = res.finish_reason
             if reason is None and req.grammar is not None and req.grammar.terminated:
                 reason = FinishReason.STOP  # its stop token taken with ignore_eos, or refused
