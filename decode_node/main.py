@@ -38,7 +38,7 @@ def main(args: argparse.Namespace) -> int:
     from pd.engine.decode_loop import overlap_disabled_by_env
     from pd.text.tokenizer import Tokenizer
 
-    limit_host_threads(cfg)
+    limit_host_threads(cfg, args.threads)
     overlap = not (args.no_overlap or overlap_disabled_by_env(os.environ))
     engine = Engine(cfg, eos_token_ids=Tokenizer.from_dir(cfg.model).eos_token_ids,
                     num_speculative_tokens=args.num_speculative_tokens)

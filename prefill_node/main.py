@@ -43,7 +43,7 @@ def main(args: argparse.Namespace) -> int:
     from pd.text.tokenizer import Tokenizer
     from prefill_node.node import PrefillNode
 
-    limit_host_threads(cfg)
+    limit_host_threads(cfg, args.threads)
     engine = Engine(cfg, eos_token_ids=Tokenizer.from_dir(cfg.model).eos_token_ids,
                     num_speculative_tokens=args.num_speculative_tokens)
     node = PrefillNode(

@@ -12,7 +12,7 @@ import json
 import sys
 import time
 
-from pd.service.flags import add_engine_arguments, engine_config
+from pd.service.flags import add_engine_arguments, engine_config, limit_host_threads
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -71,6 +71,8 @@ def main(args: argparse.Namespace) -> int:
             prompts = list(args.prompt)
         prompts = [p for p in prompts for _ in range(max(1, args.repeat))]
         cfg = engine_config(args)
+        if args.threads is not None:
+            limit_host_threads(cfg, args.threads)
         llm = LLM(cfg.model, num_speculative_tokens=args.num_speculative_tokens, **{k: getattr(cfg, k) for k in (
             "device", "dtype", "block_size", "num_blocks", "kv_cache_memory",
             "gpu_memory_fraction", "max_num_seqs", "max_num_batched_tokens", "max_model_len")})

@@ -40,7 +40,7 @@ log = logging.getLogger("pd.cli.launch")
 ENGINE_FLAGS = ("dtype", "device", "block_size", "num_blocks", "kv_cache_memory",
                 "gpu_memory_fraction", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
                 "log_level", "num_speculative_tokens", "enforce_eager", "enable_prefix_caching",
-                "tensor_parallel_size")
+                "tensor_parallel_size", "threads")
 NEGATABLE = ("enable_prefix_caching",)  # on by default: passed on as --no-... when off
 
 
@@ -107,6 +107,15 @@ def node_args(args: argparse.Namespace, names: tuple[str, ...]) -> list[str]:
         elif value is not None and value is not False:
             out += [f"--{name.replace('_', '-')}", str(value)]
     return out
+
+
+def cpu_share(num_nodes: int) -> int:
+    """Each of `num_nodes` CPU nodes' torch threads: this process's cores shared out (at least
+    one). On 2 cores, router, prefill and decode node each on one thread served 755-810 output
+    tokens/s against 544-670 with every node on both (`benchmarks/bench_serving.py`, the
+    embedded model, concurrency 16): a decode step's threads waited on the one another process
+    had taken off its core."""
+    return max(1, len(os.sched_getaffinity(0)) // max(1, num_nodes))
 
 
 def prefill_mps_env(mps_env: dict | None, percent: int | None,
@@ -185,6 +194,9 @@ def _main(args: argparse.Namespace) -> int:
             print(f"pd launch: error: {e}", file=sys.stderr)
             return 1
         print(f"MPS daemon for this launch: {mps.env['CUDA_MPS_PIPE_DIRECTORY']}", flush=True)
+    if args.threads is None and not args.device.startswith("cuda"):
+        args.threads = cpu_share(args.num_prefill + args.num_decode)
+        print(f"nodes on the CPU: {args.threads} torch threads each (--threads)", flush=True)
     common = ["--model", args.model, "--metrics-port", "0", *node_args(args, ENGINE_FLAGS)]
     if keys is not None:
         common += ["--curve-keys", keys.directory]

@@ -59,8 +59,20 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                         "heads, the KV heads and the intermediate size. A prefill node and a "
                         "decode node may have different N: KV crosses with every head "
                         "(default: 1)")
+    g.add_argument("--threads", type=_threads, default=None, metavar="N",
+                   help="torch's host threads in this process (default: 1 on CUDA, where a step's "
+                        "host tensors are small; every core on CPU, where `pd launch` shares the "
+                        "cores out among its nodes: threads spinning on a core another process "
+                        "holds cost more than they compute)")
     g.add_argument("--log-level", default="info",
                    choices=["debug", "info", "warning", "error"], help="log level (default: info)")
+
+
+def _threads(value: str) -> int:
+    n = int(value)
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"{value}: at least 1")
+    return n
 
 
 def model_dir(args: argparse.Namespace) -> str:
@@ -85,14 +97,18 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     )
 
 
-def limit_host_threads(cfg: EngineConfig) -> None:
-    """A node on a GPU runs torch on one host thread: its host tensors are a step's inputs, and
-    waking torch's thread pool for them costs more than it saves (a 40,960-int copy took 2 ms
-    on the H100 host's 16 threads, 13 us on one). A node on the CPU keeps every thread."""
-    if cfg.device.startswith("cuda"):
-        import torch  # noqa: PLC0415 (this module is imported before torch is needed)
+def limit_host_threads(cfg: EngineConfig, threads: int | None = None) -> None:
+    """torch's host threads (`--threads`): as given, else one on a GPU (its host tensors are a
+    step's inputs, and waking torch's thread pool for them costs more than it saves: a
+    40,960-int copy took 2 ms on the H100 host's 16 threads, 13 us on one), else every core.
+    Given or one, OMP_NUM_THREADS says it too, so tensor-parallel workers this process starts
+    share the same cores."""
+    if threads is None and not cfg.device.startswith("cuda"):
+        return
+    import torch  # noqa: PLC0415 (this module is imported before torch is needed)
 
-        torch.set_num_threads(1)
+    os.environ["OMP_NUM_THREADS"] = str(threads or 1)
+    torch.set_num_threads(threads or 1)
 
 
 def add_node_arguments(p: argparse.ArgumentParser, default_port: int) -> None:

@@ -52,6 +52,17 @@ def greedy_text(reference, prompt: str, max_tokens: int) -> str:
     return reference.generate([prompt], SamplingParams(max_tokens=max_tokens, temperature=0.0))[0].text
 
 
+def test_nodes_on_the_cpu_share_its_cores(server):
+    """`pd launch` on the CPU gives each of its two nodes half the cores (`--threads`)."""
+    share = max(1, len(os.sched_getaffinity(0)) // 2)
+    assert f"nodes on the CPU: {share} torch threads each" in server.output()
+    assert len(server.nodes) == 2
+    for node in server.nodes.values():
+        with open(f"/proc/{node['pid']}/cmdline", "rb") as f:
+            argv = f.read().split(b"\0")
+        assert argv[argv.index(b"--threads") + 1] == str(share).encode()
+
+
 def test_completion_equals_single_process_streamed_or_not(api, reference, model_name):
     for prompt in PROMPTS:
         want = greedy_text(reference, prompt, 24)
