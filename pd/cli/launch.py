@@ -111,8 +111,8 @@ def node_args(args: argparse.Namespace, names: tuple[str, ...]) -> list[str]:
 
 def cpu_share(num_nodes: int) -> int:
     """Each of `num_nodes` CPU nodes' torch threads: this process's cores shared out (at least
-    one). On 2 cores, router, prefill and decode node each on one thread served 755-810 output
-    tokens/s against 544-670 with every node on both (`benchmarks/bench_serving.py`, the
+    one). On 2 cores, a prefill and a decode node on one thread each served 810-812 output
+    tokens/s against 544-670 with both nodes on both cores (`benchmarks/bench_serving.py`, the
     embedded model, concurrency 16): a decode step's threads waited on the one another process
     had taken off its core."""
     return max(1, len(os.sched_getaffinity(0)) // max(1, num_nodes))
