@@ -196,7 +196,8 @@ def _main(args: argparse.Namespace) -> int:
         print(f"MPS daemon for this launch: {mps.env['CUDA_MPS_PIPE_DIRECTORY']}", flush=True)
     if args.threads is None and not args.device.startswith("cuda"):
         args.threads = cpu_share(args.num_prefill + args.num_decode)
-        print(f"nodes on the CPU: {args.threads} torch threads each (--threads)", flush=True)
+        print(f"nodes on the CPU: {args.threads} torch thread{'s' * (args.threads > 1)} each "
+              "(--threads)", flush=True)
     common = ["--model", args.model, "--metrics-port", "0", *node_args(args, ENGINE_FLAGS)]
     if keys is not None:
         common += ["--curve-keys", keys.directory]

@@ -55,7 +55,7 @@ def greedy_text(reference, prompt: str, max_tokens: int) -> str:
 def test_nodes_on_the_cpu_share_its_cores(server):
     """`pd launch` on the CPU gives each of its two nodes half the cores (`--threads`)."""
     share = max(1, len(os.sched_getaffinity(0)) // 2)
-    assert f"nodes on the CPU: {share} torch threads each" in server.output()
+    assert f"nodes on the CPU: {share} torch thread{'s' * (share > 1)} each" in server.output()
     assert len(server.nodes) == 2
     for node in server.nodes.values():
         with open(f"/proc/{node['pid']}/cmdline", "rb") as f:
