@@ -60,10 +60,11 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                         "decode node may have different N: KV crosses with every head "
                         "(default: 1)")
     g.add_argument("--threads", type=_threads, default=None, metavar="N",
-                   help="torch's host threads in this process (default: 1 on CUDA, where a step's "
-                        "host tensors are small; every core on CPU, where `pd launch` shares the "
-                        "cores out among its nodes: threads spinning on a core another process "
-                        "holds cost more than they compute)")
+                   help="torch's host threads of a process that runs the model (under `pd "
+                        "launch`: of each node; default: 1 on CUDA, where a step's host tensors "
+                        "are small; every core on CPU, where `pd launch` shares the cores out "
+                        "among its nodes: threads spinning on a core another process holds cost "
+                        "more than they compute)")
     g.add_argument("--log-level", default="info",
                    choices=["debug", "info", "warning", "error"], help="log level (default: info)")
 
