@@ -18,6 +18,7 @@ from pathlib import Path
 
 from aiohttp import web
 
+from pd.service.flags import at_least_one
 from pd.wire import security
 from router.backend import Backend
 from router.policies import POLICIES
@@ -31,12 +32,6 @@ def _address(value: str) -> str:
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
         raise argparse.ArgumentTypeError(f"{value!r} is not HOST:PORT")
     return value
-
-
-def _workers(value: str) -> int:
-    if not value.isdigit() or int(value) < 1:
-        raise argparse.ArgumentTypeError(f"{value!r} is not a number of processes (1 or more)")
-    return int(value)
 
 
 def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
@@ -118,7 +113,7 @@ def add_router_arguments(p, with_nodes: bool = True) -> None:
     p.add_argument("--max-connections", type=int, default=None,
                    help="open client connections at most; past it a new one is answered 503 "
                         "and closed (default: the open-file limit less 256)")
-    p.add_argument("--router-workers", type=_workers, default=1, metavar="N",
+    p.add_argument("--router-workers", type=at_least_one("processes"), default=1, metavar="N",
                    help="router processes sharing --port (the kernel spreads connections over "
                         "them, SO_REUSEPORT), for more streams than one process can write: "
                         "each admits its share of --max-running, --max-queue and "

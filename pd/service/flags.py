@@ -59,7 +59,7 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                         "heads, the KV heads and the intermediate size. A prefill node and a "
                         "decode node may have different N: KV crosses with every head "
                         "(default: 1)")
-    g.add_argument("--threads", type=_threads, default=None, metavar="N",
+    g.add_argument("--threads", type=at_least_one("threads"), default=None, metavar="N",
                    help="torch's host threads of a process that runs the model (under `pd "
                         "launch`: of each node; default: 1 on CUDA, where a step's host tensors "
                         "are small; every core on CPU, where `pd launch` shares the cores out "
@@ -69,11 +69,15 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                    choices=["debug", "info", "warning", "error"], help="log level (default: info)")
 
 
-def _threads(value: str) -> int:
-    n = int(value)
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"{value}: at least 1")
-    return n
+def at_least_one(noun: str):
+    """An argparse type: a count of 1 or more (`--threads`, the router's `--router-workers`),
+    else an error naming what it counts."""
+    def count(value: str) -> int:
+        if not value.isdigit() or int(value) < 1:
+            raise argparse.ArgumentTypeError(f"{value!r} is not a number of {noun} (1 or more)")
+        return int(value)
+
+    return count
 
 
 def model_dir(args: argparse.Namespace) -> str:

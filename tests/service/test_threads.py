@@ -46,7 +46,7 @@ def test_fewer_than_one_thread_is_refused(command, capsys):
     with pytest.raises(SystemExit) as e:
         build_parser(command).parse_args([command, "--threads", "0"])
     assert e.value.code == 2
-    assert "--threads: 0: at least 1" in capsys.readouterr().err
+    assert "--threads: '0' is not a number of threads (1 or more)" in capsys.readouterr().err
 
 
 def test_the_cores_are_shared_out_among_the_nodes():
