@@ -9,6 +9,10 @@ from __future__ import annotations
 import inspect
 import json
 import os
+import resource
+import shutil
+import sys
+import time
 from pathlib import Path
 from typing import Callable
 
@@ -43,3 +47,87 @@ def make_tiny_model(tmp_path_factory) -> Callable[..., Path]:
 @pytest.fixture(scope="session")
 def tiny_model_dir(make_tiny_model) -> Path:
     return make_tiny_model("llama", mtp=True)
+
+
+# -- the machine at the first failure ---------------------------------------------------------
+# A run on a CI machine can fail where it never does on a developer's: the first failing test's
+# report carries what the machine was like then, and the run's last lines repeat it.
+_first_failure: list[str] = []
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    report = yield
+    if report.failed and not _first_failure:
+        _first_failure.append(f"{report.nodeid} ({report.when})")
+        _first_failure.extend(machine_state())
+        report.sections.append(("the machine at the first failure", "\n".join(_first_failure[1:])))
+    return report
+
+
+def pytest_unconfigure(config):
+    if _first_failure:
+        print("\npd: the machine at the first failure, " + _first_failure[0] + ":\n  "
+              + "\n  ".join(_first_failure[1:]), file=sys.stderr)
+
+
+def _read(path: str) -> str:
+    try:
+        with open(path) as f:
+            return f.read().strip()
+    except OSError:
+        return "-"
+
+
+def machine_state() -> list[str]:
+    """Cores, memory, this process's files and threads, the processes left, /dev/shm, and
+    whether a ZMQ round trip on loopback works in this process (its shared context and a new
+    one)."""
+    mine = [p for p in os.listdir("/proc") if p.isdigit() and os.stat(f"/proc/{p}").st_uid == os.getuid()]
+    nodes = [p for p in mine if b" pd " in _read_bytes(f"/proc/{p}/cmdline").replace(b"\0", b" ")]
+    shm = shutil.disk_usage("/dev/shm")
+    mem = dict(line.split(":", 1) for line in _read("/proc/meminfo").splitlines() if ":" in line)
+    return [
+        f"cores {len(os.sched_getaffinity(0))}, cgroup cpu.max {_read('/sys/fs/cgroup/cpu.max')} "
+        f"(v1 quota {_read('/sys/fs/cgroup/cpu/cpu.cfs_quota_us')}), "
+        f"load {_read('/proc/loadavg')}",
+        f"memory available {mem.get('MemAvailable', '-').strip()}, cgroup pids "
+        f"{_read('/sys/fs/cgroup/pids.current')} of {_read('/sys/fs/cgroup/pids.max')}",
+        f"this process: {len(os.listdir('/proc/self/fd'))} files open of "
+        f"{resource.getrlimit(resource.RLIMIT_NOFILE)[0]}, {len(os.listdir('/proc/self/task'))} threads",
+        f"processes of this user {len(mine)}, pd commands among them {len(nodes)}",
+        f"/dev/shm {shm.used >> 20} MiB used of {shm.total >> 20}, "
+        f"{sum(n.startswith('pd_') for n in os.listdir('/dev/shm'))} pd entries",
+        f"zmq round trip: shared context {_zmq_round_trip(True)}, new context {_zmq_round_trip(False)}",
+    ]
+
+
+def _read_bytes(path: str) -> bytes:
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except OSError:
+        return b""
+
+
+def _zmq_round_trip(shared: bool) -> str:
+    import zmq  # noqa: PLC0415
+
+    ctx = zmq.Context.instance() if shared else zmq.Context()
+    a, b = ctx.socket(zmq.PAIR), ctx.socket(zmq.PAIR)
+    try:
+        port = a.bind_to_random_port("tcp://127.0.0.1")
+        b.connect(f"tcp://127.0.0.1:{port}")
+        t0 = time.monotonic()
+        b.send(b"ping")
+        if not a.poll(2000):
+            return "no answer in 2 s"
+        a.recv()
+        return f"ok in {1e3 * (time.monotonic() - t0):.1f} ms"
+    except zmq.ZMQError as e:
+        return f"failed: {e}"
+    finally:
+        a.close(linger=0)
+        b.close(linger=0)
+        if not shared:
+            ctx.term()
