@@ -82,24 +82,53 @@ def _read(path: str) -> str:
 def machine_state() -> list[str]:
     """Cores, memory, this process's files and threads, the processes left, /dev/shm, and
     whether a ZMQ round trip on loopback works in this process (its shared context and a new
-    one)."""
-    mine = [p for p in os.listdir("/proc") if p.isdigit() and os.stat(f"/proc/{p}").st_uid == os.getuid()]
-    nodes = [p for p in mine if b" pd " in _read_bytes(f"/proc/{p}/cmdline").replace(b"\0", b" ")]
-    shm = shutil.disk_usage("/dev/shm")
+    one); a line that cannot be read says why, and the others still come."""
+    lines = []
+    for what in (_cores, _memory, _this_process, _processes, _shm, _zmq):
+        try:
+            lines.append(what())
+        except Exception as e:  # noqa: BLE001 (a report of the machine must not fail the run)
+            lines.append(f"{what.__name__.strip('_')}: could not be read ({e!r})")
+    return lines
+
+
+def _cores() -> str:
+    return (f"cores {len(os.sched_getaffinity(0))}, cgroup cpu.max {_read('/sys/fs/cgroup/cpu.max')}"
+            f" (v1 quota {_read('/sys/fs/cgroup/cpu/cpu.cfs_quota_us')}), load {_read('/proc/loadavg')}")
+
+
+def _memory() -> str:
     mem = dict(line.split(":", 1) for line in _read("/proc/meminfo").splitlines() if ":" in line)
-    return [
-        f"cores {len(os.sched_getaffinity(0))}, cgroup cpu.max {_read('/sys/fs/cgroup/cpu.max')} "
-        f"(v1 quota {_read('/sys/fs/cgroup/cpu/cpu.cfs_quota_us')}), "
-        f"load {_read('/proc/loadavg')}",
-        f"memory available {mem.get('MemAvailable', '-').strip()}, cgroup pids "
-        f"{_read('/sys/fs/cgroup/pids.current')} of {_read('/sys/fs/cgroup/pids.max')}",
-        f"this process: {len(os.listdir('/proc/self/fd'))} files open of "
-        f"{resource.getrlimit(resource.RLIMIT_NOFILE)[0]}, {len(os.listdir('/proc/self/task'))} threads",
-        f"processes of this user {len(mine)}, pd commands among them {len(nodes)}",
-        f"/dev/shm {shm.used >> 20} MiB used of {shm.total >> 20}, "
-        f"{sum(n.startswith('pd_') for n in os.listdir('/dev/shm'))} pd entries",
-        f"zmq round trip: shared context {_zmq_round_trip(True)}, new context {_zmq_round_trip(False)}",
-    ]
+    return (f"memory available {mem.get('MemAvailable', '-').strip()}, cgroup pids "
+            f"{_read('/sys/fs/cgroup/pids.current')} of {_read('/sys/fs/cgroup/pids.max')}")
+
+
+def _this_process() -> str:
+    return (f"this process: {len(os.listdir('/proc/self/fd'))} files open of "
+            f"{resource.getrlimit(resource.RLIMIT_NOFILE)[0]}, "
+            f"{len(os.listdir('/proc/self/task'))} threads")
+
+
+def _processes() -> str:
+    mine = []
+    for p in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if os.stat(f"/proc/{p}").st_uid == os.getuid():
+                mine.append(p)
+        except OSError:  # gone since the listing
+            pass
+    nodes = [p for p in mine if b" pd " in _read_bytes(f"/proc/{p}/cmdline").replace(b"\0", b" ")]
+    return f"processes of this user {len(mine)}, pd commands among them {len(nodes)}"
+
+
+def _shm() -> str:
+    shm = shutil.disk_usage("/dev/shm")
+    return (f"/dev/shm {shm.used >> 20} MiB used of {shm.total >> 20}, "
+            f"{sum(n.startswith('pd_') for n in os.listdir('/dev/shm'))} pd entries")
+
+
+def _zmq() -> str:
+    return f"zmq round trip: shared context {_zmq_round_trip(True)}, new context {_zmq_round_trip(False)}"
 
 
 def _read_bytes(path: str) -> bytes:
