@@ -72,8 +72,9 @@ def pytest_unconfigure(config):
 
 
 def _read(path: str) -> str:
+    """A small file of /proc or /sys, stripped; "-" where it is not there."""
     try:
-        with open(path) as f:
+        with open(path, errors="replace") as f:
             return f.read().strip()
     except OSError:
         return "-"
@@ -117,7 +118,7 @@ def _processes() -> str:
                 mine.append(p)
         except OSError:  # gone since the listing
             pass
-    nodes = [p for p in mine if b" pd " in _read_bytes(f"/proc/{p}/cmdline").replace(b"\0", b" ")]
+    nodes = [p for p in mine if " pd " in _read(f"/proc/{p}/cmdline").replace("\0", " ")]
     return f"processes of this user {len(mine)}, pd commands among them {len(nodes)}"
 
 
@@ -133,14 +134,6 @@ def _zmq() -> str:
     return (f"zmq round trip: shared context {_zmq_round_trip(True)}, new context "
             f"{_zmq_round_trip(False)}; CURVE keys configured in this process: "
             f"{'yes' if security.active() else 'no'}")
-
-
-def _read_bytes(path: str) -> bytes:
-    try:
-        with open(path, "rb") as f:
-            return f.read()
-    except OSError:
-        return b""
 
 
 def _zmq_round_trip(shared: bool) -> str:
