@@ -12,6 +12,7 @@ import httpx
 import openai
 import pytest
 
+from pd.cli.launch import cpu_share
 from pd.engine.llm import LLM
 from pd.wire.sampling_params import SamplingParams
 
@@ -53,8 +54,9 @@ def greedy_text(reference, prompt: str, max_tokens: int) -> str:
 
 
 def test_nodes_on_the_cpu_share_its_cores(server):
-    """`pd launch` on the CPU gives each of its two nodes half the cores (`--threads`)."""
-    share = max(1, len(os.sched_getaffinity(0)) // 2)
+    """`pd launch` on the CPU gives each of its two nodes half the cores (`--threads`;
+    `cpu_share`'s own figures are checked in `tests/service/test_threads.py`)."""
+    share = cpu_share(2)
     assert f"nodes on the CPU: {share} torch thread{'s' * (share > 1)} each" in server.output()
     assert len(server.nodes) == 2
     for node in server.nodes.values():
